@@ -1,0 +1,34 @@
+"""stoker: keep accelerators fed from large datasets of fixed-length binary records.
+
+Example:
+    >>> import stoker
+    >>> ds = stoker.Dataset(
+    ...     image=stoker.Field("data/img_*.bin", dtype="int8", shape=(128, 128, 1)),
+    ...     label=stoker.Field("data/out_*.bin.gz", dtype="float32", compression="gzip"),
+    ... )  # doctest: +SKIP
+    >>> for batch in ds.loader(256, cast={"image": "float32"}):  # doctest: +SKIP
+    ...     ...
+"""
+
+from .dataset import Dataset
+from .errors import CorruptDataError, PairingError, ReadError, SpecError, StateError, StokerError
+from .files import Group
+from .loader import Loader
+from .sample import write_sample
+from .spec import Field
+
+__all__ = [
+    "CorruptDataError",
+    "Dataset",
+    "Field",
+    "Group",
+    "Loader",
+    "PairingError",
+    "ReadError",
+    "SpecError",
+    "StateError",
+    "StokerError",
+    "write_sample",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,171 @@
+"""The Dataset: named fields whose files pair into groups of equal record counts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import SpecError
+from .files import Catalog, FileInfo, Group
+from .spec import Field
+
+if TYPE_CHECKING:
+    from .loader import Loader
+
+__all__ = ["Dataset"]
+
+
+class Dataset:
+    """Records of several fields stored in parallel files: group i is the i-th file of each.
+
+    ``Dataset()`` expands the globs, pairs the files, and checks raw file sizes. Counts of
+    compressed files are settled lazily (from the gzip trailer when it agrees with the other
+    fields, else by decompressing when the group is first needed), so building a Dataset of
+    many groups reads no compressed data.
+
+    Args:
+        fields: a mapping of name -> Field, or the fields as keyword arguments.
+        pair_key: a regex whose first group (or whole match) taken from each basename must be
+            equal across a group's files; default: the numbers in the basenames must agree
+            where both carry numbers. ``""`` disables the check.
+
+    Example:
+        >>> ds = Dataset(image=Field("data/img_*.bin", "int8", (128, 128, 1)),
+        ...              label=Field("data/out_*.bin.gz", "float32"))  # doctest: +SKIP
+        >>> for batch in ds.loader(256, cast={"image": "float32"}):  # doctest: +SKIP
+        ...     images, labels = batch["image"], batch["label"]
+    """
+
+    def __init__(
+        self, fields: Mapping[str, Field] | None = None, /, *, pair_key: str | None = None, **named: Field
+    ) -> None:
+        merged: dict[str, Field] = {}
+        if fields is not None:
+            if not isinstance(fields, Mapping):
+                raise SpecError(f"fields={fields!r} must be a mapping of name -> stoker.Field")
+            merged.update(fields)
+        for name, spec in named.items():
+            if name in merged:
+                raise SpecError(f"field {name!r} is given twice", field=name)
+            merged[name] = spec
+        if not merged:
+            raise SpecError("a Dataset needs at least one field, e.g. Dataset(image=Field(...))")
+        for name, spec in merged.items():
+            if not isinstance(name, str) or not name or name.startswith("__"):
+                raise SpecError(f"field name {name!r} must be a non-empty string not starting with '__'", field=name)
+            if not isinstance(spec, Field):
+                raise SpecError(f"field {name!r}: {spec!r} is not a stoker.Field", field=name)
+        if pair_key is not None and not isinstance(pair_key, str):
+            raise SpecError(f"pair_key={pair_key!r} must be a regular expression string or None")
+        self.fields: dict[str, Field] = merged
+        self.pair_key = pair_key
+        self._catalog = Catalog(merged, pair_key=pair_key)
+
+    @property
+    def num_groups(self) -> int:
+        return self._catalog.num_groups
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        """Every group: the path of each field and the record count (settles all counts)."""
+        cat = self._catalog
+        return tuple(
+            Group(g, {n: i.path for n, i in cat.files[g].items()}, cat.count(g)) for g in range(cat.num_groups)
+        )
+
+    @property
+    def files(self) -> list[dict[str, FileInfo]]:
+        """Per group, per field: path, size, compression as seen when the Dataset was built."""
+        return self._catalog.files
+
+    def records_in(self, group: int) -> int:
+        """Records of one group (settles only that group's count)."""
+        if not 0 <= group < self.num_groups:
+            raise IndexError(f"{group=} is out of range for {self.num_groups} groups")
+        return self._catalog.count(group)
+
+    def __len__(self) -> int:
+        """Total records, validated across fields (settles every group's count)."""
+        return sum(self._catalog.counts())
+
+    @property
+    def record_bytes(self) -> dict[str, int]:
+        return {n: f.record_bytes for n, f in self.fields.items()}
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={f.dtype.name}{list(f.shape)}" for n, f in self.fields.items())
+        return f"Dataset({inner}; {self.num_groups} groups)"
+
+    def loader(
+        self,
+        batch_size: int,
+        *,
+        epochs: int | None = 1,
+        drop_remainder: bool = False,
+        cycle_length: int | None = None,
+        block_length: int | None = None,
+        cast: Any = None,
+        threads: int | None = None,
+        prefetch: int | None = None,
+        memory_budget: int | str = "512MiB",
+        with_index: bool = False,
+    ) -> Loader:
+        """An iterable of batches: dicts of field name -> numpy array of ``(n, *shape)``.
+
+        Args:
+            batch_size: records per batch; the last batch of an epoch may be shorter.
+            epochs: passes over the data; None repeats forever. Batches never span epochs.
+            drop_remainder: drop each epoch's last short batch.
+            cycle_length, block_length: tf.data interleave settings; None = stoker's defaults
+                (see :func:`stoker.plan.default_cycle_length` / ``default_block_length``).
+            cast: one dtype for every field, or ``{field: dtype}``; applied while assembling.
+            threads, prefetch: worker threads and batches prepared ahead; None = chosen by
+                stoker. They never change what is delivered.
+            memory_budget: bytes the engine may hold (batches in flight plus recycled buffers).
+            with_index: add ``__group__`` and ``__index__`` arrays (int64) to audit pairing.
+        """
+        from .loader import Loader
+
+        return Loader(
+            self,
+            batch_size,
+            epochs=epochs,
+            drop_remainder=drop_remainder,
+            cycle_length=cycle_length,
+            block_length=block_length,
+            cast=cast,
+            threads=threads,
+            prefetch=prefetch,
+            memory_budget=memory_budget,
+            with_index=with_index,
+        )
+
+    # Used by adapters and the CLI; public enough to document, not part of the contract.
+    def output_dtypes(self, cast: Any = None) -> dict[str, np.dtype]:
+        return resolve_cast(self.fields, cast)
+
+
+def resolve_cast(fields: Mapping[str, Field], cast: Any) -> dict[str, np.dtype]:
+    """The dtype each field is delivered in, from ``cast`` (None, one dtype, or a map)."""
+    out = {n: f.native_dtype for n, f in fields.items()}
+    if cast is None:
+        return out
+    items: Sequence[tuple[str, Any]]
+    if isinstance(cast, Mapping):
+        unknown = [k for k in cast if k not in fields]
+        if unknown:
+            raise SpecError(f"cast names unknown field(s) {unknown}; fields are {list(fields)}", field=str(unknown[0]))
+        items = list(cast.items())
+    else:
+        items = [(n, cast) for n in fields]
+    for name, value in items:
+        try:
+            dtype = np.dtype(value)
+        except TypeError as e:
+            raise SpecError(f"cast for field {name!r}: {value!r} is not a numpy dtype", field=name) from e
+        if dtype.kind not in "biuf":
+            raise SpecError(f"cast for field {name!r}: {dtype} must be a bool, integer or float dtype", field=name)
+        out[name] = dtype.newbyteorder("=")
+    return out

@@ -1,0 +1,73 @@
+"""One error hierarchy under StokerError; each class is also the fitting builtin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CorruptDataError",
+    "PairingError",
+    "ReadError",
+    "SpecError",
+    "StateError",
+    "StokerError",
+]
+
+
+class StokerError(Exception):
+    """Base of every error stoker raises on purpose.
+
+    Carries where it applies: ``field``, ``path``, ``index`` (record index within the
+    file) and ``offset`` (byte offset within the file, or within the decompressed
+    stream for compressed fields). Attributes not known are None.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        path: str | None = None,
+        index: int | None = None,
+        offset: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.path = path
+        self.index = index
+        self.offset = offset
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep keyword attributes across pickling (process workers, Ray tasks).
+        return (_rebuild, (type(self), str(self), self.field, self.path, self.index, self.offset))
+
+
+def _rebuild(
+    cls: type[StokerError],
+    message: str,
+    field: str | None,
+    path: str | None,
+    index: int | None,
+    offset: int | None,
+) -> StokerError:
+    return cls(message, field=field, path=path, index=index, offset=offset)
+
+
+class SpecError(StokerError, ValueError):
+    """A Field, Dataset or loader argument is invalid, or a glob matched nothing usable."""
+
+
+class PairingError(StokerError, ValueError):
+    """The fields' files do not line up: counts of files or of records, or their keys, differ."""
+
+
+class CorruptDataError(StokerError, ValueError):
+    """File contents are not what the spec says: bad size, bad compressed stream, short data."""
+
+
+class ReadError(StokerError, OSError):
+    """The operating system refused or failed a read (permissions, I/O error, vanished file)."""
+
+
+class StateError(StokerError, ValueError):
+    """A saved loader state does not belong to this dataset and loader configuration."""

@@ -1,0 +1,277 @@
+"""Which files, paired how: globs expanded, groups aligned, record counts settled.
+
+A group is the i-th file of every field. Raw counts come from file sizes when the
+Dataset is built; compressed counts come from the gzip trailer when it agrees with the
+other fields (confirmed at the end of the stream while reading), and from decompressing
+the file when the group first opens otherwise. So opening many groups costs no
+decompression up front.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import stat
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .errors import CorruptDataError, PairingError, ReadError, SpecError
+from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
+from .spec import Field
+
+__all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
+
+_DIGITS = re.compile(r"\d+")
+_SUFFIXES = {".gz": "gzip", ".gzip": "gzip", ".zz": "zlib", ".zlib": "zlib"}
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One file of one field, as seen when the Dataset was built."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    compression: str | None
+    # Raw: exact record count. Compressed: the trailer's estimate or None until counted.
+    records_hint: int | None
+
+
+@dataclass(frozen=True)
+class Group:
+    """The aligned files of one group: ``paths[field]`` and the shared record count."""
+
+    index: int
+    paths: Mapping[str, str]
+    records: int
+
+
+def _has_magic(pattern: str) -> bool:
+    return glob.has_magic(pattern)
+
+
+def expand_files(name: str, spec: Field) -> list[str]:
+    """The field's files in pairing order: sorted glob matches, explicit lists as given."""
+    patterns = [spec.files] if isinstance(spec.files, str) else list(spec.files)
+    out: list[str] = []
+    for pattern in patterns:
+        if _has_magic(pattern):
+            matches = sorted(glob.glob(pattern, recursive=True))
+            if not matches:
+                raise SpecError(f"field {name!r}: glob {pattern!r} matched no file", field=name, path=pattern)
+            out.extend(matches)
+        else:
+            out.append(pattern)
+    return out
+
+
+def _stat(name: str, path: str) -> os.stat_result:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as e:
+        raise SpecError(f"field {name!r}: file {path!r} does not exist", field=name, path=path) from e
+    except OSError as e:  # ELOOP for symlink loops, EACCES on a parent directory, ...
+        raise ReadError(f"field {name!r}: cannot stat {path!r}: {e.strerror}", field=name, path=path) from e
+    if stat.S_ISDIR(st.st_mode):
+        raise SpecError(f"field {name!r}: {path!r} is a directory, not a record file", field=name, path=path)
+    if not stat.S_ISREG(st.st_mode):
+        raise SpecError(f"field {name!r}: {path!r} is not a regular file", field=name, path=path)
+    return st
+
+
+def _by_suffix(path: str) -> str | None:
+    return _SUFFIXES.get(os.path.splitext(path)[1].lower())
+
+
+def _check_zlib_header(head: bytes) -> bool:
+    return len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] * 256 + head[1]) % 31 == 0
+
+
+def _inspect(name: str, spec: Field, path: str) -> FileInfo:
+    st = _stat(name, path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ReadError(f"field {name!r}: cannot open {path!r}: {e.strerror}", field=name, path=path) from e
+    try:
+        head = os.pread(fd, 3, 0) if st.st_size else b""
+        kind: str | None
+        if spec.compression == "auto":
+            kind = _by_suffix(path)
+            # A gzip member announces itself; trust the bytes over a missing suffix.
+            if kind is None and head[:3] == GZIP_MAGIC + b"\x08":
+                kind = "gzip"
+        else:
+            kind = spec.compression
+        if kind == "gzip" and st.st_size and head[:2] != GZIP_MAGIC:
+            raise CorruptDataError(
+                f"field {name!r}: {path!r} should be gzip but does not start with the gzip magic bytes "
+                f"1f 8b (found {head[:2].hex(' ')})",
+                field=name, path=path, offset=0,
+            )  # fmt: skip
+        if kind == "zlib" and st.st_size and not _check_zlib_header(head):
+            raise CorruptDataError(
+                f"field {name!r}: {path!r} should be zlib but has no valid zlib header (found {head[:2].hex(' ')})",
+                field=name, path=path, offset=0,
+            )  # fmt: skip
+        hint: int | None = None
+        if kind is None:
+            body = st.st_size - spec.header_bytes - spec.footer_bytes
+            if body < 0:
+                raise CorruptDataError(
+                    f"field {name!r}: {path!r} has {st.st_size} bytes, fewer than "
+                    f"header_bytes={spec.header_bytes} + footer_bytes={spec.footer_bytes}",
+                    field=name, path=path,
+                )  # fmt: skip
+            if body % spec.record_bytes:
+                raise CorruptDataError(
+                    f"field {name!r}: {path!r} body is {body} bytes (file {st.st_size} - header "
+                    f"{spec.header_bytes} - footer {spec.footer_bytes}), not a whole number of "
+                    f"{spec.record_bytes}-byte records; the last {body % spec.record_bytes} bytes "
+                    f"start at offset {spec.header_bytes + body - body % spec.record_bytes}",
+                    field=name, path=path, index=body // spec.record_bytes,
+                    offset=spec.header_bytes + body - body % spec.record_bytes,
+                )  # fmt: skip
+            hint = body // spec.record_bytes
+        elif kind == "gzip":
+            isize = gzip_trailer_size(fd, st.st_size)
+            if isize is not None:
+                body = isize - spec.header_bytes - spec.footer_bytes
+                if body >= 0 and body % spec.record_bytes == 0:
+                    hint = body // spec.record_bytes
+        elif st.st_size == 0:
+            raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a zlib stream", field=name, path=path)
+    finally:
+        os.close(fd)
+    if kind == "gzip" and st.st_size == 0:
+        raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a gzip stream", field=name, path=path)
+    return FileInfo(path, st.st_size, st.st_mtime_ns, kind, hint)
+
+
+def _numbers(path: str) -> tuple[int, ...]:
+    base = os.path.basename(path)
+    while (stem := os.path.splitext(base)[0]) != base and not stem.isdigit():
+        base = stem
+    return tuple(int(d) for d in _DIGITS.findall(base))
+
+
+def _keys(paths: Sequence[str], pair_key: str | None, name: str) -> list[tuple[object, ...] | None]:
+    if pair_key is None:
+        return [_numbers(p) or None for p in paths]
+    rx = re.compile(pair_key)
+    keys: list[tuple[object, ...] | None] = []
+    for p in paths:
+        m = rx.search(os.path.basename(p))
+        if m is None:
+            raise PairingError(
+                f"field {name!r}: pair_key {pair_key!r} does not match the basename of {p!r}", field=name, path=p
+            )
+        keys.append((m.group(1) if rx.groups else m.group(0),))
+    return keys
+
+
+def _keys_agree(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    n = min(len(a), len(b))
+    return a[len(a) - n :] == b[len(b) - n :]
+
+
+class Catalog:
+    """All groups of a Dataset; record counts settled lazily and thread-safely."""
+
+    def __init__(self, fields: Mapping[str, Field], *, pair_key: str | None = None) -> None:
+        self.fields = dict(fields)
+        paths = {name: expand_files(name, spec) for name, spec in self.fields.items()}
+        lengths = {name: len(p) for name, p in paths.items()}
+        if len(set(lengths.values())) > 1:
+            detail = ", ".join(f"{n!r}: {c} files (first {paths[n][0]!r})" for n, c in lengths.items())
+            raise PairingError(f"fields have different numbers of files: {detail}", path=next(iter(paths.values()))[0])
+        self.num_groups = next(iter(lengths.values()))
+        names = list(self.fields)
+        keys = {name: _keys(paths[name], pair_key, name) for name in names}
+        for g in range(self.num_groups):
+            first = names[0]
+            for other in names[1:]:
+                a, b = keys[first][g], keys[other][g]
+                if a is not None and b is not None and not _keys_agree(a, b):
+                    raise PairingError(
+                        f"group {g}: {paths[first][g]!r} (field {first!r}, key {a}) and {paths[other][g]!r} "
+                        f"(field {other!r}, key {b}) carry different numbers; files must pair by position "
+                        "(pass pair_key=REGEX to choose what must agree, or pair_key='' to disable)",
+                        field=other, path=paths[other][g],
+                    )  # fmt: skip
+        self.files: list[dict[str, FileInfo]] = [
+            {name: _inspect(name, self.fields[name], paths[name][g]) for name in names} for g in range(self.num_groups)
+        ]
+        self._counts: list[int | None] = [None] * self.num_groups
+        self._lock = threading.Lock()
+        for g, infos in enumerate(self.files):
+            raw = {n: i.records_hint for n, i in infos.items() if i.compression is None}
+            if len(set(raw.values())) > 1:
+                raise self._mismatch(g, raw)
+            if len(raw) == len(infos):
+                self._counts[g] = next(iter(raw.values()))
+
+    def _mismatch(self, g: int, counts: Mapping[str, int | None]) -> PairingError:
+        infos = self.files[g]
+        detail = "; ".join(f"field {n!r}: {c} records in {infos[n].path!r}" for n, c in counts.items())
+        first = next(iter(counts))
+        return PairingError(
+            f"group {g} has different record counts per field: {detail}; no record of this group is yielded",
+            field=first, path=infos[first].path,
+        )  # fmt: skip
+
+    def count(self, g: int) -> int:
+        """Records of group ``g``, settled when first asked (may decompress its files)."""
+        n = self._counts[g]
+        if n is not None:
+            return n
+        with self._lock:
+            n = self._counts[g]
+            if n is None:
+                n = self._settle(g)
+                self._counts[g] = n
+        return n
+
+    def counts(self) -> list[int]:
+        return [self.count(g) for g in range(self.num_groups)]
+
+    def trusted_hint(self, g: int, name: str) -> bool:
+        """True when field ``name`` of group ``g`` is counted only by its trailer so far."""
+        info = self.files[g][name]
+        return info.compression is not None and info.records_hint == self._counts[g]
+
+    def _settle(self, g: int) -> int:
+        infos = self.files[g]
+        raw = [i.records_hint for i in infos.values() if i.compression is None]
+        known = raw[0] if raw else None
+        if known is None:
+            hints = [i.records_hint for i in infos.values() if i.records_hint is not None]
+            if hints and all(h == hints[0] for h in hints):
+                known = hints[0]
+        counts: dict[str, int | None] = {}
+        for name, info in infos.items():
+            if info.compression is None or (info.records_hint is not None and info.records_hint == known):
+                counts[name] = info.records_hint
+            else:
+                counts[name] = self._count_by_decompressing(name, info)
+        if len(set(counts.values())) > 1:
+            raise self._mismatch(g, counts)
+        result = next(iter(counts.values()))
+        assert result is not None
+        return result
+
+    def _count_by_decompressing(self, name: str, info: FileInfo) -> int:
+        spec = self.fields[name]
+        assert info.compression is not None
+        total = decompressed_size(info.path, info.compression, field=name)
+        body = total - spec.header_bytes - spec.footer_bytes
+        if body < 0 or body % spec.record_bytes:
+            raise CorruptDataError(
+                f"field {name!r}: {info.path!r} decompresses to {total} bytes, which is not header_bytes="
+                f"{spec.header_bytes} + footer_bytes={spec.footer_bytes} + a whole number of "
+                f"{spec.record_bytes}-byte records",
+                field=name, path=info.path,
+            )  # fmt: skip
+        return body // spec.record_bytes

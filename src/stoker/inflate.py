@@ -1,0 +1,174 @@
+"""Streaming gzip/zlib decompression in large chunks, with errors that name the file.
+
+Uses isal (1.5-2x faster than stdlib zlib, measured) when installed, else zlib.
+Multi-member gzip files are read member after member, as gzip(1) does; zero padding
+after the last member is accepted, any other trailing bytes are an error.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Any
+
+from .errors import CorruptDataError, ReadError
+
+try:  # pragma: no cover - which branch runs depends on the install
+    from isal import isal_zlib as _zlib
+
+    BACKEND = "isal"
+except ImportError:  # pragma: no cover
+    _zlib = zlib  # type: ignore[assignment]
+    BACKEND = "zlib"
+
+__all__ = ["BACKEND", "GZIP_MAGIC", "Inflater", "decompressed_size", "gzip_trailer_size"]
+
+GZIP_MAGIC = b"\x1f\x8b"
+_WBITS = {"gzip": 31, "zlib": 15}
+# Input read per call: large enough that syscall and call overhead vanish, small enough
+# that a stream of a 4-byte-label file does not allocate much. measured: 256 KiB..1 MiB flat.
+_CHUNK = 512 * 1024
+
+
+def gzip_trailer_size(fd: int, size: int) -> int | None:
+    """ISIZE of the last gzip member (uncompressed size mod 2**32), or None if too short."""
+    if size < 18:
+        return None
+    tail = os.pread(fd, 4, size - 4)
+    return int.from_bytes(tail, "little") if len(tail) == 4 else None
+
+
+class Inflater:
+    """Sequential reader of the decompressed bytes of one gzip or zlib file."""
+
+    def __init__(self, path: str, kind: str, *, field: str | None = None) -> None:
+        self.path = path
+        self.kind = kind
+        self.field = field
+        try:
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
+        self._in_offset = 0  # compressed bytes read so far
+        self._d: Any = _zlib.decompressobj(_WBITS[kind])
+        self._tail = b""  # compressed input not yet consumed by the decompressor
+        self._out = b""  # decompressed bytes not yet handed out
+        self._out_pos = 0
+        self.produced = 0  # decompressed bytes handed out
+        self._eof = False
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> Inflater:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _corrupt(self, what: str, cause: BaseException | None = None) -> CorruptDataError:
+        err = CorruptDataError(
+            f"{self.kind} stream of field {self.field!r} in {self.path!r} is corrupt: {what} "
+            f"(compressed offset {self._in_offset}, decompressed offset {self.produced})",
+            field=self.field,
+            path=self.path,
+            offset=self.produced,
+        )
+        if cause is not None:
+            err.__cause__ = cause
+        return err
+
+    def _read_input(self) -> bytes:
+        try:
+            data = os.pread(self._fd, _CHUNK, self._in_offset)
+        except OSError as e:
+            raise ReadError(
+                f"read of {self.path!r} (field {self.field!r}) failed at offset {self._in_offset}: {e.strerror}",
+                field=self.field,
+                path=self.path,
+                offset=self._in_offset,
+            ) from e
+        self._in_offset += len(data)
+        return data
+
+    def _refill(self, want: int) -> bool:
+        """Decompress until at least some output is buffered; False at end of stream."""
+        while not self._eof:
+            if self._d.eof:
+                rest = self._d.unused_data + self._tail
+                self._tail = b""
+                if not rest:
+                    rest = self._read_input()
+                if not rest:
+                    self._eof = True
+                    return False
+                if self.kind == "gzip" and rest[:2] == GZIP_MAGIC:
+                    self._d = _zlib.decompressobj(_WBITS["gzip"])
+                    self._tail = rest
+                    continue
+                self._check_padding(rest)
+                self._eof = True
+                return False
+            data = self._tail or self._read_input()
+            if not data:
+                raise self._corrupt("truncated: the stream ends before its end marker")
+            try:
+                out = self._d.decompress(data, max(want, 65536))
+            except (zlib.error, _zlib.error) as e:  # type: ignore[union-attr]
+                raise self._corrupt(str(e), e) from e
+            self._tail = self._d.unconsumed_tail
+            if out:
+                self._out, self._out_pos = out, 0
+                return True
+        return False
+
+    def _check_padding(self, rest: bytes) -> None:
+        # Trailing zeros are tolerated (tape/block padding, as gzip(1) does); anything else is not.
+        while True:
+            if rest.strip(b"\x00"):
+                raise self._corrupt("trailing bytes after the last member that are not a valid member")
+            rest = self._read_input()
+            if not rest:
+                return
+
+    def readinto(self, buf: memoryview) -> int:
+        """Fill ``buf`` with the next decompressed bytes; returns the count (short only at end)."""
+        n = len(buf)
+        done = 0
+        while done < n:
+            if self._out_pos >= len(self._out) and not self._refill(n - done):
+                break
+            take = min(n - done, len(self._out) - self._out_pos)
+            buf[done : done + take] = self._out[self._out_pos : self._out_pos + take]
+            self._out_pos += take
+            done += take
+        self.produced += done
+        return done
+
+    def skip(self, n: int) -> int:
+        """Discard the next ``n`` decompressed bytes; returns how many were there."""
+        done = 0
+        while done < n:
+            if self._out_pos >= len(self._out) and not self._refill(n - done):
+                break
+            take = min(n - done, len(self._out) - self._out_pos)
+            self._out_pos += take
+            done += take
+        self.produced += done
+        return done
+
+    def at_end(self) -> bool:
+        """True when no decompressed byte is left (reads ahead to check, validating the end)."""
+        if self._out_pos < len(self._out):
+            return False
+        return not self._refill(1)
+
+
+def decompressed_size(path: str, kind: str, *, field: str | None = None) -> int:
+    """Decompress a whole file to count its bytes (validating CRCs and the end of stream)."""
+    with Inflater(path, kind, field=field) as inf:
+        while inf.skip(1 << 30) == 1 << 30:
+            pass
+        return inf.produced

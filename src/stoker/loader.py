@@ -1,0 +1,191 @@
+"""The Loader: a plan, an assembler and an executor put together behind ``for batch in loader``."""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .batch import GROUP_KEY, INDEX_KEY, Assembler
+from .dataset import resolve_cast
+from .engine import AlignedPool, Executor, OrderedMap, ThreadExecutor
+from .errors import SpecError
+from .plan import Plan, PlanConfig, default_block_length, default_cycle_length
+from .spec import parse_bytes
+
+if TYPE_CHECKING:
+    from .dataset import Dataset
+
+__all__ = ["Loader", "default_threads"]
+
+Batch = dict[str, np.ndarray]
+
+
+def default_threads() -> int:
+    """One worker per core this process may run on (the ceiling loop uses the same)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _positive(name: str, value: object, *, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise SpecError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+    return int(value)
+
+
+class Loader:
+    """Batches of a Dataset, in the plan's order, prepared by worker threads.
+
+    Each ``iter(loader)`` starts a new pass over ``epochs`` epochs (closing the previous
+    pass if one is still open). Threads start at the first batch asked for, and stop when
+    the pass ends, is closed, is broken out of, or is dropped.
+
+    Example:
+        >>> with ds.loader(256, cast={"image": "float32"}) as loader:  # doctest: +SKIP
+        ...     for batch in loader:
+        ...         train_step(batch["image"], batch["label"])
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        epochs: int | None = 1,
+        drop_remainder: bool = False,
+        cycle_length: int | None = None,
+        block_length: int | None = None,
+        cast: Any = None,
+        threads: int | None = None,
+        prefetch: int | None = None,
+        memory_budget: int | str = "512MiB",
+        with_index: bool = False,
+        executor: Executor | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = _positive("batch_size", batch_size, allow_none=False) or 1
+        self.epochs = _positive("epochs", epochs)
+        if not isinstance(drop_remainder, bool):
+            raise SpecError(f"drop_remainder={drop_remainder!r} must be True or False")
+        if not isinstance(with_index, bool):
+            raise SpecError(f"with_index={with_index!r} must be True or False")
+        self.drop_remainder = drop_remainder
+        self.with_index = with_index
+        fields = dataset.fields
+        self.cycle_length = _positive("cycle_length", cycle_length) or default_cycle_length(dataset.num_groups)
+        self.block_length = _positive("block_length", block_length) or default_block_length(
+            max(f.record_bytes for f in fields.values())
+        )
+        self.dtypes = resolve_cast(fields, cast)
+        self.shapes = {n: f.shape for n, f in fields.items()}
+        if with_index:
+            self.dtypes[GROUP_KEY] = self.dtypes[INDEX_KEY] = np.dtype(np.int64)
+            self.shapes[GROUP_KEY] = self.shapes[INDEX_KEY] = ()
+        self.memory_budget = parse_bytes(memory_budget)
+        self.threads = _positive("threads", threads) or default_threads()
+        self.batch_bytes = sum(
+            self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize for n in self.dtypes
+        )
+        if self.batch_bytes > self.memory_budget:
+            raise SpecError(
+                f"memory_budget={memory_budget!r} ({self.memory_budget} bytes) holds less than one batch "
+                f"({self.batch_bytes} bytes for batch_size={self.batch_size}); raise memory_budget or lower batch_size"
+            )
+        fits = self.memory_budget // self.batch_bytes
+        if prefetch is None:
+            # Half the budget for batches in flight, half for recycled buffers; two per
+            # thread keep every worker busy while the consumer holds one.
+            self.prefetch = max(1, min(2 * self.threads, fits // 2))
+        else:
+            self.prefetch = _positive("prefetch", prefetch) or 1
+            if self.prefetch > fits:
+                raise SpecError(
+                    f"prefetch={prefetch} batches of {self.batch_bytes} bytes exceed memory_budget={memory_budget!r} "
+                    f"({self.memory_budget} bytes); at most {fits} fit"
+                )
+        self._executor: Executor = executor or ThreadExecutor(self.threads)
+        self._plan = Plan(
+            dataset.num_groups,
+            dataset._catalog.count,
+            PlanConfig(self.batch_size, drop_remainder, self.cycle_length, self.block_length),
+        )
+        self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
+        self._closed = False
+
+    def __len__(self) -> int:
+        """Batches per epoch (settles every group's record count)."""
+        return self._plan.batches_per_epoch(len(self.dataset))
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._closed:
+            raise SpecError("this loader is closed; make a new one with dataset.loader(...)")
+        for p in list(self._passes):
+            p.close()
+        p = _Pass(self)
+        self._passes.add(p)
+        return p
+
+    def close(self) -> None:
+        """Stop every pass's threads and close its files; idempotent."""
+        self._closed = True
+        for p in list(self._passes):
+            p.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Loader(batch_size={self.batch_size}, epochs={self.epochs}, cycle_length={self.cycle_length}, "
+            f"block_length={self.block_length}, threads={self.threads}, prefetch={self.prefetch})"
+        )
+
+
+def _shutdown(batches: OrderedMap[Batch], assembler: Assembler, pool: AlignedPool) -> None:
+    assembler.stop.set()  # wake workers waiting on a stream turn first, then join them
+    batches.close()
+    assembler.close()
+    pool.clear()
+
+
+class _Pass:
+    """One pass over the loader's epochs: the iterator ``iter(loader)`` returns."""
+
+    def __init__(self, loader: Loader) -> None:
+        pooled = loader.memory_budget - loader.prefetch * loader.batch_bytes
+        self._pool = AlignedPool(max_pooled_bytes=pooled)
+        ds = loader.dataset
+        self._assembler = Assembler(
+            ds._catalog,
+            {n: loader.dtypes[n] for n in ds.fields},
+            self._pool,
+            batch_size=loader.batch_size,
+            with_index=loader.with_index,
+        )
+        tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs))
+        self._batches = loader._executor.map_ordered(self._assembler, tasks, window=loader.prefetch)
+        self._finalizer = weakref.finalize(self, _shutdown, self._batches, self._assembler, self._pool)
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __next__(self) -> Batch:
+        try:
+            return next(self._batches)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._finalizer()

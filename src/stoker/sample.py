@@ -1,0 +1,66 @@
+"""Sample datasets in the seed's layout, with contents that make pairing checkable.
+
+Images: int8 frames of ``inrez x inrez x 1``; the first 4 bytes of each frame hold the
+record's global index (little-endian uint32) and the rest a cheap pattern. Labels: one
+float32 per frame, gzip-compressed, equal to the same global index (exact below 2**24),
+so ``label == int.from_bytes(image[:4])`` checks that every image met its own label.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SpecError
+
+__all__ = ["expected_label", "write_sample"]
+
+
+def expected_label(image: np.ndarray) -> np.ndarray:
+    """The label that belongs with each image of a sample batch (its global index)."""
+    flat = np.ascontiguousarray(image.reshape(len(image), -1)[:, :4]).astype(np.int8)
+    return flat.view(np.uint32).reshape(-1).astype(np.float32)
+
+
+def write_sample(
+    directory: str | os.PathLike[str],
+    *,
+    pairs: int = 16,
+    records: int = 4096,
+    inrez: int = 128,
+    compresslevel: int = 1,
+) -> Path:
+    """Write ``pairs`` image files (``img_0000.bin``) and gzip label files (``out_0000.bin.gz``)."""
+    for name, value in (("pairs", pairs), ("records", records), ("inrez", inrez)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError(f"{name}={value!r} must be a positive integer")
+    if inrez * inrez < 4:
+        raise SpecError(f"inrez={inrez} must be at least 2 so each frame can carry its 4-byte index")
+    if pairs * records >= 1 << 24:
+        raise SpecError(f"pairs*records={pairs * records} must stay below 2**24 so float32 labels are exact")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    frame = inrez * inrez
+    rng = np.random.default_rng(0)
+    pattern = rng.integers(-128, 128, size=frame, dtype=np.int8)
+    chunk = max(1, min(records, (64 << 20) // frame))
+    base = 0
+    for g in range(pairs):
+        img_path = out / f"img_{g:04d}.bin"
+        with open(img_path, "wb") as f:
+            for start in range(0, records, chunk):
+                n = min(chunk, records - start)
+                block = np.empty((n, frame), dtype=np.int8)
+                block[:] = pattern
+                block[:, 4:] += np.arange(n, dtype=np.int8)[:, None]
+                idx = np.arange(base + start, base + start + n, dtype=np.uint32)
+                block[:, :4] = idx.view(np.int8).reshape(n, 4)
+                f.write(block.tobytes())
+        labels = np.arange(base, base + records, dtype="<f4")
+        with gzip.open(out / f"out_{g:04d}.bin.gz", "wb", compresslevel=compresslevel) as f:
+            f.write(labels.tobytes())
+        base += records
+    return out

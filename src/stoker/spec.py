@@ -1,0 +1,133 @@
+"""What the data is: one Field per kind of record, validated on construction."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from .errors import SpecError
+
+__all__ = ["Compression", "Field", "parse_bytes"]
+
+Compression = Literal["auto", "gzip", "zlib"] | None
+_COMPRESSIONS = ("auto", "gzip", "zlib", None)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+}  # fmt: skip
+
+
+def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:
+    """Parse ``512MiB``, ``1.5GB`` or a plain integer into a positive byte count."""
+    if isinstance(value, bool):
+        raise SpecError(f"{name}={value!r} must be a byte count like 512MiB or an integer")
+    if isinstance(value, int):
+        nbytes = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        unit = (m.group(2) or "").lower()
+        if unit not in _UNITS:
+            raise SpecError(f"{name}={value!r}: unknown unit {m.group(2)!r} (use KiB, MiB, GiB, ...)")
+        nbytes = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise SpecError(f"{name}={value!r} must be a byte count like 512MiB or an integer")
+    if nbytes <= 0:
+        raise SpecError(f"{name}={value!r} must be positive")
+    return nbytes
+
+
+def _as_dtype(value: object, byte_order: str) -> np.dtype:
+    try:
+        dtype = np.dtype(value)  # type: ignore[call-overload]
+    except TypeError as e:
+        raise SpecError(f"dtype={value!r} is not a numpy dtype") from e
+    if dtype.kind not in "biuf" or dtype.itemsize == 0:
+        raise SpecError(f"dtype={value!r} must be a fixed-size bool, integer or float dtype")
+    return dtype.newbyteorder("<" if byte_order == "little" else ">")
+
+
+@dataclass(frozen=True, init=False)
+class Field:
+    """One kind of fixed-length record, stored in one file per group.
+
+    Args:
+        files: a glob pattern, a list of patterns, or a list of paths. A glob's matches are
+            sorted by code point; an explicit list keeps its order.
+        dtype: the stored element type (``"int8"``, ``"float32"``, ...).
+        shape: the shape of one record; ``()`` for a scalar per record.
+        header_bytes, footer_bytes: skipped at the start/end of every file (of the
+            decompressed stream for compressed files), as tf.data.FixedLengthRecordDataset does.
+        compression: ``"auto"`` (by suffix and magic bytes), ``None``, ``"gzip"``, ``"zlib"``.
+        byte_order: ``"little"`` or ``"big"``: how multi-byte elements are stored.
+
+    Example:
+        >>> Field("data/img_*.bin", "int8", (128, 128, 1)).record_bytes
+        16384
+    """
+
+    files: str | Sequence[str]
+    dtype: np.dtype
+    shape: tuple[int, ...] = ()
+    header_bytes: int = 0
+    footer_bytes: int = 0
+    compression: Compression = "auto"
+    byte_order: Literal["little", "big"] = "little"
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        dtype: object,
+        shape: Sequence[int] | int = (),
+        *,
+        header_bytes: int = 0,
+        footer_bytes: int = 0,
+        compression: Compression = "auto",
+        byte_order: Literal["little", "big"] = "little",
+    ) -> None:
+        if isinstance(files, str):
+            patterns: str | tuple[str, ...] = files
+        elif isinstance(files, Sequence) and files and all(isinstance(f, str) for f in files):
+            patterns = tuple(files)
+        else:
+            raise SpecError(f"files={files!r} must be a glob pattern or a non-empty list of paths")
+        if byte_order not in ("little", "big"):
+            raise SpecError(f"byte_order={byte_order!r} must be 'little' or 'big'")
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            shape = (shape,)
+        try:
+            dims = tuple(int(d) for d in shape)
+        except TypeError as e:
+            raise SpecError(f"shape={shape!r} must be a tuple of positive integers") from e
+        if any(isinstance(d, bool) or d <= 0 for d in shape) or dims != tuple(shape):
+            raise SpecError(f"shape={shape!r} must be a tuple of positive integers")
+        for name, value in (("header_bytes", header_bytes), ("footer_bytes", footer_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"{name}={value!r} must be a non-negative integer")
+        if compression not in _COMPRESSIONS:
+            raise SpecError(f"compression={compression!r} must be one of 'auto', None, 'gzip', 'zlib'")
+        object.__setattr__(self, "files", patterns)
+        object.__setattr__(self, "dtype", _as_dtype(dtype, byte_order))
+        object.__setattr__(self, "shape", dims)
+        object.__setattr__(self, "header_bytes", header_bytes)
+        object.__setattr__(self, "footer_bytes", footer_bytes)
+        object.__setattr__(self, "compression", compression)
+        object.__setattr__(self, "byte_order", byte_order)
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record: itemsize × prod(shape)."""
+        return self.dtype.itemsize * math.prod(self.shape)
+
+    @property
+    def native_dtype(self) -> np.dtype:
+        """The dtype batches hold when no cast is asked for: stored type, native byte order."""
+        return self.dtype.newbyteorder("=")
