@@ -212,7 +212,7 @@ class Assembler:
         f = self._acquire(epoch, name, info)
         try:
             if not self._cast[name]:
-                view = memoryview(dst).cast("B")
+                view = memoryview(dst).cast("B")  # type: ignore[arg-type]
                 done = 0
                 while done < nbytes:
                     try:
@@ -332,7 +332,7 @@ class Assembler:
             staging = self._staging(nbytes)
             got = inf.readinto(staging)
         else:
-            got = inf.readinto(memoryview(dst).cast("B"))
+            got = inf.readinto(memoryview(dst).cast("B"))  # type: ignore[arg-type]
         if got != nbytes:
             stream.pos += got // rb
             raise self._stream_short(name, spec, info, run, inf, stream.pos)

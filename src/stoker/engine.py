@@ -13,6 +13,7 @@ the task that failed, after every earlier result has been delivered.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import weakref
@@ -160,6 +161,8 @@ class _State(Generic[T, R]):
             with cond:
                 self.results[seq] = result
                 cond.notify_all()
+            # Drop our references now: a batch must be recyclable as soon as its caller lets go.
+            del task, result
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -173,10 +176,9 @@ class _State(Generic[T, R]):
             self.results.clear()
         close = getattr(self.tasks, "close", None)
         if close is not None:
-            try:
+            # ValueError: "generator already executing" in a worker that is exiting.
+            with contextlib.suppress(ValueError):
                 close()
-            except ValueError:  # "generator already executing" in a worker that is exiting
-                pass
 
 
 class OrderedMap(Generic[R]):
@@ -213,9 +215,9 @@ class OrderedMap(Generic[R]):
             while st.delivered not in st.results:
                 if st.exhausted and st.delivered >= st.dispatched:
                     break
-                if not any(t.is_alive() for t in st.threads) and st.delivered not in st.results:
-                    if st.exhausted or st.stop.is_set():
-                        break
+                idle = not any(t.is_alive() for t in st.threads)
+                if idle and st.delivered not in st.results and (st.exhausted or st.stop.is_set()):
+                    break
                 st.cond.wait(0.5)
             result = st.results.pop(st.delivered, None)
             if result is not None:

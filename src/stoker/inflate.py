@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 import zlib
+from types import ModuleType
 from typing import Any
 
 from .errors import CorruptDataError, ReadError
 
+_zlib: ModuleType
 try:  # pragma: no cover - which branch runs depends on the install
     from isal import isal_zlib as _zlib
 
     BACKEND = "isal"
 except ImportError:  # pragma: no cover
-    _zlib = zlib  # type: ignore[assignment]
+    _zlib = zlib
     BACKEND = "zlib"
 
 __all__ = ["BACKEND", "GZIP_MAGIC", "Inflater", "decompressed_size", "gzip_trailer_size"]
@@ -116,7 +118,7 @@ class Inflater:
                 raise self._corrupt("truncated: the stream ends before its end marker")
             try:
                 out = self._d.decompress(data, max(want, 65536))
-            except (zlib.error, _zlib.error) as e:  # type: ignore[union-attr]
+            except (zlib.error, _zlib.error) as e:
                 raise self._corrupt(str(e), e) from e
             self._tail = self._d.unconsumed_tail
             if out:

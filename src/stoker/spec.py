@@ -101,13 +101,14 @@ class Field:
             raise SpecError(f"files={files!r} must be a glob pattern or a non-empty list of paths")
         if byte_order not in ("little", "big"):
             raise SpecError(f"byte_order={byte_order!r} must be 'little' or 'big'")
-        if isinstance(shape, int) and not isinstance(shape, bool):
-            shape = (shape,)
+        given: object = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+        if not isinstance(given, Sequence) or isinstance(given, str):
+            raise SpecError(f"shape={shape!r} must be a tuple of positive integers")
         try:
-            dims = tuple(int(d) for d in shape)
-        except TypeError as e:
+            dims = tuple(int(d) for d in given)
+        except (TypeError, ValueError) as e:
             raise SpecError(f"shape={shape!r} must be a tuple of positive integers") from e
-        if any(isinstance(d, bool) or d <= 0 for d in shape) or dims != tuple(shape):
+        if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in given) or dims != tuple(given):
             raise SpecError(f"shape={shape!r} must be a tuple of positive integers")
         for name, value in (("header_bytes", header_bytes), ("footer_bytes", footer_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -124,7 +125,7 @@ class Field:
 
     @property
     def record_bytes(self) -> int:
-        """Bytes of one record: itemsize × prod(shape)."""
+        """Bytes of one record: itemsize * prod(shape)."""
         return self.dtype.itemsize * math.prod(self.shape)
 
     @property

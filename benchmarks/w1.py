@@ -1,0 +1,92 @@
+"""W1: the seed's layout (16 pairs x 4096 records of 128x128 int8 + gzip float32 labels, ~1 GiB).
+
+Alternates, round after round, each contender in a fresh process: stoker and the ceiling
+loops (see stoker.bench) with float32 output, the same with int8 output, and stoker at
+batch_size 16 to show engine overhead at small batches. Prints per-contender medians and
+the per-round ratios stoker / best ceiling loop of the same round (median and spread).
+
+    python benchmarks/w1.py [--rounds 5] [--seconds 3] [--out benchmarks/results/w1.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from stoker.bench import CEILING_LOOPS, measure, summarize
+from stoker.sample import write_sample
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
+    ap.add_argument("--out", default="benchmarks/results/w1.md")
+    args = ap.parse_args()
+    data = Path(args.data)
+    if not (data / ".complete").exists():
+        print(f"writing W1 into {data} ...", file=sys.stderr)
+        write_sample(data)
+        (data / ".complete").write_text("ok\n")
+    fields = [
+        {"name": "image", "files": str(data / "img_*.bin"), "dtype": "int8", "shape": [128, 128, 1]},
+        {"name": "label", "files": str(data / "out_*.bin.gz"), "dtype": "float32", "compression": "gzip"},
+    ]
+    paths = sorted(str(p) for p in data.glob("img_*.bin"))
+    threads = len(os.sched_getaffinity(0))
+    contenders: dict[str, dict[str, object]] = {}
+    for out in ("float32", "int8"):
+        contenders[f"stoker {out}"] = {"fields": fields, "batch": 256, "cast": out, "seconds": args.seconds}
+        for loop in CEILING_LOOPS:
+            contenders[f"ceiling:{loop} {out}"] = {
+                "paths": paths, "header": 0, "shape": [128, 128, 1], "src_dtype": "|i1", "out_dtype": out,
+                "batch": 256, "loop": loop, "threads": threads, "seconds": args.seconds,
+            }  # fmt: skip
+    contenders["stoker float32 batch16"] = {"fields": fields, "batch": 16, "cast": "float32", "seconds": args.seconds}
+
+    def progress(r: int, m: object) -> None:
+        print(f"  round {r + 1}: {m.contender:<32} {m.records_per_s:>12,.0f} records/s", file=sys.stderr)  # type: ignore[attr-defined]
+
+    t0 = time.time()
+    results = measure(contenders, rounds=args.rounds, on_result=progress)
+    lines = [
+        f"# W1 results ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, {platform.processor() or platform.machine()}, "
+        f"{threads} cores, {args.rounds} alternated rounds of {args.seconds:g}s, warm page cache)",
+        "",
+        "| contender | records/s median | min | max | MB/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, ms in results.items():
+        med, lo, hi = summarize([m.records_per_s for m in ms])
+        lines.append(f"| {name} | {med:,.0f} | {lo:,.0f} | {hi:,.0f} | {summarize([m.mb_per_s for m in ms])[0]:,.0f} |")
+    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
+    for out in ("float32", "int8"):
+        for against in ("best", *CEILING_LOOPS):
+            loops = CEILING_LOOPS if against == "best" else (against,)
+            names = [f"ceiling:{loop} {out}" for loop in loops]
+            ratios = [
+                results[f"stoker {out}"][r].records_per_s / max(results[n][r].records_per_s for n in names)
+                for r in range(args.rounds)
+            ]
+            med, lo, hi = summarize(ratios)
+            lines.append(f"| stoker {out} / {against} ceiling | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    small = [
+        results["stoker float32 batch16"][r].records_per_s / results["stoker float32"][r].records_per_s
+        for r in range(args.rounds)
+    ]
+    med, lo, hi = summarize(small)
+    lines.append(f"| stoker batch 16 / batch 256 (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Measure stoker against the machine's own ceiling on the same files, in the same run.
+
+Each contender runs in a fresh child process (``python -m stoker.bench CONTENDER JSON``)
+so one cannot warm or starve the other through shared state; rounds alternate the
+contenders because this kind of machine drifts by tens of percent within a minute.
+
+The ceiling is the fastest of a few simple loops over the raw bytes of the widest raw
+field, one thread per core, each producing resident ndarrays of the loader's output
+dtype, batch by batch:
+
+- ``mmap_cast``: ``np.copyto`` with casting straight from a memory map of the file into
+  an output buffer reused per thread (one pass; the fastest we know when casting);
+- ``mmap_cast_fresh``: the same into a fresh ``np.empty`` per batch;
+- ``preadv_cast``: whole-batch ``os.preadv`` into a staging buffer, then ``np.copyto``.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CEILING_LOOPS", "Measurement", "measure", "run_child", "summarize"]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    contender: str
+    records: int
+    seconds: float
+    bytes_read: int
+
+    @property
+    def records_per_s(self) -> float:
+        return self.records / self.seconds
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e6
+
+
+def _ceiling_worker(
+    paths: Sequence[str], header: int, shape: tuple[int, ...], src_dtype: str, out_dtype: str,
+    batch: int, loop: str, until: float, counts: list[int],
+) -> None:  # fmt: skip
+    src_dt, out_dt = np.dtype(src_dtype), np.dtype(out_dtype)
+    rb = int(np.prod(shape)) * src_dt.itemsize
+    out = np.empty((batch, *shape), out_dt)
+    staging = np.empty(batch * rb, np.uint8)
+    n = 0
+    while time.perf_counter() < until:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                records = (size - header) // rb
+                m = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if loop != "preadv_cast" else None
+                for i in range(0, records, batch):
+                    k = min(batch, records - i)
+                    if loop == "mmap_cast_fresh":
+                        out = np.empty((batch, *shape), out_dt)
+                    if m is not None:
+                        src = np.frombuffer(m, src_dt, count=k * rb // src_dt.itemsize, offset=header + i * rb)
+                        np.copyto(out[:k], src.reshape(k, *shape), casting="unsafe")
+                        del src
+                    else:
+                        view = memoryview(staging)[: k * rb]  # type: ignore[arg-type]
+                        os.preadv(fd, [view], header + i * rb)
+                        np.copyto(out[:k], staging[: k * rb].view(src_dt).reshape(k, *shape), casting="unsafe")
+                    n += k
+                    if time.perf_counter() >= until:
+                        break
+                if m is not None:
+                    m.close()
+            finally:
+                os.close(fd)
+            if time.perf_counter() >= until:
+                break
+    counts.append(n)
+
+
+CEILING_LOOPS = ("mmap_cast", "mmap_cast_fresh", "preadv_cast")
+
+
+def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
+    threads = cfg["threads"]
+    paths = cfg["paths"]
+    counts: list[int] = []
+    start = time.perf_counter()
+    until = start + cfg["seconds"]
+    workers = [
+        threading.Thread(
+            target=_ceiling_worker,
+            args=(
+                paths[i::threads] or paths,
+                cfg["header"],
+                tuple(cfg["shape"]),
+                cfg["src_dtype"],
+                cfg["out_dtype"],
+                cfg["batch"],
+                cfg["loop"],
+                until,
+                counts,
+            ),
+        )
+        for i in range(threads)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - start
+    rb = int(np.prod(cfg["shape"])) * np.dtype(cfg["src_dtype"]).itemsize
+    return {"records": sum(counts), "seconds": elapsed, "bytes_read": sum(counts) * rb}
+
+
+def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
+    from .cli import dataset_from_fields
+
+    ds = dataset_from_fields(cfg["fields"])
+    total_bytes = sum(f.record_bytes for f in ds.fields.values())
+    n = 0
+    start = time.perf_counter()
+    until = start + cfg["seconds"]
+    with ds.loader(cfg["batch"], epochs=None, cast=cfg["cast"] or None, threads=cfg.get("threads"),
+                   prefetch=cfg.get("prefetch")) as loader:
+        for batch in loader:
+            n += len(next(iter(batch.values())))
+            if time.perf_counter() >= until:
+                break
+    elapsed = time.perf_counter() - start
+    return {"records": n, "seconds": elapsed, "bytes_read": n * total_bytes}
+
+
+def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
+    """Run one contender for ``cfg['seconds']`` in a fresh process and return its figures."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "stoker.bench", contender, json.dumps(cfg)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child {contender!r} failed:\n{proc.stderr[-2000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Measurement(contender, out["records"], out["seconds"], out["bytes_read"])
+
+
+def measure(
+    contenders: dict[str, dict[str, Any]], *, rounds: int, on_result: Callable[[int, Measurement], None] | None = None
+) -> dict[str, list[Measurement]]:
+    """Alternate every contender once per round, ``rounds`` times."""
+    results: dict[str, list[Measurement]] = {name: [] for name in contenders}
+    for r in range(rounds):
+        order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
+        for name in order:
+            kind = "stoker" if name.startswith("stoker") else "ceiling"
+            m = run_child(kind, contenders[name])
+            m = Measurement(name, m.records, m.seconds, m.bytes_read)
+            results[name].append(m)
+            if on_result is not None:
+                on_result(r, m)
+    return results
+
+
+def summarize(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def _child_main(argv: Sequence[str]) -> int:
+    contender, raw = argv
+    cfg = json.loads(raw)
+    out = _run_stoker(cfg) if contender == "stoker" else _run_ceiling(cfg)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child_main(sys.argv[1:]))

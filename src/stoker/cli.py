@@ -1,0 +1,264 @@
+"""The ``stoker`` command: a thin layer over the public API (sample, inspect, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .dataset import Dataset
+from .errors import SpecError, StokerError
+from .sample import write_sample
+from .spec import Field
+
+__all__ = ["dataset_from_fields", "main", "parse_field"]
+
+_COMPRESSION_WORDS = {"gzip": "gzip", "zlib": "zlib", "none": None, "raw": None, "auto": "auto"}
+
+
+def parse_field(text: str) -> dict[str, Any]:
+    """``NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]`` (shape as ``128x128x1``) -> field settings."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise SpecError(f"--field {text!r} must look like NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]")
+    parts = rest.split(":")
+    # The glob may itself hold ':'; dtype, shape and compression are the known tail words.
+    tail: list[str] = []
+    while len(parts) > 1 and len(tail) < 3:
+        tail.insert(0, parts.pop())
+    files = ":".join(parts)
+    if not tail:
+        raise SpecError(f"--field {text!r} names no dtype; use NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]")
+    spec: dict[str, Any] = {"name": name, "files": files, "dtype": tail[0], "shape": [], "compression": "auto"}
+    for word in tail[1:]:
+        if word.lower() in _COMPRESSION_WORDS:
+            spec["compression"] = _COMPRESSION_WORDS[word.lower()]
+        elif word and all(p.isdigit() for p in word.lower().split("x")):
+            spec["shape"] = [int(p) for p in word.lower().split("x")]
+        else:
+            raise SpecError(f"--field {text!r}: {word!r} is neither a shape like 128x128x1 nor a compression")
+    return spec
+
+
+def _fields_from_config(path: str) -> list[dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise SpecError(f"cannot read config {path!r}: {e.strerror}", path=path) from e
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"config {path!r} is not valid TOML: {e}", path=path) from e
+    table = doc.get("fields")
+    if not isinstance(table, Mapping) or not table:
+        raise SpecError(f"config {path!r} has no [fields.NAME] tables", path=path)
+    base = os.path.dirname(os.path.abspath(path))
+    out = []
+    for name, spec in table.items():
+        if not isinstance(spec, Mapping) or "files" not in spec or "dtype" not in spec:
+            raise SpecError(f"config {path!r}: [fields.{name}] needs files and dtype", path=path, field=name)
+        files = spec["files"]
+        if isinstance(files, str):
+            files = files if os.path.isabs(files) else os.path.join(base, files)
+        elif isinstance(files, list):
+            files = [p if os.path.isabs(p) else os.path.join(base, p) for p in files]
+        out.append({**spec, "name": name, "files": files})
+    return out
+
+
+def dataset_from_fields(specs: Sequence[Mapping[str, Any]], *, pair_key: str | None = None) -> Dataset:
+    """A Dataset from field settings as ``parse_field`` or a config file give them."""
+    fields = {}
+    for s in specs:
+        compression = s.get("compression", "auto")
+        if isinstance(compression, str) and compression.lower() in ("none", "raw"):
+            compression = None
+        fields[s["name"]] = Field(
+            s["files"],
+            s["dtype"],
+            tuple(s.get("shape", ())),
+            header_bytes=int(s.get("header_bytes", 0)),
+            footer_bytes=int(s.get("footer_bytes", 0)),
+            compression=compression,
+            byte_order=s.get("byte_order", "little"),
+        )
+    return Dataset(fields, pair_key=pair_key)
+
+
+def _field_specs(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    if args.config and args.field:
+        raise SpecError("give --field or --config, not both")
+    if args.config:
+        return _fields_from_config(args.config)
+    if args.field:
+        return [parse_field(f) for f in args.field]
+    return None
+
+
+def _sample_fields(directory: Path, inrez: int) -> list[dict[str, Any]]:
+    return [
+        {"name": "image", "files": str(directory / "img_*.bin"), "dtype": "int8", "shape": [inrez, inrez, 1]},
+        {"name": "label", "files": str(directory / "out_*.bin.gz"), "dtype": "float32", "compression": "gzip"},
+    ]
+
+
+class _Progress:
+    """A one-line progress bar on stderr (silent when stderr is not a terminal)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.live = sys.stderr.isatty()
+
+    def step(self, note: str = "") -> None:
+        self.done += 1
+        if self.live:
+            width = 30
+            filled = width * self.done // max(1, self.total)
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {note}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    t = time.perf_counter()
+    out = write_sample(args.dir, pairs=args.pairs, records=args.records, inrez=args.inrez)
+    total = args.pairs * args.records * (args.inrez * args.inrez)
+    print(f"wrote {args.pairs} pairs x {args.records} records ({total / 2**20:.1f} MiB of images) to {out} "
+          f"in {time.perf_counter() - t:.1f}s")  # fmt: skip
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    specs = _field_specs(args)
+    if specs is None:
+        if not args.dir:
+            raise SpecError("inspect needs a sample DIR, --field NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION] or --config")
+        specs = _sample_fields(Path(args.dir), args.inrez)
+    ds = dataset_from_fields(specs, pair_key=args.pair_key)
+    names = list(ds.fields)
+    print(f"{ds.num_groups} groups, fields: " + ", ".join(
+        f"{n} ({f.dtype.name}{list(f.shape)}, {f.record_bytes} B/record)" for n, f in ds.fields.items()))  # fmt: skip
+    print(f"{'group':>5}  {'records':>9}  " + "  ".join(f"{n} (bytes, compression)" for n in names))
+    total = 0
+    for g in ds.groups:
+        infos = ds.files[g.index]
+        cells = [f"{infos[n].path} ({infos[n].size}, {infos[n].compression or 'raw'})" for n in names]
+        print(f"{g.index:>5}  {g.records:>9}  " + "  ".join(cells))
+        total += g.records
+    nbytes = sum(sum(i.size for i in infos.values()) for infos in ds.files)
+    print(f"total: {total} records, {nbytes / 2**20:.1f} MiB on disk")
+    print("sync: every group's fields hold the same number of records (in sync)")
+    return 0
+
+
+def _bench_cache() -> Path:
+    return Path(os.environ.get("STOKER_CACHE", ".stoker-cache"))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import measure, summarize
+
+    specs = _field_specs(args)
+    if specs is None:
+        directory = _bench_cache() / f"sample-{args.pairs}x{args.records}x{args.inrez}"
+        if not (directory / ".complete").exists():
+            print(f"generating the sample dataset once into {directory} ...", file=sys.stderr)
+            write_sample(directory, pairs=args.pairs, records=args.records, inrez=args.inrez)
+            (directory / ".complete").write_text("ok\n")
+        specs = _sample_fields(directory, args.inrez)
+    ds = dataset_from_fields(specs)
+    cast = args.cast
+    contenders: dict[str, dict[str, Any]] = {
+        "stoker": {"fields": specs, "batch": args.batch_size, "cast": cast, "seconds": args.seconds},
+    }
+    raw = [n for n, f in ds.fields.items() if all(i[n].compression is None for i in ds.files)]
+    widest = max(raw, key=lambda n: ds.fields[n].record_bytes) if raw else None
+    if widest is not None and not args.no_ceiling:
+        f = ds.fields[widest]
+        out_dtype = cast or f.native_dtype.str
+        paths = [i[widest].path for i in ds.files]
+        threads = len(os.sched_getaffinity(0))
+        for loop in ("mmap_cast", "preadv_cast"):
+            contenders[f"ceiling:{loop}"] = {
+                "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": f.dtype.str,
+                "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": threads,
+                "seconds": args.seconds,
+            }  # fmt: skip
+    print(f"{ds!r}: {len(ds)} records; batch {args.batch_size}, cast {cast or 'none'}; "
+          f"{args.rounds} alternated rounds of {args.seconds}s")  # fmt: skip
+    bar = _Progress(args.rounds * len(contenders), "bench")
+    results = measure(contenders, rounds=args.rounds, on_result=lambda r, m: bar.step(f"{m.contender}"))
+    print(f"{'contender':<22} {'records/s (median)':>19} {'min':>10} {'max':>10} {'MB/s':>8}")
+    for name, ms in results.items():
+        med, lo, hi = summarize([m.records_per_s for m in ms])
+        mb = summarize([m.mb_per_s for m in ms])[0]
+        print(f"{name:<22} {med:>19,.0f} {lo:>10,.0f} {hi:>10,.0f} {mb:>8,.0f}")
+    ceilings = [k for k in results if k.startswith("ceiling")]
+    if ceilings:
+        # Per round: stoker over the best ceiling loop of that same round.
+        ratios = [
+            results["stoker"][r].records_per_s / max(results[c][r].records_per_s for c in ceilings)
+            for r in range(args.rounds)
+        ]
+        med, lo, hi = summarize(ratios)
+        print(f"stoker / ceiling: median {med:.2f} (rounds {lo:.2f}..{hi:.2f})")
+    else:
+        print("ceiling not measured (no raw field, or --no-ceiling)")
+    return 0
+
+
+def _add_field_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--field", action="append", metavar="NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]",
+                   help="a field of the dataset (repeat for each field)")  # fmt: skip
+    p.add_argument("--config", metavar="stoker.toml", help="read [fields.NAME] tables from a TOML file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stoker", description="Feed accelerators from fixed-length record files.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("sample", help="write a dataset in the seed's layout (int8 images + gzip float32 labels)")
+    p.add_argument("dir")
+    p.add_argument("--pairs", type=int, default=16)
+    p.add_argument("--records", type=int, default=4096)
+    p.add_argument("--inrez", type=int, default=128)
+    p.set_defaults(run=cmd_sample)
+    p = sub.add_parser("inspect", help="groups, records, bytes, compression and whether the fields are in sync")
+    p.add_argument("dir", nargs="?", help="a directory written by `stoker sample`")
+    p.add_argument("--inrez", type=int, default=128, help="frame size of a sample DIR")
+    p.add_argument("--pair-key", default=None, help="regex that must agree across a group's basenames")
+    _add_field_args(p)
+    p.set_defaults(run=cmd_inspect)
+    p = sub.add_parser("bench", help="stream the dataset and compare with the machine's ceiling on the same files")
+    _add_field_args(p)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--cast", default="float32", help="output dtype of every field ('none' to keep stored types)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--no-ceiling", action="store_true")
+    p.add_argument("--pairs", type=int, default=16, help="sample size when no fields are given")
+    p.add_argument("--records", type=int, default=4096)
+    p.add_argument("--inrez", type=int, default=128)
+    p.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "cast", None) in ("none", "None", ""):
+        args.cast = None
+    try:
+        return int(args.run(args))
+    except StokerError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
