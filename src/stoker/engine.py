@@ -14,6 +14,7 @@ the task that failed, after every earlier result has been delivered.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import threading
 import weakref
@@ -58,7 +59,8 @@ class AlignedPool:
         self.allocated = 0  # fresh regions created (for tests and stats)
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        used = math.prod(shape) * dtype.itemsize
+        nbytes = max(1, used)
         with self._lock:
             free = self._free.get(nbytes)
             region = free.pop() if free else None
@@ -72,7 +74,7 @@ class AlignedPool:
         # object alive, so its death means no array on the region is left anywhere.
         done = weakref.finalize(arr.base, self._release, region, nbytes)
         done.atexit = False  # at exit the arrays may still be alive; the OS reclaims the memory
-        return arr[: int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
+        return arr[:used].view(dtype).reshape(shape)
 
     def _release(self, region: mmap.mmap, nbytes: int) -> None:
         with self._lock:
@@ -119,7 +121,9 @@ class _State(Generic[T, R]):
         self.fn = fn
         self.tasks = tasks
         self.window = window
-        self.cond = threading.Condition()
+        lock = threading.Lock()
+        self.cond = threading.Condition(lock)  # a result arrived: the consumer waits here
+        self.space = threading.Condition(lock)  # the window has room: workers wait here
         self.results: dict[int, R | _Failure] = {}
         self.dispatched = 0
         self.delivered = 0
@@ -132,7 +136,7 @@ class _State(Generic[T, R]):
         while True:
             with cond:
                 while not self.stop.is_set() and not self.exhausted and self.dispatched - self.delivered >= self.window:
-                    cond.wait()
+                    self.space.wait()
                 if self.stop.is_set() or self.exhausted:
                     return
                 seq = self.dispatched
@@ -141,6 +145,7 @@ class _State(Generic[T, R]):
                 except StopIteration:
                     self.exhausted = True
                     cond.notify_all()
+                    self.space.notify_all()
                     return
                 except BaseException as e:  # a planning error belongs to this position
                     e.add_note(f"stoker: raised while planning result {seq}")
@@ -148,6 +153,7 @@ class _State(Generic[T, R]):
                     self.results[seq] = _Failure(e)
                     self.dispatched += 1
                     cond.notify_all()
+                    self.space.notify_all()
                     return
                 self.dispatched += 1
             result: R | _Failure
@@ -160,7 +166,7 @@ class _State(Generic[T, R]):
                 result = _Failure(e)
             with cond:
                 self.results[seq] = result
-                cond.notify_all()
+                cond.notify()
             # Drop our references now: a batch must be recyclable as soon as its caller lets go.
             del task, result
 
@@ -168,6 +174,7 @@ class _State(Generic[T, R]):
         self.stop.set()
         with self.cond:
             self.cond.notify_all()
+            self.space.notify_all()
         me = threading.current_thread()
         for t in self.threads:
             if t is not me:
@@ -222,7 +229,7 @@ class OrderedMap(Generic[R]):
             result = st.results.pop(st.delivered, None)
             if result is not None:
                 st.delivered += 1
-                st.cond.notify_all()
+                st.space.notify()
         if result is None:
             self.close()
             raise StopIteration
