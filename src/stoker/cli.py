@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .dataset import Dataset
-from .errors import SpecError, StokerError
+from .errors import PairingError, SpecError, StokerError
 from .sample import write_sample
 from .spec import Field
 
@@ -145,13 +145,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{n} ({f.dtype.name}{list(f.shape)}, {f.record_bytes} B/record)" for n, f in ds.fields.items()))  # fmt: skip
     print(f"{'group':>5}  {'records':>9}  " + "  ".join(f"{n} (bytes, compression)" for n in names))
     total = 0
-    for g in ds.groups:
-        infos = ds.files[g.index]
+    problems: list[str] = []
+    for g, infos in enumerate(ds.files):
         cells = [f"{infos[n].path} ({infos[n].size}, {infos[n].compression or 'raw'})" for n in names]
-        print(f"{g.index:>5}  {g.records:>9}  " + "  ".join(cells))
-        total += g.records
+        try:
+            records = str(ds.records_in(g))
+            total += int(records)
+        except PairingError as e:  # keep going: the user wants every broken group, not the first
+            records = "MISMATCH"
+            problems.append(str(e))
+        print(f"{g:>5}  {records:>9}  " + "  ".join(cells))
     nbytes = sum(sum(i.size for i in infos.values()) for infos in ds.files)
     print(f"total: {total} records, {nbytes / 2**20:.1f} MiB on disk")
+    if problems:
+        print(f"sync: OUT OF SYNC in {len(problems)} group(s); no record of those groups would be yielded:")
+        for p in problems:
+            print(f"  {p}")
+        return 1
     print("sync: every group's fields hold the same number of records (in sync)")
     return 0
 
