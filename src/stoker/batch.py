@@ -102,12 +102,19 @@ class Assembler:
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
         self._streams: dict[tuple[int, int, str], _Stream] = {}
         self._local = threading.local()
+        self._epoch = -1
+        # "global" shuffle: compressed fields decoded once into memory, per group.
+        self._resident: dict[tuple[int, str], np.ndarray] = {}
+        self._resident_locks: dict[tuple[int, str], threading.Lock] = {}
         self.stop = threading.Event()
         self._closed = False
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
     def prepare(self, plan: BatchPlan) -> Task:
         task = Task(plan)
+        if plan.epoch != self._epoch:
+            self._epoch = plan.epoch
+            self._retire_streams(plan.epoch)
         for i, run in enumerate(plan.runs):
             infos = self.catalog.files[run.group]
             for name in self._compressed:
@@ -123,7 +130,7 @@ class Assembler:
         return task
 
     # -- work (runs in worker threads) --------------------------------------------------
-    def __call__(self, task: Task) -> dict[str, np.ndarray]:
+    def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
         plan = task.plan
         out: dict[str, np.ndarray] = {}
         for name, spec in self.fields.items():
@@ -131,6 +138,8 @@ class Assembler:
         if self.with_index:
             out[GROUP_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
             out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
+        if plan.gather is not None:
+            self._gather(plan, out)
         for i, run in enumerate(plan.runs):
             infos = self.catalog.files[run.group]
             for name, spec in self.fields.items():
@@ -143,8 +152,70 @@ class Assembler:
                     self._read_stream(plan.epoch, name, spec, info, run, dst, stream, ticket)
             if self.with_index:
                 out[GROUP_KEY][run.row : run.row + run.count] = run.group
-                out[INDEX_KEY][run.row : run.row + run.count] = np.arange(run.start, run.start + run.count)
-        return out
+                out[INDEX_KEY][run.row : run.row + run.count] = np.arange(run.start, run.stop, run.step)
+        return out, plan
+
+    def _gather(self, plan: BatchPlan, out: dict[str, np.ndarray]) -> None:
+        assert plan.gather is not None
+        groups, index = plan.gather.groups, plan.gather.index
+        # Sorted by (group, record): each file is visited once, front to back, in bulk.
+        order = np.lexsort((index, groups))
+        sorted_groups = groups[order]
+        bounds = np.flatnonzero(np.diff(sorted_groups)) + 1
+        for rows in np.split(order, bounds):
+            if not len(rows):
+                continue
+            g = int(groups[rows[0]])
+            local = index[rows]
+            infos = self.catalog.files[g]
+            for name, spec in self.fields.items():
+                info = infos[name]
+                if info.compression is None:
+                    f = self._acquire(plan.epoch, name, info)
+                    try:
+                        needed = spec.header_bytes + (int(local[-1]) + 1) * spec.record_bytes
+                        if os.fstat(f.fd).st_size < needed or f.map is None:
+                            run = Run(g, int(local[0]), len(local), 0, False)
+                            raise self._truncated(name, info, spec, run, os.fstat(f.fd).st_size)
+                        n = self.catalog.count(g)
+                        elems = n * (spec.record_bytes // spec.dtype.itemsize)
+                        src = np.frombuffer(f.map, dtype=spec.dtype, count=elems, offset=spec.header_bytes)
+                        src = src.reshape(n, *spec.shape)
+                        out[name][rows] = src[local]
+                        del src
+                    finally:
+                        self._release(plan.epoch, info, f, False)
+                else:
+                    out[name][rows] = self._resident_array(name, spec, info, g)[local]
+        if self.with_index:
+            out[GROUP_KEY][:] = groups
+            out[INDEX_KEY][:] = index
+
+    def _resident_array(self, name: str, spec: Field, info: FileInfo, g: int) -> np.ndarray:
+        key = (g, name)
+        arr = self._resident.get(key)
+        if arr is not None:
+            return arr
+        with self._lock:
+            lock = self._resident_locks.setdefault(key, threading.Lock())
+        with lock:
+            arr = self._resident.get(key)
+            if arr is None:
+                n = self.catalog.count(g)
+                buf = np.empty(n * spec.record_bytes, np.uint8)
+                stream = _Stream()
+                self._open_stream(name, spec, info, stream)
+                try:
+                    run = Run(g, 0, n, 0, True)
+                    stream_dst = buf.view(spec.dtype).reshape(n, *spec.shape) if n else buf[:0]
+                    self._read_span(name, spec, info, run, stream, stream_dst, cast=False)
+                    self._finish_stream(name, spec, info, run, stream)
+                finally:
+                    assert stream.inflater is not None
+                    stream.inflater.close()
+                arr = buf.view(spec.dtype).reshape(n, *spec.shape)
+                self._resident[key] = arr
+        return arr
 
     def _acquire(self, epoch: int, name: str, info: FileInfo) -> _RawFile:
         key = (epoch, info.path)
@@ -168,7 +239,8 @@ class Assembler:
                     "Dataset was built; rebuild the Dataset after changing its files",
                     field=name, path=info.path,
                 )  # fmt: skip
-            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if self._cast[name] and size else None
+            # Mapped for cast copies, strided runs and gathers; plain runs use preadv.
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
         except BaseException:
             os.close(fd)
             raise
@@ -200,6 +272,10 @@ class Assembler:
         with self._lock:
             f.refs -= 1
             f.done = f.done or final
+        self._release_if_done(epoch, info, f)
+
+    def _release_if_done(self, epoch: int, info: FileInfo, f: _RawFile) -> None:
+        with self._lock:
             if f.done and f.refs == 0:
                 if self._files.get((epoch, info.path)) is f:
                     del self._files[(epoch, info.path)]
@@ -209,9 +285,18 @@ class Assembler:
         rb = spec.record_bytes
         offset = spec.header_bytes + run.start * rb
         nbytes = run.count * rb
+        if run.count == 0:
+            if run.final:
+                with self._lock:
+                    f0 = self._files.get((epoch, info.path))
+                    if f0 is not None:
+                        f0.done = True
+                if f0 is not None:
+                    self._release_if_done(epoch, info, f0)
+            return
         f = self._acquire(epoch, name, info)
         try:
-            if not self._cast[name]:
+            if not self._cast[name] and run.step == 1:
                 view = memoryview(dst).cast("B")  # type: ignore[arg-type]
                 done = 0
                 while done < nbytes:
@@ -225,12 +310,12 @@ class Assembler:
             else:
                 # A file cut short under a memory map would kill the process (SIGBUS) on
                 # access; check its size right before the copy so it becomes an error.
-                if os.fstat(f.fd).st_size < offset + nbytes:
+                span = run.stop - run.start
+                if os.fstat(f.fd).st_size < offset + span * rb or f.map is None:
                     raise self._truncated(name, info, spec, run, os.fstat(f.fd).st_size)
-                assert f.map is not None
-                src = np.frombuffer(f.map, dtype=spec.dtype, count=run.count * (dst.size // max(1, run.count)),
-                                    offset=offset).reshape(dst.shape)  # fmt: skip
-                np.copyto(dst, src, casting="unsafe")
+                src = np.frombuffer(f.map, dtype=spec.dtype, count=span * (rb // spec.dtype.itemsize),
+                                    offset=offset).reshape(span, *spec.shape)  # fmt: skip
+                np.copyto(dst, src[:: run.step], casting="unsafe")
                 del src
         finally:
             self._release(epoch, info, f, run.final)
@@ -295,6 +380,16 @@ class Assembler:
             if run.final or stream.error is not None:
                 self._drop_stream(epoch, run.group, name, stream)
 
+    def _retire_streams(self, epoch: int) -> None:
+        """Close streams of earlier epochs that no batch still waits on (trimmed tails)."""
+        with self._lock:
+            old = [(k, s) for k, s in self._streams.items() if k[0] < epoch and s.serving >= s.issued]
+            for k, _ in old:
+                del self._streams[k]
+        for _, stream in old:
+            if stream.inflater is not None:
+                stream.inflater.close()
+
     def _drop_stream(self, epoch: int, group: int, name: str, stream: _Stream) -> None:
         with self._lock:
             if self._streams.get((epoch, group, name)) is stream and stream.serving >= stream.issued:
@@ -317,18 +412,27 @@ class Assembler:
         return inf
 
     def _stream_run(self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, stream: _Stream) -> None:
+        if stream.inflater is None or stream.pos > run.start:
+            self._open_stream(name, spec, info, stream)
+        if run.count:
+            self._read_span(name, spec, info, run, stream, dst, cast=self._cast[name] or run.step != 1)
+
+    def _read_span(
+        self, name: str, spec: Field, info: FileInfo, run: Run, stream: _Stream, dst: np.ndarray, *, cast: bool
+    ) -> None:
+        """Read records ``run.start .. run.stop`` of the stream, keeping every ``run.step``-th."""
         rb = spec.record_bytes
         inf = stream.inflater
-        if inf is None or stream.pos > run.start:
-            inf = self._open_stream(name, spec, info, stream)
+        assert inf is not None
         if stream.pos < run.start:
             want = (run.start - stream.pos) * rb
             got = inf.skip(want)
             stream.pos += got // rb
             if got != want:
                 raise self._stream_short(name, spec, info, run, inf, stream.pos)
-        nbytes = run.count * rb
-        if self._cast[name]:
+        span = run.stop - run.start
+        nbytes = span * rb
+        if cast:
             staging = self._staging(nbytes)
             got = inf.readinto(staging)
         else:
@@ -336,11 +440,11 @@ class Assembler:
         if got != nbytes:
             stream.pos += got // rb
             raise self._stream_short(name, spec, info, run, inf, stream.pos)
-        if self._cast[name]:
-            src = np.frombuffer(staging, dtype=spec.dtype).reshape(dst.shape)
-            np.copyto(dst, src, casting="unsafe")
+        if cast:
+            src = np.frombuffer(staging, dtype=spec.dtype).reshape(span, *spec.shape)
+            np.copyto(dst, src[:: run.step], casting="unsafe")
             del src
-        stream.pos += run.count
+        stream.pos += span
 
     def _stream_short(
         self, name: str, spec: Field, info: FileInfo, run: Run, inf: Inflater, pos: int
@@ -354,8 +458,17 @@ class Assembler:
         )  # fmt: skip
 
     def _finish_stream(self, name: str, spec: Field, info: FileInfo, run: Run, stream: _Stream) -> None:
+        if stream.inflater is None:
+            self._open_stream(name, spec, info, stream)
         inf = stream.inflater
         assert inf is not None
+        expected = self.catalog.count(run.group)
+        if stream.pos < expected:  # records held by other shards: pass over them to check the end
+            want = (expected - stream.pos) * spec.record_bytes
+            got = inf.skip(want)
+            stream.pos += got // spec.record_bytes
+            if got != want:
+                raise self._stream_short(name, spec, info, run, inf, stream.pos)
         end = spec.header_bytes + stream.pos * spec.record_bytes
         if spec.footer_bytes and inf.skip(spec.footer_bytes) != spec.footer_bytes:
             raise CorruptDataError(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -111,6 +111,12 @@ class Dataset:
         prefetch: int | None = None,
         memory_budget: int | str = "512MiB",
         with_index: bool = False,
+        shuffle: Literal[False, "global", "files"] | None = False,
+        seed: int | None = None,
+        window: int = 16,
+        shard: tuple[int, int] = (0, 1),
+        even: bool = True,
+        state: Mapping[str, Any] | None = None,
     ) -> Loader:
         """An iterable of batches: dicts of field name -> numpy array of ``(n, *shape)``.
 
@@ -125,6 +131,17 @@ class Dataset:
                 stoker. They never change what is delivered.
             memory_budget: bytes the engine may hold (batches in flight plus recycled buffers).
             with_index: add ``__group__`` and ``__index__`` arrays (int64) to audit pairing.
+            shuffle: False (the interleave order), "global" (a seeded permutation of all
+                records per epoch, random access) or "files" (group order permuted per epoch,
+                blocks shuffled within ``window`` blocks; any compression). Needs ``seed``.
+            seed: a non-negative integer; the same seed gives the same order anywhere.
+            window: "files" mode: how many consecutive blocks are shuffled together.
+            shard: ``(index, count)``: this loader takes every count-th record of the epoch's
+                sequence from ``index`` on; ``batch_size`` is per shard. Use
+                ``(rank, world_size)`` of your data-parallel job.
+            even: trim every shard to the same number of batches (collectives never hang);
+                False covers every record exactly.
+            state: a ``loader.state_dict()`` to resume from (same as ``load_state_dict``).
         """
         from .loader import Loader
 
@@ -140,6 +157,12 @@ class Dataset:
             prefetch=prefetch,
             memory_budget=memory_budget,
             with_index=with_index,
+            shuffle=shuffle,
+            seed=seed,
+            window=window,
+            shard=shard,
+            even=even,
+            state=state,
         )
 
     # Used by adapters and the CLI; public enough to document, not part of the contract.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,8 +13,9 @@ import numpy as np
 from .batch import GROUP_KEY, INDEX_KEY, Assembler
 from .dataset import resolve_cast
 from .engine import AlignedPool, Executor, OrderedMap, ThreadExecutor
-from .errors import SpecError
-from .plan import Plan, PlanConfig, default_block_length, default_cycle_length
+from .errors import SpecError, StateError
+from .order import even_length, fingerprint, shard_length, validate_shard
+from .plan import BatchPlan, Plan, PlanConfig, Shuffle, default_block_length, default_cycle_length
 from .spec import parse_bytes
 
 if TYPE_CHECKING:
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
 __all__ = ["Loader", "default_threads"]
 
 Batch = dict[str, np.ndarray]
+STATE_VERSION = 1
+# "files" shuffle: blocks whose order is shuffled together. An explicit constant, never
+# derived from memory_budget, so the order never depends on the budget.
+DEFAULT_WINDOW = 16
 
 
 def default_threads() -> int:
@@ -68,6 +73,12 @@ class Loader:
         prefetch: int | None = None,
         memory_budget: int | str = "512MiB",
         with_index: bool = False,
+        shuffle: Shuffle | None = False,
+        seed: int | None = None,
+        window: int = DEFAULT_WINDOW,
+        shard: tuple[int, int] = (0, 1),
+        even: bool = True,
+        state: Mapping[str, Any] | None = None,
         executor: Executor | None = None,
     ) -> None:
         self.dataset = dataset
@@ -112,17 +123,117 @@ class Loader:
                     f"({self.memory_budget} bytes); at most {fits} fit"
                 )
         self._executor: Executor = executor or ThreadExecutor(self.threads)
+        if shuffle is None:
+            shuffle = False
+        if shuffle not in (False, "global", "files"):
+            raise SpecError(f"shuffle={shuffle!r} must be False, 'global' or 'files'")
+        if shuffle and (isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0):
+            raise SpecError(
+                f"shuffle={shuffle!r} needs seed= a non-negative integer (got seed={seed!r}); stoker never "
+                "seeds from the clock, so the same seed gives the same order on any machine"
+            )
+        self.shuffle: Shuffle = shuffle
+        self.seed = int(seed) if seed is not None else None
+        self.window = _positive("window", window, allow_none=False) or 1
+        self.shard = validate_shard(shard)
+        if not isinstance(even, bool):
+            raise SpecError(f"even={even!r} must be True or False")
+        self.even = even
+        if shuffle == "global":
+            self._check_resident(fields)
         self._plan = Plan(
             dataset.num_groups,
             dataset._catalog.count,
-            PlanConfig(self.batch_size, drop_remainder, self.cycle_length, self.block_length),
-        )
+            PlanConfig(
+                self.batch_size, drop_remainder, self.cycle_length, self.block_length,
+                shuffle, self.seed, self.window, self.shard, even,
+            ),
+        )  # fmt: skip
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
         self._closed = False
+        self._resume: tuple[int, int] = (0, 0)
+        self._delivered: tuple[int, int] = (0, 0)
+        if state is not None:
+            self.load_state_dict(state)
+
+    def _check_resident(self, fields: Mapping[str, Any]) -> None:
+        """Global shuffle reads compressed fields from memory: they must fit the budget."""
+        compressed = [n for n in fields if any(i[n].compression is not None for i in self.dataset.files)]
+        if not compressed:
+            return
+        total = len(self.dataset)
+        need = sum(total * fields[n].record_bytes for n in compressed)
+        allowed = self.memory_budget - self.prefetch * self.batch_bytes
+        if need > allowed:
+            raise SpecError(
+                f"shuffle='global' keeps compressed field(s) {compressed} decompressed in memory: {need} bytes, "
+                f"more than the {allowed} bytes memory_budget={self.memory_budget} leaves after prefetch; "
+                "raise memory_budget, store those fields uncompressed, or use shuffle='files' (any compression)",
+                field=compressed[0], path=self.dataset.files[0][compressed[0]].path,
+            )  # fmt: skip
+
+    # -- resume ----------------------------------------------------------------------
+    def _fingerprint_parts(self) -> dict[str, object]:
+        ds = self.dataset
+        return {
+            "counts": [ds.records_in(g) for g in range(ds.num_groups)],
+            "fields": {
+                n: [f.dtype.str, list(f.shape), f.header_bytes, f.footer_bytes] for n, f in ds.fields.items()
+            },
+            "basenames": [[os.path.basename(i.path) for i in infos.values()] for infos in ds.files],
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "window": self.window if self.shuffle == "files" else None,
+            "drop_remainder": self.drop_remainder,
+            "interleave": [self.cycle_length, self.block_length],
+            "even": self.even,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: after the last batch ``__next__`` returned.
+
+        Small and JSON-serializable. Batches prefetched but not yet returned are not
+        counted, so nothing is skipped on resume. ``position`` counts records of the
+        epoch's global sequence; batch_size and shard may change on resume (elastic).
+        """
+        epoch, position = self._delivered
+        parts = self._fingerprint_parts()
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "position": position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "shard": list(self.shard),
+            "fingerprint": fingerprint(parts),
+            "parts": {k: fingerprint({k: v}) for k, v in parts.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state``: the next ``iter()`` continues right after the saved batch."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise StateError(f"not a stoker loader state (version {STATE_VERSION} expected): {state!r:.200}")
+        parts = self._fingerprint_parts()
+        if state.get("fingerprint") != fingerprint(parts):
+            saved = state.get("parts") or {}
+            differ = [k for k, v in parts.items() if saved.get(k) != fingerprint({k: v})]
+            raise StateError(
+                f"the saved state belongs to a different dataset or loader configuration; differs in: "
+                f"{', '.join(differ) or 'unknown parts'} (first file {self.dataset.files[0][next(iter(self.dataset.fields))].path!r})",
+                path=self.dataset.files[0][next(iter(self.dataset.fields))].path,
+            )  # fmt: skip
+        epoch, position = state.get("epoch"), state.get("position")
+        if not isinstance(epoch, int) or not isinstance(position, int) or epoch < 0 or position < 0:
+            raise StateError(f"state has invalid epoch={epoch!r} / position={position!r}")
+        self._resume = (epoch, position)
+        self._delivered = (epoch, position)
 
     def __len__(self) -> int:
-        """Batches per epoch (settles every group's record count)."""
-        return self._plan.batches_per_epoch(len(self.dataset))
+        """Batches per epoch for this shard (settles every group's record count)."""
+        total = len(self.dataset)
+        i, c = self.shard
+        mine = even_length(total, c) if self.even and c > 1 else shard_length(total, i, c)
+        return self._plan.batches_per_epoch(mine)
 
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
@@ -130,6 +241,7 @@ class Loader:
         for p in list(self._passes):
             p.close()
         p = _Pass(self)
+        self._resume = (0, 0)  # a loaded state applies to the next pass only
         self._passes.add(p)
         return p
 
@@ -152,7 +264,7 @@ class Loader:
         )
 
 
-def _shutdown(batches: OrderedMap[Batch], assembler: Assembler, pool: AlignedPool) -> None:
+def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: AlignedPool) -> None:
     assembler.stop.set()  # wake workers waiting on a stream turn first, then join them
     batches.close()
     assembler.close()
@@ -173,7 +285,9 @@ class _Pass:
             batch_size=loader.batch_size,
             with_index=loader.with_index,
         )
-        tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs))
+        first_epoch, start = loader._resume
+        tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start))
+        self._loader = weakref.ref(loader)
         self._batches = loader._executor.map_ordered(self._assembler, tasks, window=loader.prefetch)
         self._finalizer = weakref.finalize(self, _shutdown, self._batches, self._assembler, self._pool)
 
@@ -182,10 +296,14 @@ class _Pass:
 
     def __next__(self) -> Batch:
         try:
-            return next(self._batches)
+            batch, plan = next(self._batches)
         except BaseException:
             self.close()
             raise
+        loader = self._loader()
+        if loader is not None:
+            loader._delivered = (plan.epoch, plan.position)
+        return batch
 
     def close(self) -> None:
         self._finalizer()

@@ -15,8 +15,13 @@ then belongs to the batch that would have held the group's first record.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from .order import index_permutation, permute_groups, window_shuffle
 
 __all__ = [
     "BatchPlan",
@@ -48,10 +53,11 @@ def default_cycle_length(num_groups: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """``count`` consecutive records of ``group`` from ``start``, landing at batch row ``row``.
+    """``count`` records of ``group`` from ``start`` every ``step``, landing at batch rows ``row..``.
 
-    ``final`` is True when the run ends at the group's last record, so the engine can
-    confirm the end of compressed streams and release the group's files.
+    ``final`` is True on the run that reads the group's last record in this shard's plan
+    (a run of count 0 when another shard holds that record), so the engine can confirm
+    the end of compressed streams and release the group's files.
     """
 
     group: int
@@ -59,17 +65,35 @@ class Run:
     count: int
     row: int
     final: bool
+    step: int = 1
+
+    @property
+    def stop(self) -> int:
+        """One past the last record read (with ``step``)."""
+        return self.start + (self.count - 1) * self.step + 1 if self.count else self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """Records by random access: row r of the batch is record ``index[r]`` of ``groups[r]``."""
+
+    groups: np.ndarray
+    index: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
-    """One batch: ``rows`` records made of ``runs``, in row order."""
+    """One batch: ``rows`` records made of ``runs`` in row order, or of one ``gather``."""
 
     epoch: int
-    index: int  # batch number within the epoch
-    position: int  # records of the epoch delivered before this batch
+    index: int  # batch number within the epoch (for this pass)
+    position: int  # epoch position this shard resumes from after this batch (see order)
     rows: int
     runs: tuple[Run, ...]
+    gather: Gather | None = None
+
+
+Shuffle = Literal[False, "global", "files"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +102,19 @@ class PlanConfig:
     drop_remainder: bool
     cycle_length: int
     block_length: int
+    shuffle: Shuffle = False
+    seed: int | None = None
+    window: int = 1  # "files" mode: blocks shuffled together
+    shard: tuple[int, int] = (0, 1)
+    even: bool = True
 
 
 def interleave(
-    num_groups: int, count: Callable[[int], int], cycle_length: int, block_length: int
+    num_groups: int,
+    count: Callable[[int], int],
+    cycle_length: int,
+    block_length: int,
+    order: Sequence[int] | None = None,
 ) -> Iterator[tuple[int, int, int]]:
     """Pieces ``(group, start, stop)`` in tf.data's deterministic interleave order.
 
@@ -89,6 +122,7 @@ def interleave(
     a slot whose group ran out is noticed only when the cycle comes back to it (then it
     is emptied and the cycle moves on); an empty slot with groups left is filled and read
     from on the same visit; a block cut short by the end of its group moves the cycle on.
+    ``order`` gives the groups in the order they are opened (default: 0, 1, 2, ...).
     """
     slots: list[list[int] | None] = [None] * cycle_length
     next_group = 0
@@ -110,7 +144,8 @@ def interleave(
                 slots[cycle_index] = None
                 num_open -= 1
         elif next_group < num_groups:
-            slots[cycle_index] = [next_group, 0, count(next_group)]
+            g = next_group if order is None else int(order[next_group])
+            slots[cycle_index] = [g, 0, count(g)]
             next_group += 1
             num_open += 1
             continue
@@ -133,34 +168,120 @@ class Plan:
         self.config = config
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[BatchPlan]:
-        """Batches of one epoch, beginning after the first ``start`` records of it."""
+        """This shard's batches of one epoch, from epoch position ``start`` on.
+
+        Shard ``i`` of ``c`` takes positions ``start + i, start + i + c, ...`` of the epoch's
+        sequence, so a state saved after k records resumes at ``start + c * k`` with any
+        shard count (see :mod:`stoker.order`).
+        """
+        if self.config.shuffle == "global":
+            yield from self._global(epoch, start)
+        else:
+            yield from self._sequential(epoch, start)
+
+    def _limit(self, total: int | None, start: int) -> int | None:
+        """Records this shard yields in an epoch (None: until the sequence ends)."""
+        c = self.config.shard[1]
+        if c == 1 or not self.config.even:
+            return None
+        assert total is not None
+        return max(0, (total - start) // c)
+
+    def pieces(self, epoch: int) -> Iterator[tuple[int, int, int]]:
+        """The epoch's sequence as contiguous pieces ``(group, start, stop)``."""
+        cfg = self.config
+        order = None
+        if cfg.shuffle == "files":
+            assert cfg.seed is not None
+            order = permute_groups(self.num_groups, cfg.seed, epoch)
+        pieces = interleave(self.num_groups, self.count, cfg.cycle_length, cfg.block_length, order)
+        if cfg.shuffle != "files" or cfg.window <= 1:
+            yield from pieces
+            return
+        assert cfg.seed is not None
+        # Shuffle which group's block comes next within each window, but keep each group's
+        # blocks in file order, so compressed streams are still read front to back.
+        w = 0
+        while True:
+            window = [p for _, p in zip(range(cfg.window), pieces, strict=False)]
+            if not window:
+                return
+            perm = window_shuffle(len(window), len(window), cfg.seed, epoch * 1_000_003 + w)
+            labels = [window[int(k)][0] for k in perm]
+            queues: dict[int, list[tuple[int, int, int]]] = {}
+            for p in window:
+                queues.setdefault(p[0], []).append(p)
+            for g in labels:
+                yield queues[g].pop(0)
+            w += 1
+
+    def _sequential(self, epoch: int, start: int) -> Iterator[BatchPlan]:
         cfg = self.config
         size = cfg.batch_size
+        i, c = cfg.shard
+        limit = self._limit(self.total() if c > 1 and cfg.even else None, start)
         runs: list[Run] = []
         rows = 0
-        position = start
-        index = start // size
-        skip = start
-        for g, a, b in interleave(self.num_groups, self.count, cfg.cycle_length, cfg.block_length):
-            if skip:
-                if b - a <= skip:
-                    skip -= b - a
-                    continue
-                a += skip
-                skip = 0
+        index = 0
+        taken = 0  # records this shard took since ``start``
+        pos = 0  # epoch position of the piece's first record
+        for g, a, b in self.pieces(epoch):
+            n = b - a
             end = self.count(g)
-            while a < b:
-                take = min(b - a, size - rows)
-                runs.append(Run(g, a, take, rows, a + take == end))
+            if pos + n <= start or (limit is not None and taken >= limit):
+                pos += n
+                continue
+            lo = max(pos, start)
+            first = lo + ((start + i - lo) % c)  # first position >= lo taken by this shard
+            local = a + (first - pos)
+            count = 0 if first >= pos + n else (pos + n - 1 - first) // c + 1
+            if limit is not None:
+                count = min(count, limit - taken)
+            pos += n
+            finished = False
+            while count > 0:
+                take = min(count, size - rows)
+                finished = b == end and take == count
+                runs.append(Run(g, local, take, rows, finished, c))
                 rows += take
-                a += take
+                taken += take
+                count -= take
+                local += take * c
                 if rows == size:
-                    yield BatchPlan(epoch, index, position, rows, tuple(runs))
+                    yield BatchPlan(epoch, index, start + c * taken, rows, tuple(runs))
                     index += 1
-                    position += rows
                     runs, rows = [], 0
+            if b == end and not finished:
+                # The group's last record went to another shard (or was trimmed): tell the
+                # engine anyway, with an empty run, so it confirms the stream and lets go.
+                runs.append(Run(g, b, 0, rows, True, c))
         if rows and not cfg.drop_remainder:
-            yield BatchPlan(epoch, index, position, rows, tuple(runs))
+            yield BatchPlan(epoch, index, start + c * taken, rows, tuple(runs))
+
+    def total(self) -> int:
+        return sum(self.count(g) for g in range(self.num_groups))
+
+    def _global(self, epoch: int, start: int) -> Iterator[BatchPlan]:
+        cfg = self.config
+        assert cfg.seed is not None
+        size = cfg.batch_size
+        i, c = cfg.shard
+        counts = np.fromiter((self.count(g) for g in range(self.num_groups)), dtype=np.int64, count=self.num_groups)
+        firsts = np.concatenate([[0], np.cumsum(counts)])
+        total = int(firsts[-1])
+        perm = index_permutation(total, cfg.seed, epoch)
+        limit = self._limit(total, start)
+        available = max(0, -(-(total - start - i) // c)) if total > start + i else 0
+        n = available if limit is None else min(available, limit)
+        if cfg.drop_remainder:
+            n -= n % size
+        for index, k in enumerate(range(0, n, size)):
+            take = min(size, n - k)
+            positions = start + i + c * np.arange(k, k + take, dtype=np.int64)
+            ids = perm(positions)
+            groups = np.searchsorted(firsts, ids, side="right") - 1
+            local = ids - firsts[groups]
+            yield BatchPlan(epoch, index, start + c * (k + take), take, (), Gather(groups, local))
 
     def batches(self, epochs: int | None, *, first_epoch: int = 0, start: int = 0) -> Iterator[BatchPlan]:
         """Batches of epochs ``first_epoch, first_epoch + 1, ...`` (forever if ``epochs`` is None)."""
