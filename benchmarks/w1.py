@@ -48,6 +48,10 @@ def main() -> int:
                 "batch": 256, "loop": loop, "threads": threads, "seconds": args.seconds,
             }  # fmt: skip
     contenders["stoker float32 batch16"] = {"fields": fields, "batch": 16, "cast": "float32", "seconds": args.seconds}
+    for mode in ("global", "files"):
+        contenders[f"stoker float32 shuffle={mode}"] = {
+            "fields": fields, "batch": 256, "cast": "float32", "seconds": args.seconds, "shuffle": mode,
+        }  # fmt: skip
 
     def progress(r: int, m: object) -> None:
         print(f"  round {r + 1}: {m.contender:<32} {m.records_per_s:>12,.0f} records/s", file=sys.stderr)  # type: ignore[attr-defined]
@@ -81,6 +85,13 @@ def main() -> int:
     ]
     med, lo, hi = summarize(small)
     lines.append(f"| stoker batch 16 / batch 256 (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    for mode in ("global", "files"):
+        ratios = [
+            results[f"stoker float32 shuffle={mode}"][r].records_per_s / results["stoker float32"][r].records_per_s
+            for r in range(args.rounds)
+        ]
+        med, lo, hi = summarize(ratios)
+        lines.append(f"| stoker shuffle={mode} / sequential (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

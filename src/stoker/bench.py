@@ -132,14 +132,27 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
     n = 0
     start = time.perf_counter()
     until = start + cfg["seconds"]
+    if cfg.get("evict"):
+        _evict_page_cache([i.path for infos in ds.files for i in infos.values()])
+    shuffle = cfg.get("shuffle") or False
     with ds.loader(cfg["batch"], epochs=None, cast=cfg["cast"] or None, threads=cfg.get("threads"),
-                   prefetch=cfg.get("prefetch")) as loader:
+                   prefetch=cfg.get("prefetch"), shuffle=shuffle, seed=0 if shuffle else None) as loader:
         for batch in loader:
             n += len(next(iter(batch.values())))
             if time.perf_counter() >= until:
                 break
     elapsed = time.perf_counter() - start
     return {"records": n, "seconds": elapsed, "bytes_read": n * total_bytes}
+
+
+def _evict_page_cache(paths: Sequence[str]) -> None:
+    """Drop the files' pages from the page cache (no root needed), for cold-cache runs."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:

@@ -217,11 +217,12 @@ class Loader:
         if state.get("fingerprint") != fingerprint(parts):
             saved = state.get("parts") or {}
             differ = [k for k, v in parts.items() if saved.get(k) != fingerprint({k: v})]
+            first = self.dataset.files[0][next(iter(self.dataset.fields))].path if self.dataset.files else None
             raise StateError(
                 f"the saved state belongs to a different dataset or loader configuration; differs in: "
-                f"{', '.join(differ) or 'unknown parts'} (first file {self.dataset.files[0][next(iter(self.dataset.fields))].path!r})",
-                path=self.dataset.files[0][next(iter(self.dataset.fields))].path,
-            )  # fmt: skip
+                f"{', '.join(differ) or 'unknown parts'} (dataset's first file {first!r})",
+                path=first,
+            )
         epoch, position = state.get("epoch"), state.get("position")
         if not isinstance(epoch, int) or not isinstance(position, int) or epoch < 0 or position < 0:
             raise StateError(f"state has invalid epoch={epoch!r} / position={position!r}")

@@ -114,7 +114,7 @@ def interleave(
     count: Callable[[int], int],
     cycle_length: int,
     block_length: int,
-    order: Sequence[int] | None = None,
+    order: Sequence[int] | np.ndarray | None = None,
 ) -> Iterator[tuple[int, int, int]]:
     """Pieces ``(group, start, stop)`` in tf.data's deterministic interleave order.
 
