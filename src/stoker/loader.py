@@ -246,6 +246,12 @@ class Loader:
         self._passes.add(p)
         return p
 
+    def to_tf(self) -> Any:
+        """This loader as a ``tf.data.Dataset`` (zero-copy via DLPack); see :mod:`stoker.tf`."""
+        from .tf import to_tf
+
+        return to_tf(self)
+
     def close(self) -> None:
         """Stop every pass's threads and close its files; idempotent."""
         self._closed = True
