@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -151,6 +151,9 @@ class Loader:
         )  # fmt: skip
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
         self._closed = False
+        # Builds the batch buffer allocator of each pass from the bytes it may keep pooled;
+        # adapters swap in pinned or shared memory here (one buffer path, not two).
+        self.allocator_factory: Callable[[int], AlignedPool] = lambda pooled: AlignedPool(max_pooled_bytes=pooled)
         self._resume: tuple[int, int] = (0, 0)
         self._delivered: tuple[int, int] = (0, 0)
         if state is not None:
@@ -196,7 +199,19 @@ class Loader:
         counted, so nothing is skipped on resume. ``position`` counts records of the
         epoch's global sequence; batch_size and shard may change on resume (elastic).
         """
-        epoch, position = self._delivered
+        return self._state_dict_at(self._delivered)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, position)`` after the last batch ``__next__`` returned.
+
+        Adapters that run ahead of their user (device prefetch, worker processes) keep this
+        with each batch and save ``_state_dict_at`` the position their user actually reached.
+        """
+        return self._delivered
+
+    def _state_dict_at(self, where: tuple[int, int]) -> dict[str, Any]:
+        epoch, position = where
         parts = self._fingerprint_parts()
         return {
             "version": STATE_VERSION,
@@ -246,6 +261,18 @@ class Loader:
         self._passes.add(p)
         return p
 
+    def to_torch(self, **kwargs: Any) -> Any:
+        """This loader as an iterable of dicts of torch tensors; see :mod:`stoker.torch`."""
+        from .torch import to_torch
+
+        return to_torch(self, **kwargs)
+
+    def to_jax(self, **kwargs: Any) -> Any:
+        """This loader as an iterable of dicts of jax arrays; see :mod:`stoker.jax`."""
+        from .jax import to_jax
+
+        return to_jax(self, **kwargs)
+
     def to_tf(self) -> Any:
         """This loader as a ``tf.data.Dataset`` (zero-copy via DLPack); see :mod:`stoker.tf`."""
         from .tf import to_tf
@@ -283,7 +310,7 @@ class _Pass:
 
     def __init__(self, loader: Loader) -> None:
         pooled = loader.memory_budget - loader.prefetch * loader.batch_bytes
-        self._pool = AlignedPool(max_pooled_bytes=pooled)
+        self._pool = loader.allocator_factory(pooled)
         ds = loader.dataset
         self._assembler = Assembler(
             ds._catalog,
