@@ -134,7 +134,7 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
     until = start + cfg["seconds"]
     if cfg.get("evict"):
         _evict_page_cache([i.path for infos in ds.files for i in infos.values()])
-    shuffle = cfg.get("shuffle") or False
+    shuffle: Any = cfg.get("shuffle") or False
     with ds.loader(cfg["batch"], epochs=None, cast=cfg["cast"] or None, threads=cfg.get("threads"),
                    prefetch=cfg.get("prefetch"), shuffle=shuffle, seed=0 if shuffle else None) as loader:
         for batch in loader:

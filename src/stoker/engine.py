@@ -42,6 +42,10 @@ class Allocator(Protocol):
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray: ...
 
+    def clear(self) -> None:
+        """Forget pooled buffers (the pass is over); arrays still held stay valid."""
+        ...
+
 
 class AlignedPool:
     """Page-aligned buffers, recycled LIFO once the caller has dropped every view of them.

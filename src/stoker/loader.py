@@ -12,7 +12,7 @@ import numpy as np
 
 from .batch import GROUP_KEY, INDEX_KEY, Assembler
 from .dataset import resolve_cast
-from .engine import AlignedPool, Executor, OrderedMap, ThreadExecutor
+from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor
 from .errors import SpecError, StateError
 from .order import even_length, fingerprint, shard_length, validate_shard
 from .plan import BatchPlan, Plan, PlanConfig, Shuffle, default_block_length, default_cycle_length
@@ -153,7 +153,7 @@ class Loader:
         self._closed = False
         # Builds the batch buffer allocator of each pass from the bytes it may keep pooled;
         # adapters swap in pinned or shared memory here (one buffer path, not two).
-        self.allocator_factory: Callable[[int], AlignedPool] = lambda pooled: AlignedPool(max_pooled_bytes=pooled)
+        self.allocator_factory: Callable[[int], Allocator] = lambda pooled: AlignedPool(max_pooled_bytes=pooled)
         self._resume: tuple[int, int] = (0, 0)
         self._delivered: tuple[int, int] = (0, 0)
         if state is not None:
@@ -298,7 +298,7 @@ class Loader:
         )
 
 
-def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: AlignedPool) -> None:
+def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator) -> None:
     assembler.stop.set()  # wake workers waiting on a stream turn first, then join them
     batches.close()
     assembler.close()
