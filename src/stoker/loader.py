@@ -189,7 +189,8 @@ class Loader:
             "window": self.window if self.shuffle == "files" else None,
             "drop_remainder": self.drop_remainder,
             "interleave": [self.cycle_length, self.block_length],
-            "even": self.even,
+            # Not batch_size, shard or even: they may change on resume (elastic), since the
+            # position counts records of the epoch's global sequence, whoever takes them.
         }
 
     def state_dict(self) -> dict[str, Any]:
