@@ -60,7 +60,9 @@ def _tf_sequence(ds: stoker.Dataset, cycle: int, block: int) -> list[tuple[int, 
     ],
 )
 @pytest.mark.parametrize("threads", [1, 3])
-def test_order_equals_tf_data_interleave(tmp_path: Path, counts: list[int], cycle: int, block: int, threads: int) -> None:
+def test_order_equals_tf_data_interleave(
+    tmp_path: Path, counts: list[int], cycle: int, block: int, threads: int
+) -> None:
     ds = _write(tmp_path, counts)
     expected = _tf_sequence(ds, cycle, block)
     got = []
