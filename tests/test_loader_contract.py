@@ -186,8 +186,7 @@ def test_threads_start_at_first_batch_and_stop_on_break_close_or_drop(tmp_path: 
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_corrupt_gzip_raises_at_the_batch_of_the_first_bad_record_after_earlier_batches(tmp_path: Path,
-                                                                                       threads: int) -> None:  # fmt: skip
+def test_corrupt_gzip_raises_at_its_batch_after_every_earlier_batch(tmp_path: Path, threads: int) -> None:
     ds_paths = _write_pairs(tmp_path, [100, 100], label_kind="gzip")
     bad = tmp_path / "out_001.bin.gz"
     raw = bytearray(bad.read_bytes())
