@@ -1,0 +1,78 @@
+"""The stoker command: sample, inspect, bench; user mistakes print `Type: message`, no traceback."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.cli import main, parse_field
+
+
+def test_sample_then_inspect_reports_groups_and_sync(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sample", str(tmp_path / "d"), "--pairs", "2", "--records", "50", "--inrez", "8"]) == 0
+    assert main(["inspect", str(tmp_path / "d"), "--inrez", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "2 groups" in out and "total: 100 records" in out and "in sync" in out
+
+
+def test_inspect_with_fields_and_with_config_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["sample", str(tmp_path), "--pairs", "3", "--records", "10", "--inrez", "4"])
+    capsys.readouterr()
+    assert main(["inspect", "--field", f"image={tmp_path}/img_*.bin:int8:4x4x1",
+                 "--field", f"label={tmp_path}/out_*.bin.gz:float32:gzip"]) == 0  # fmt: skip
+    by_fields = capsys.readouterr().out
+    cfg = tmp_path / "stoker.toml"
+    cfg.write_text(
+        '[fields.image]\nfiles = "img_*.bin"\ndtype = "int8"\nshape = [4, 4, 1]\n'
+        '[fields.label]\nfiles = "out_*.bin.gz"\ndtype = "float32"\ncompression = "gzip"\n'
+    )
+    assert main(["inspect", "--config", str(cfg)]) == 0
+    assert capsys.readouterr().out == by_fields
+
+
+def test_inspect_reports_out_of_sync_groups_and_exits_nonzero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main(["sample", str(tmp_path), "--pairs", "2", "--records", "10", "--inrez", "4"])
+    (tmp_path / "out_0001.bin.gz").write_bytes(gzip.compress(np.arange(9, dtype="<f4").tobytes()))
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path), "--inrez", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "OUT OF SYNC" in out and "out_0001.bin.gz" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["inspect", "--field", "x=/nonexistent/*.bin:int8"], "/nonexistent/*.bin"),
+        (["inspect", "--field", "x"], "NAME=GLOB:DTYPE"),
+        (["inspect", "--field", "x=a.bin:notadtype"], "notadtype"),
+        (["inspect", "--config", "/nonexistent/stoker.toml"], "/nonexistent/stoker.toml"),
+    ],
+)
+def test_user_mistakes_print_type_and_message_without_traceback(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Error: " in err and needle in err and "Traceback" not in err
+
+
+def test_parse_field_reads_shape_and_compression_in_any_order() -> None:
+    spec = parse_field("image=data/img_*.bin:int8:128x128x1:none")
+    assert spec == {"name": "image", "files": "data/img_*.bin", "dtype": "int8", "shape": [128, 128, 1],
+                    "compression": None}  # fmt: skip
+    assert parse_field("label=out_*.gz:float32:gzip")["compression"] == "gzip"
+
+
+def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
+    capsys.readouterr()
+    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin:int8:16x16x1",
+                 "--field", f"label={tmp_path}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "records/s" in out and "ceiling:mmap_cast" in out and "stoker / ceiling: median" in out
