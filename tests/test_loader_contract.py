@@ -284,3 +284,19 @@ def test_pair_key_numbers_must_agree_unless_disabled(tmp_path: Path) -> None:
         stoker.Dataset(fields)
     assert "img_0007.bin" in str(info.value) and "out_8.bin" in str(info.value)
     assert len(stoker.Dataset(fields, pair_key="")) == 2
+
+
+def test_many_zlib_groups_cost_no_decompression_before_the_first_batch(tmp_path: Path) -> None:
+    for g in range(2000):
+        (tmp_path / f"img_{g:05d}.bin").write_bytes(np.full((3, 16), g % 256, np.uint8).tobytes())
+        (tmp_path / f"out_{g:05d}.bin.zz").write_bytes(zlib.compress(np.arange(3, dtype="<f4").tobytes()))
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "uint8", (16,)),
+        label=stoker.Field(str(tmp_path / "out_*.bin.zz"), "float32"),
+    )
+    it = iter(ds.loader(8, threads=1, prefetch=1))
+    next(it)
+    counted = sum(c is not None for c in ds._catalog._counts)
+    it.close()  # type: ignore[attr-defined]
+    # Only the groups the interleave has opened (plus one batch of look-ahead) were counted.
+    assert counted <= 16
