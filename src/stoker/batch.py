@@ -391,10 +391,15 @@ class Assembler:
                 stream.inflater.close()
 
     def _drop_stream(self, epoch: int, group: int, name: str, stream: _Stream) -> None:
+        # Only the thread that takes the stream out of the table closes it: the dispatcher
+        # may be retiring the same stream at an epoch boundary.
         with self._lock:
-            if self._streams.get((epoch, group, name)) is stream and stream.serving >= stream.issued:
+            mine = self._streams.get((epoch, group, name)) is stream and (
+                stream.serving >= stream.issued or stream.error is not None
+            )
+            if mine:
                 del self._streams[(epoch, group, name)]
-        if stream.inflater is not None and (stream.serving >= stream.issued or stream.error is not None):
+        if mine and stream.inflater is not None:
             stream.inflater.close()
 
     def _open_stream(self, name: str, spec: Field, info: FileInfo, stream: _Stream) -> Inflater:

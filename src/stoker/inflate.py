@@ -8,6 +8,7 @@ after the last member is accepted, any other trailing bytes are an error.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from types import ModuleType
 from typing import Any
@@ -51,6 +52,7 @@ class Inflater:
             self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
+        self._close_lock = threading.Lock()
         self._in_offset = 0  # compressed bytes read so far
         self._d: Any = _zlib.decompressobj(_WBITS[kind])
         self._tail = b""  # compressed input not yet consumed by the decompressor
@@ -60,9 +62,11 @@ class Inflater:
         self._eof = False
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the file; idempotent and safe to race (a descriptor is closed exactly once)."""
+        with self._close_lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def __enter__(self) -> Inflater:
         return self
