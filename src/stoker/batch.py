@@ -21,7 +21,7 @@ import numpy as np
 from .engine import Allocator, Stopped
 from .errors import CorruptDataError, ReadError
 from .files import Catalog, FileInfo
-from .inflate import Inflater
+from .inflate import Inflater, TruncatedStreamError
 from .plan import BatchPlan, Run
 from .spec import Field
 
@@ -32,6 +32,11 @@ INDEX_KEY = "__index__"
 # Open raw files kept across runs; a group's files close after its last run, this bounds
 # what early breaks and dropped remainders leave open.
 _MAX_OPEN = 64
+# A compressed file that decodes to at most this many bytes is decoded and verified whole
+# (CRC and end of stream) before any of its records is yielded, so a flipped bit never
+# reaches the caller. Labels (4 bytes a record) are far below it; larger files stream and
+# are verified at their end.
+VERIFY_WHOLE_BYTES = 64 << 20
 
 
 class _RawFile:
@@ -63,6 +68,30 @@ class _Stream:
         self.inflater: Inflater | None = None
         self.pos = 0  # records consumed so far
         self.error: BaseException | None = None
+        self.abandoned: set[int] = set()  # tickets of failed batches, skipped when their turn comes
+
+    def advance(self) -> None:
+        """End the current turn (caller holds ``cond``), skipping abandoned tickets."""
+        self.serving += 1
+        while self.serving in self.abandoned:
+            self.abandoned.discard(self.serving)
+            self.serving += 1
+        self.cond.notify_all()
+
+    def abandon(self, ticket: int, error: BaseException) -> None:
+        """A batch failed before its turn: later batches must not wait for it forever."""
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            if ticket == self.serving:
+                self.advance()
+            elif ticket > self.serving:
+                self.abandoned.add(ticket)
+
+
+# A compressed file decoded whole: records, how many are trustworthy, the error for the
+# rest, and an error to raise at the group's end (data beyond the expected records).
+_Whole = tuple[np.ndarray, int, BaseException | None, BaseException | None]
 
 
 @dataclass
@@ -106,6 +135,7 @@ class Assembler:
         # "global" shuffle: compressed fields decoded once into memory, per group.
         self._resident: dict[tuple[int, str], np.ndarray] = {}
         self._resident_locks: dict[tuple[int, str], threading.Lock] = {}
+        self._wholes: dict[tuple[int, int, str], _Whole] = {}
         self.stop = threading.Event()
         self._closed = False
 
@@ -140,20 +170,39 @@ class Assembler:
             out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
         if plan.gather is not None:
             self._gather(plan, out)
-        for i, run in enumerate(plan.runs):
-            infos = self.catalog.files[run.group]
-            for name, spec in self.fields.items():
-                dst = out[name][run.row : run.row + run.count]
-                info = infos[name]
-                if info.compression is None:
-                    self._read_raw(plan.epoch, name, spec, info, run, dst)
-                else:
-                    stream, ticket = task.tickets[(i, name)]
-                    self._read_stream(plan.epoch, name, spec, info, run, dst, stream, ticket)
-            if self.with_index:
-                out[GROUP_KEY][run.row : run.row + run.count] = run.group
-                out[INDEX_KEY][run.row : run.row + run.count] = np.arange(run.start, run.stop, run.step)
+        taken: set[tuple[int, str]] = set()  # stream turns this batch has had
+        try:
+            for i, run in enumerate(plan.runs):
+                self._read_run(task, i, run, out, taken)
+        except Stopped:
+            raise
+        except BaseException as e:
+            # Give up this batch's remaining stream turns, or later batches wait forever.
+            for key, (stream, ticket) in task.tickets.items():
+                if key not in taken:
+                    stream.abandon(ticket, e)
+            raise
         return out, plan
+
+    def _read_run(
+        self, task: Task, i: int, run: Run, out: dict[str, np.ndarray], taken: set[tuple[int, str]]
+    ) -> None:
+        plan = task.plan
+        infos = self.catalog.files[run.group]
+        for name, spec in self.fields.items():
+            dst = out[name][run.row : run.row + run.count]
+            info = infos[name]
+            if info.compression is None:
+                self._read_raw(plan.epoch, name, spec, info, run, dst)
+            else:
+                stream, ticket = task.tickets[(i, name)]
+                try:
+                    self._read_stream(plan.epoch, name, spec, info, run, dst, stream, ticket)
+                finally:
+                    taken.add((i, name))
+        if self.with_index:
+            out[GROUP_KEY][run.row : run.row + run.count] = run.group
+            out[INDEX_KEY][run.row : run.row + run.count] = np.arange(run.start, run.stop, run.step)
 
     def _gather(self, plan: BatchPlan, out: dict[str, np.ndarray]) -> None:
         assert plan.gather is not None
@@ -367,7 +416,7 @@ class Assembler:
                 # after it, so it is never delivered: just stop.
                 raise Stopped
             try:
-                self._stream_run(name, spec, info, run, dst, stream)
+                self._stream_run(name, spec, info, run, dst, stream, epoch)
             except BaseException as e:
                 stream.error = e
                 raise
@@ -375,8 +424,7 @@ class Assembler:
                 self._finish_stream(name, spec, info, run, stream)
         finally:
             with stream.cond:
-                stream.serving += 1
-                stream.cond.notify_all()
+                stream.advance()
             if run.final or stream.error is not None:
                 self._drop_stream(epoch, run.group, name, stream)
 
@@ -416,11 +464,75 @@ class Assembler:
             )  # fmt: skip
         return inf
 
-    def _stream_run(self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, stream: _Stream) -> None:
+    def _stream_run(
+        self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, stream: _Stream, epoch: int
+    ) -> None:
+        expected = self.catalog.count(run.group)
+        if spec.header_bytes + expected * spec.record_bytes + spec.footer_bytes <= VERIFY_WHOLE_BYTES:
+            self._whole_run(epoch, name, spec, info, run, dst, expected)
+            return
         if stream.inflater is None or stream.pos > run.start:
             self._open_stream(name, spec, info, stream)
         if run.count:
             self._read_span(name, spec, info, run, stream, dst, cast=self._cast[name] or run.step != 1)
+
+    def _whole_run(
+        self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, expected: int
+    ) -> None:
+        """Serve a run from the file decoded and verified whole (stream turns keep it single-file)."""
+        key = (epoch, run.group, name)
+        entry = self._wholes.get(key)
+        if entry is None:
+            entry = self._decode_whole(name, spec, info, run.group, expected)
+            self._wholes[key] = entry
+        arr, valid, err, final_err = entry
+        try:
+            if run.count:
+                if run.stop > valid:
+                    assert err is not None
+                    raise err
+                np.copyto(dst, arr[run.start : run.stop : run.step], casting="unsafe")
+            if run.final and final_err is not None:
+                raise final_err
+        finally:
+            if run.final:
+                self._wholes.pop(key, None)
+
+    def _decode_whole(
+        self, name: str, spec: Field, info: FileInfo, group: int, expected: int
+    ) -> _Whole:
+        """(records, how many are trustworthy, error for the rest, error at the group's end)."""
+        rb = spec.record_bytes
+        buf = np.empty(expected * rb, np.uint8)
+        stream = _Stream()
+        err: BaseException | None = None
+        final_err: BaseException | None = None
+        valid = expected
+        try:
+            inf = self._open_stream(name, spec, info, stream)
+            try:
+                got = inf.readinto(memoryview(buf))  # type: ignore[arg-type]
+                if got < len(buf):
+                    valid = got // rb
+                    err = self._stream_short(name, spec, info, Run(group, 0, expected, 0, True), inf, valid)
+                else:
+                    stream.pos = expected
+                    try:
+                        self._finish_stream(name, spec, info, Run(group, 0, expected, 0, True), stream)
+                    except TruncatedStreamError:
+                        raise
+                    except CorruptDataError as e:
+                        if e.__cause__ is not None:  # the decoder's own error (bad CRC, bad data)
+                            raise
+                        final_err = e  # whole records, then more data: raised at the group's end
+            except TruncatedStreamError as e:
+                valid, err = (inf.produced - spec.header_bytes) // rb, e
+        except CorruptDataError as e:
+            valid, err = 0, e  # a stream that fails its checks: none of its records is trusted
+        finally:
+            if stream.inflater is not None:
+                stream.inflater.close()
+        return buf.view(spec.dtype).reshape(expected, *spec.shape), max(0, min(valid, expected)), err, final_err
 
     def _read_span(
         self, name: str, spec: Field, info: FileInfo, run: Run, stream: _Stream, dst: np.ndarray, *, cast: bool

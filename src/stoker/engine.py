@@ -205,6 +205,11 @@ class OrderedMap(Generic[R]):
         self._closed = False
         self._finalizer = weakref.finalize(self, self._state.shutdown)
 
+    @property
+    def stop(self) -> threading.Event:
+        """Set when the map is closing; work that waits on something should watch it."""
+        return self._state.stop
+
     def _start(self) -> None:
         # Threads start at the first next(), never at construction: safe to build before fork.
         self._started = True

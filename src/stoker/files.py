@@ -244,12 +244,11 @@ class Catalog:
 
     def _settle(self, g: int) -> int:
         infos = self.files[g]
+        # A gzip trailer holds only the last member's size, so it is trusted only where a raw
+        # file's size confirms it; compressed fields agreeing among themselves prove nothing
+        # (two multi-member files can agree and both be wrong).
         raw = [i.records_hint for i in infos.values() if i.compression is None]
         known = raw[0] if raw else None
-        if known is None:
-            hints = [i.records_hint for i in infos.values() if i.records_hint is not None]
-            if hints and all(h == hints[0] for h in hints):
-                known = hints[0]
         counts: dict[str, int | None] = {}
         for name, info in infos.items():
             if info.compression is None or (info.records_hint is not None and info.records_hint == known):

@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover
     _zlib = zlib
     BACKEND = "zlib"
 
-__all__ = ["BACKEND", "GZIP_MAGIC", "Inflater", "decompressed_size", "gzip_trailer_size"]
+__all__ = ["BACKEND", "GZIP_MAGIC", "Inflater", "TruncatedStreamError", "decompressed_size", "gzip_trailer_size"]
 
 GZIP_MAGIC = b"\x1f\x8b"
 _WBITS = {"gzip": 31, "zlib": 15}
@@ -39,6 +39,10 @@ def gzip_trailer_size(fd: int, size: int) -> int | None:
         return None
     tail = os.pread(fd, 4, size - 4)
     return int.from_bytes(tail, "little") if len(tail) == 4 else None
+
+
+class TruncatedStreamError(CorruptDataError):
+    """The compressed stream stops early; the bytes decoded before that point are intact."""
 
 
 class Inflater:
@@ -75,7 +79,8 @@ class Inflater:
         self.close()
 
     def _corrupt(self, what: str, cause: BaseException | None = None) -> CorruptDataError:
-        err = CorruptDataError(
+        kind = TruncatedStreamError if what.startswith("truncated") else CorruptDataError
+        err = kind(
             f"{self.kind} stream of field {self.field!r} in {self.path!r} is corrupt: {what} "
             f"(compressed offset {self._in_offset}, decompressed offset {self.produced})",
             field=self.field,
@@ -143,14 +148,16 @@ class Inflater:
         """Fill ``buf`` with the next decompressed bytes; returns the count (short only at end)."""
         n = len(buf)
         done = 0
-        while done < n:
-            if self._out_pos >= len(self._out) and not self._refill(n - done):
-                break
-            take = min(n - done, len(self._out) - self._out_pos)
-            buf[done : done + take] = self._out[self._out_pos : self._out_pos + take]
-            self._out_pos += take
-            done += take
-        self.produced += done
+        try:
+            while done < n:
+                if self._out_pos >= len(self._out) and not self._refill(n - done):
+                    break
+                take = min(n - done, len(self._out) - self._out_pos)
+                buf[done : done + take] = self._out[self._out_pos : self._out_pos + take]
+                self._out_pos += take
+                done += take
+        finally:
+            self.produced += done  # also when the stream fails: what was handed out counts
         return done
 
     def skip(self, n: int) -> int:

@@ -324,6 +324,8 @@ class _Pass:
         tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start))
         self._loader = weakref.ref(loader)
         self._batches = loader._executor.map_ordered(self._assembler, tasks, window=loader.prefetch)
+        # One stop event: a worker waiting for its turn on a stream wakes when the map closes.
+        self._assembler.stop = self._batches.stop
         self._finalizer = weakref.finalize(self, _shutdown, self._batches, self._assembler, self._pool)
 
     def __iter__(self) -> _Pass:

@@ -1,0 +1,223 @@
+"""TensorFlow adapter: a loader as a ``tf.data.Dataset``, and a pure-graph tf.data pipeline.
+
+Two ways in, for two needs:
+
+- :func:`to_tf` (``loader.to_tf()``): stoker's engine feeds ``tf.data`` through
+  ``Dataset.from_generator``; each batch becomes tensors **without a copy**, through DLPack.
+  Measured on 256 x 128x128 float32 batches: numpy arrays through ``from_generator``
+  ≈ 13k records/s (a per-batch copy in a py_func), ``tf.convert_to_tensor`` ≈ 59k,
+  DLPack tensors ≈ 430k. TensorFlow aliases a DLPack buffer only if it is 64-byte aligned;
+  stoker's batch buffers are page aligned, and any other array is copied (see
+  :func:`as_tensor`). The tensor keeps the numpy array alive (checked in tests), and
+  stoker never rewrites a buffer while an array on it is alive, so a tensor you hold
+  never changes under you.
+- :func:`native_dataset`: the same records in the same order as ``ds.loader(...)`` with
+  ``shuffle=False``, as a serializable tf.data graph (TPU, tf.data service), built the
+  way tf.data is fastest: per-group zip inside an interleave, whole blocks per element,
+  one vectorized decode per block, parallel and deterministic.
+
+TensorFlow is imported here only: ``import stoker`` needs numpy alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorflow as tf
+
+from .dataset import resolve_cast
+from .engine import ALIGNMENT
+from .errors import SpecError
+from .plan import default_block_length, default_cycle_length
+
+if TYPE_CHECKING:
+    from .dataset import Dataset
+    from .loader import Loader
+
+__all__ = ["as_tensor", "element_spec", "native_dataset", "to_tf"]
+
+# tf.io.decode_raw's out_type set; other dtypes (uint32, uint64) decode as bytes + bitcast.
+_DECODE_RAW = {
+    np.dtype(t) for t in ("bool", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16")
+}
+_TF_COMPRESSION = {None: "", "gzip": "GZIP", "zlib": "ZLIB"}
+
+
+def as_tensor(array: np.ndarray) -> tf.Tensor:
+    """``array`` as an eager tensor: zero-copy via DLPack when TensorFlow can alias it, else a copy.
+
+    TensorFlow aliases DLPack memory that is 64-byte aligned and C-contiguous, and keeps
+    the producer (the numpy array) alive as long as the tensor. Less aligned memory must
+    not be aliased: TF 2.21 accepts it, then aborts the process in the first op that
+    checks alignment (a strided slice does). Such arrays are copied into TF's own memory.
+    """
+    if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0 and array.dtype.isnative:
+        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    return tf.convert_to_tensor(np.ascontiguousarray(array))
+
+
+def element_spec(loader: Loader) -> dict[str, tf.TensorSpec]:
+    """The ``element_spec`` of ``to_tf(loader)``: static batch dimension with drop_remainder."""
+    batch = loader.batch_size if loader.drop_remainder else None
+    return {
+        name: tf.TensorSpec((batch, *loader.shapes[name]), tf.as_dtype(dtype), name=name)
+        for name, dtype in loader.dtypes.items()
+    }
+
+
+def to_tf(loader: Loader) -> tf.data.Dataset:
+    """The loader's batches as a ``tf.data.Dataset`` of dicts field -> tensor, zero-copy.
+
+    Each iteration of the returned dataset (each Keras epoch, each ``for``) starts a fresh
+    pass ``iter(loader)``, which closes a pass still open on the same loader; the pass
+    closes, with its threads and files, when TensorFlow lets go of the iterator. Use
+    ``epochs=None`` on the loader for a dataset that repeats without restarting.
+
+    Example:
+        >>> loader = ds.loader(256, cast={"image": "float32"}, drop_remainder=True)  # doctest: +SKIP
+        >>> model.fit(loader.to_tf().map(lambda b: (b["image"], b["label"])), epochs=2)  # doctest: +SKIP
+    """
+
+    def batches() -> Iterator[dict[str, tf.Tensor]]:
+        it = iter(loader)
+        try:
+            for batch in it:
+                yield {name: as_tensor(array) for name, array in batch.items()}
+        finally:
+            # Runs on exhaustion, and on GeneratorExit when TF drops an iterator early.
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    return tf.data.Dataset.from_generator(batches, output_signature=element_spec(loader))
+
+
+def _check_positive(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise SpecError(f"{name}={value!r} must be a positive integer or None")
+    return int(value)
+
+
+def _decode(strings: tf.Tensor, stored: np.dtype, shape: tuple[int, ...], out: np.dtype) -> tf.Tensor:
+    """A block of raw bytes (scalar string) -> ``(k, *shape)`` tensor of ``out``."""
+    native = stored.newbyteorder("=")
+    little = stored.byteorder == "<" or (stored.byteorder in "=|" and np.little_endian)
+    if native in _DECODE_RAW:
+        flat = tf.io.decode_raw(strings, tf.as_dtype(native), little_endian=little)
+    else:
+        raw = tf.reshape(tf.io.decode_raw(strings, tf.uint8), (-1, native.itemsize))
+        if little != np.little_endian:
+            raw = tf.reverse(raw, axis=[1])
+        flat = tf.bitcast(raw, tf.as_dtype(native))
+    values = tf.reshape(flat, (-1, *shape))
+    return values if out == native else tf.cast(values, tf.as_dtype(out))
+
+
+def native_dataset(
+    ds: Dataset,
+    batch_size: int,
+    *,
+    cycle_length: int | None = None,
+    block_length: int | None = None,
+    cast: Any = None,
+    drop_remainder: bool = False,
+    num_parallel_calls: int | None = tf.data.AUTOTUNE,
+    deterministic: bool = True,
+) -> tf.data.Dataset:
+    """``ds``'s records as a pure tf.data graph, in the order of ``ds.loader(batch_size)``.
+
+    One epoch, ``shuffle=False`` order: tf.data's interleave over the groups with the same
+    ``cycle_length`` and ``block_length`` defaults as the loader. Per group, each field's
+    ``FixedLengthRecordDataset`` is read a whole block per element and zipped with the
+    other fields, so images and labels stay together inside the group; one decode per
+    block (``decode_raw`` + byte order + reshape + cast) runs in parallel; ``rebatch``
+    cuts the blocks into batches with a single copy. Serializable: works with
+    ``tf.data.experimental.service`` (``processing_mode="distributed_epoch"`` hands out
+    whole groups to workers; order across workers is then not defined) and TPUs.
+
+    Every group's record counts are checked before the graph is built (this may
+    decompress compressed files whose gzip trailer disagrees), raising PairingError.
+
+    Example:
+        >>> tfds = stoker.tf.native_dataset(ds, 256, cast={"image": "float32"})  # doctest: +SKIP
+        >>> for batch in tfds:  # doctest: +SKIP
+        ...     train_step(batch["image"], batch["label"])
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+        raise SpecError(f"{batch_size=} must be a positive integer")
+    if not isinstance(drop_remainder, bool):
+        raise SpecError(f"drop_remainder={drop_remainder!r} must be True or False")
+    fields = ds.fields
+    cycle = _check_positive("cycle_length", cycle_length) or default_cycle_length(ds.num_groups)
+    block = _check_positive("block_length", block_length) or default_block_length(
+        max(f.record_bytes for f in fields.values())
+    )
+    out_dtypes = resolve_cast(fields, cast)
+    counts = [ds.records_in(g) for g in range(ds.num_groups)]  # raises PairingError
+    # Per field, statically: a field with any compressed file streams records and batches
+    # them (tf.data cannot seek in a compressed stream); raw fields read whole blocks as
+    # one record each, the group's short last block by a header offset (a free seek).
+    compressed = {n: any(infos[n].compression is not None for infos in ds.files) for n in fields}
+    columns: dict[str, Any] = {
+        "full": np.array([n // block for n in counts], np.int64),
+        "tail": np.array([n % block for n in counts], np.int64),
+    }
+    for name in fields:
+        columns[f"path/{name}"] = np.array([infos[name].path for infos in ds.files], dtype=object)
+        columns[f"compression/{name}"] = np.array(
+            [_TF_COMPRESSION[infos[name].compression] for infos in ds.files], dtype=object
+        )
+
+    def group(row: Mapping[str, tf.Tensor]) -> tf.data.Dataset:
+        parts = {}
+        for name, spec in fields.items():
+            path, kind = row[f"path/{name}"], row[f"compression/{name}"]
+            rb = spec.record_bytes
+            if compressed[name]:
+                records = tf.data.FixedLengthRecordDataset(
+                    path, rb, header_bytes=spec.header_bytes, footer_bytes=spec.footer_bytes,
+                    compression_type=kind, buffer_size=1 << 20,
+                )  # fmt: skip
+                parts[name] = records.batch(block).map(tf.strings.reduce_join)
+            else:
+                whole = tf.data.FixedLengthRecordDataset(
+                    path, block * rb, header_bytes=spec.header_bytes,
+                    footer_bytes=spec.footer_bytes + row["tail"] * rb, buffer_size=block * rb,
+                )  # fmt: skip
+                # tail == 0 leaves an empty body: no record.
+                short = tf.data.FixedLengthRecordDataset(
+                    path, tf.maximum(row["tail"], 1) * rb,
+                    header_bytes=spec.header_bytes + row["full"] * block * rb, footer_bytes=spec.footer_bytes,
+                )  # fmt: skip
+                parts[name] = whole.concatenate(short)
+        return tf.data.Dataset.zip(parts)
+
+    # Cast on whichever side of rebatch holds the narrower dtype, so rebatch's one copy
+    # moves the fewest bytes (int8 -> float32 images: 4x fewer).
+    late = {n for n, f in fields.items() if out_dtypes[n].itemsize > f.dtype.itemsize}
+
+    def decode(blocks: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        return {
+            n: _decode(blocks[n], f.dtype, f.shape, f.native_dtype if n in late else out_dtypes[n])
+            for n, f in fields.items()
+        }
+
+    def widen(batch: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        return {n: tf.cast(t, tf.as_dtype(out_dtypes[n])) if n in late else t for n, t in batch.items()}
+
+    # Each element of a group is one block, so block_length=1 here is the loader's
+    # (cycle_length, block_length) interleave over records (a short last block moves the
+    # cycle on in both).
+    groups = tf.data.Dataset.from_tensor_slices(columns)
+    blocks = groups.interleave(
+        group, cycle_length=cycle, block_length=1, num_parallel_calls=num_parallel_calls, deterministic=deterministic
+    )
+    decoded = blocks.map(decode, num_parallel_calls=num_parallel_calls, deterministic=deterministic)
+    batches = decoded.rebatch(batch_size, drop_remainder=drop_remainder)
+    if late:
+        batches = batches.map(widen, num_parallel_calls=num_parallel_calls, deterministic=deterministic)
+    return batches.prefetch(tf.data.AUTOTUNE)

@@ -1,0 +1,174 @@
+"""OrderedMap / ThreadExecutor ordering and errors; AlignedPool alignment and reuse."""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import stoker_threads, wait_no_stoker_threads
+from stoker.engine import ALIGNMENT, AlignedPool, OrderedMap, ThreadExecutor
+
+
+def _jitter(x: int) -> int:
+    time.sleep(random.Random(x).random() * 0.003)
+    return x * x
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4, 8])
+@pytest.mark.parametrize("window", [1, 3, 16])
+def test_results_come_in_task_order(threads: int, window: int) -> None:
+    with ThreadExecutor(threads).map_ordered(_jitter, range(60), window=window) as results:
+        assert list(results) == [x * x for x in range(60)]
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("k", [0, 1, 7, 29])
+def test_error_in_fn_is_raised_after_all_earlier_results(threads: int, k: int) -> None:
+    def fn(x: int) -> int:
+        if x == k:
+            raise Boom(f"task {x}")
+        return _jitter(x)
+
+    got = []
+    with pytest.raises(Boom, match=f"task {k}"):
+        for r in ThreadExecutor(threads).map_ordered(fn, range(40), window=4):
+            got.append(r)
+    assert got == [x * x for x in range(k)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("k", [0, 3, 12])
+def test_error_while_producing_task_k_is_raised_at_position_k(threads: int, k: int) -> None:
+    def tasks():
+        for i in range(30):
+            if i == k:
+                raise Boom(f"planning {i}")
+            yield i
+
+    got = []
+    with pytest.raises(Boom, match=f"planning {k}"):
+        for r in ThreadExecutor(threads).map_ordered(_jitter, tasks(), window=5):
+            got.append(r)
+    assert got == [x * x for x in range(k)]
+
+
+def test_look_ahead_never_exceeds_the_window() -> None:
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def fn(x: int) -> int:
+        with lock:
+            started.append(x)
+        return x
+
+    m = OrderedMap(fn, range(100), threads=4, window=3, name="stoker-worker")
+    try:
+        assert next(m) == 0
+        time.sleep(0.1)
+        assert max(started) <= 3  # delivered 1, at most 3 more ahead
+        assert list(m) == list(range(1, 100))
+    finally:
+        m.close()
+
+
+def test_threads_start_at_first_next_not_at_construction() -> None:
+    m = ThreadExecutor(3).map_ordered(_jitter, range(10), window=2)
+    try:
+        assert stoker_threads() == []
+        assert next(m) == 0
+        assert len(stoker_threads()) >= 1
+    finally:
+        m.close()
+    assert wait_no_stoker_threads() == []
+
+
+def test_close_is_idempotent_and_stops_the_threads() -> None:
+    m = ThreadExecutor(4).map_ordered(_jitter, iter(range(10**6)), window=4)
+    next(m)
+    m.close()
+    m.close()
+    assert wait_no_stoker_threads() == []
+    with pytest.raises(StopIteration):
+        next(m)
+
+
+def test_dropping_an_unfinished_map_stops_its_threads() -> None:
+    m = ThreadExecutor(4).map_ordered(_jitter, iter(range(10**6)), window=4)
+    next(m)
+    del m
+    gc.collect()
+    assert wait_no_stoker_threads() == []
+
+
+def test_bad_threads_or_window_raise() -> None:
+    with pytest.raises(ValueError):
+        OrderedMap(_jitter, [], threads=0, window=1, name="x")
+    with pytest.raises(ValueError):
+        OrderedMap(_jitter, [], threads=1, window=0, name="x")
+
+
+def test_empty_tasks_give_no_results() -> None:
+    assert list(ThreadExecutor(2).map_ordered(_jitter, [], window=2)) == []
+
+
+# -- AlignedPool --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((3,), "uint8"), ((7, 5), "float32"), ((0,), "int64"),
+                                              ((2, 3, 4), "float64"), ((1,), "bool")])  # fmt: skip
+def test_pool_arrays_are_64_byte_aligned_and_writable(shape, dtype) -> None:
+    pool = AlignedPool(1 << 20)
+    arr = pool.array(shape, np.dtype(dtype))
+    assert arr.shape == shape and arr.dtype == np.dtype(dtype)
+    assert arr.ctypes.data % ALIGNMENT == 0 and ALIGNMENT == 64
+    arr[...] = 1
+    assert type(arr) is np.ndarray
+
+
+def test_pool_reuses_a_buffer_only_after_every_view_is_dropped() -> None:
+    pool = AlignedPool(1 << 20)
+    a = pool.array((1000,), np.dtype(np.float32))
+    addr = a.ctypes.data
+    view = a[10:20]
+    a[:] = 1.5
+    del a
+    gc.collect()
+    b = pool.array((1000,), np.dtype(np.float32))  # a view is alive: must not reuse
+    assert b.ctypes.data != addr
+    b[:] = -1
+    assert np.all(view == 1.5)
+    del view
+    gc.collect()
+    c = pool.array((1000,), np.dtype(np.float32))
+    assert c.ctypes.data == addr  # every view gone: recycled
+    assert pool.allocated == 2
+
+
+def test_pool_keeps_no_more_than_max_pooled_bytes() -> None:
+    pool = AlignedPool(0)
+    a = pool.array((100,), np.dtype(np.uint8))
+    del a
+    gc.collect()
+    pool.array((100,), np.dtype(np.uint8))
+    assert pool.allocated == 2
+
+
+def test_cleared_pool_keeps_live_arrays_valid_and_pools_nothing() -> None:
+    pool = AlignedPool(1 << 20)
+    a = pool.array((10,), np.dtype(np.int32))
+    a[:] = 7
+    pool.clear()
+    assert np.all(a == 7)
+    del a
+    gc.collect()
+    pool.array((10,), np.dtype(np.int32))
+    assert pool.allocated == 2

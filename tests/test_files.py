@@ -1,0 +1,299 @@
+"""Globs, pairing of files into groups, compression detection and record counts."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stoker
+from conftest import IMG, LAB_GZ, FieldPlan, build, write_dataset
+
+
+def _raw(path: Path, n: int, record: int = 4) -> Path:
+    path.write_bytes(bytes(range(256)) * (n * record // 256) + bytes(n * record % 256))
+    return path
+
+
+def test_glob_matches_are_sorted_by_code_point(tmp_path: Path) -> None:
+    names = ["b_2.bin", "B_1.bin", "a_10.bin", "a_9.bin", "_0.bin"]
+    for name in names:
+        _raw(tmp_path / name, 3)
+    ds = stoker.Dataset(x=stoker.Field(str(tmp_path / "*.bin"), "int32"))
+    got = [os.path.basename(g.paths["x"]) for g in ds.groups]
+    assert got == sorted(names)  # code point: 'B' < '_' < 'a' < 'b'; '10' < '9'
+
+
+def test_explicit_list_keeps_its_order(tmp_path: Path) -> None:
+    paths = [str(_raw(tmp_path / f"f_{i}.bin", i + 1)) for i in (2, 0, 1)]
+    ds = stoker.Dataset(x=stoker.Field(paths, "int32"))
+    assert [g.paths["x"] for g in ds.groups] == paths
+    assert [g.records for g in ds.groups] == [3, 1, 2]
+    assert [g.index for g in ds.groups] == [0, 1, 2]
+
+
+def test_list_of_globs_concatenates_each_sorted(tmp_path: Path) -> None:
+    for name in ["b_1.bin", "b_0.bin", "a_1.bin", "a_0.bin"]:
+        _raw(tmp_path / name, 1)
+    ds = stoker.Dataset(x=stoker.Field([str(tmp_path / "b_*.bin"), str(tmp_path / "a_*.bin")], "int32"))
+    assert [os.path.basename(g.paths["x"]) for g in ds.groups] == ["b_0.bin", "b_1.bin", "a_0.bin", "a_1.bin"]
+
+
+def test_group_i_is_the_ith_file_of_every_field(tmp_path: Path) -> None:
+    ds = build(tmp_path, [4, 5, 6], {"image": IMG, "label": LAB_GZ})
+    assert len(ds.groups) == 3
+    for g in ds.groups:
+        assert os.path.basename(g.paths["image"]) == f"img_{g.index:04d}.bin"
+        assert os.path.basename(g.paths["label"]) == f"out_{g.index:04d}.bin.gz"
+    assert [g.records for g in ds.groups] == [4, 5, 6]
+    assert isinstance(ds.groups[0], stoker.Group)
+
+
+def test_numbers_agree_despite_zero_padding(tmp_path: Path) -> None:
+    _raw(tmp_path / "img_0007.bin", 2)
+    (tmp_path / "out_7.bin.gz").write_bytes(gzip.compress(bytes(8)))
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int32"),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+    )
+    assert len(ds) == 2
+
+
+def test_disagreeing_numbers_raise_pairing_error_naming_both_files(tmp_path: Path) -> None:
+    _raw(tmp_path / "img_0007.bin", 2)
+    (tmp_path / "out_0008.bin.gz").write_bytes(gzip.compress(bytes(8)))
+    with pytest.raises(stoker.PairingError) as info:
+        stoker.Dataset(
+            image=stoker.Field(str(tmp_path / "img_*.bin"), "int32"),
+            label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+        )
+    msg = str(info.value)
+    assert "img_0007.bin" in msg and "out_0008.bin.gz" in msg
+    assert "pair_key" in msg
+    assert info.value.path is not None and info.value.path.endswith("out_0008.bin.gz")
+
+
+def test_pair_key_empty_string_disables_the_check(tmp_path: Path) -> None:
+    _raw(tmp_path / "img_0007.bin", 2)
+    (tmp_path / "out_0008.bin.gz").write_bytes(gzip.compress(bytes(8)))
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int32"),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+        pair_key="",
+    )
+    assert len(ds) == 2
+
+
+def test_pair_key_regex_chooses_what_must_agree(tmp_path: Path) -> None:
+    # Numbers disagree in the run id, agree in the shard: default fails, pair_key passes.
+    _raw(tmp_path / "run1_shard_03.bin", 1)
+    _raw(tmp_path / "run2_shard_03.lab", 1)
+    fields = {
+        "a": stoker.Field(str(tmp_path / "*.bin"), "int32"),
+        "b": stoker.Field(str(tmp_path / "*.lab"), "int32"),
+    }
+    with pytest.raises(stoker.PairingError):
+        stoker.Dataset(fields)
+    assert len(stoker.Dataset(fields, pair_key=r"shard_(\d+)")) == 1
+    with pytest.raises(stoker.PairingError, match="run1_shard_03.bin"):
+        stoker.Dataset(fields, pair_key=r"run(\d)")
+
+
+def test_pair_key_that_does_not_match_a_basename_names_the_file(tmp_path: Path) -> None:
+    _raw(tmp_path / "a_1.bin", 1)
+    _raw(tmp_path / "b_1.lab", 1)
+    with pytest.raises(stoker.PairingError, match="a_1.bin"):
+        stoker.Dataset(
+            a=stoker.Field(str(tmp_path / "*.bin"), "int32"),
+            b=stoker.Field(str(tmp_path / "*.lab"), "int32"),
+            pair_key=r"zzz(\d+)",
+        )
+
+
+def test_different_file_counts_per_field_raise_pairing_error(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [2, 2, 2], {"image": IMG})
+    write_dataset(tmp_path, [2, 2], {"label": LAB_GZ})
+    with pytest.raises(stoker.PairingError, match="different numbers of files") as info:
+        stoker.Dataset(
+            image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+            label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+        )
+    assert "3 files" in str(info.value) and "2 files" in str(info.value)
+
+
+def test_raw_record_count_mismatch_is_raised_at_dataset_naming_files_and_counts(tmp_path: Path) -> None:
+    a = FieldPlan("a", "int16", (3,))
+    b = FieldPlan("b", "uint8", (5,))
+    write_dataset(tmp_path, [4, 6], {"a": a})
+    write_dataset(tmp_path, [4, 7], {"b": b})
+    with pytest.raises(stoker.PairingError) as info:
+        stoker.Dataset(
+            a=stoker.Field(str(tmp_path / "a_*.bin"), "int16", (3,)),
+            b=stoker.Field(str(tmp_path / "b_*.bin"), "uint8", (5,)),
+        )
+    msg = str(info.value)
+    assert "a_0001.bin" in msg and "b_0001.bin" in msg
+    assert "6 records" in msg and "7 records" in msg
+    assert "group 1" in msg
+
+
+def test_raw_body_not_a_multiple_of_record_size_is_corrupt_naming_file_size_and_record(tmp_path: Path) -> None:
+    p = tmp_path / "x_0.bin"
+    p.write_bytes(bytes(3 + 10 * 12 + 5 + 7))  # header 3, 10 records of 12, footer 7, 5 extra bytes
+    with pytest.raises(stoker.CorruptDataError) as info:
+        stoker.Dataset(x=stoker.Field(str(p), "int32", (3,), header_bytes=3, footer_bytes=7))
+    msg = str(info.value)
+    assert str(p) in msg and "12-byte" in msg and str(3 + 10 * 12 + 5 + 7) in msg
+    assert info.value.path == str(p)
+    assert info.value.index == 10
+    assert info.value.offset == 3 + 120
+
+
+def test_raw_file_smaller_than_header_plus_footer_is_corrupt(tmp_path: Path) -> None:
+    p = tmp_path / "x.bin"
+    p.write_bytes(bytes(5))
+    with pytest.raises(stoker.CorruptDataError, match="x.bin"):
+        stoker.Dataset(x=stoker.Field(str(p), "int8", header_bytes=4, footer_bytes=4))
+
+
+def test_missing_file_is_spec_error_naming_it(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.bin")
+    with pytest.raises(stoker.SpecError, match="nope.bin") as info:
+        stoker.Dataset(x=stoker.Field([missing], "int8"))
+    assert info.value.path == missing
+
+
+def test_empty_glob_is_spec_error_naming_the_pattern(tmp_path: Path) -> None:
+    pattern = str(tmp_path / "none_*.bin")
+    with pytest.raises(stoker.SpecError, match="matched no file") as info:
+        stoker.Dataset(x=stoker.Field(pattern, "int8"))
+    assert pattern in str(info.value)
+
+
+def test_directory_instead_of_file_is_spec_error(tmp_path: Path) -> None:
+    (tmp_path / "d.bin").mkdir()
+    with pytest.raises(stoker.SpecError, match="directory"):
+        stoker.Dataset(x=stoker.Field([str(tmp_path / "d.bin")], "int8"))
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "kind"),
+    [
+        ("a.bin.gz", gzip.compress(bytes(8)), "gzip"),
+        ("a.gzip", gzip.compress(bytes(8)), "gzip"),
+        ("a.GZ", gzip.compress(bytes(8)), "gzip"),
+        ("a.zz", zlib.compress(bytes(8)), "zlib"),
+        ("a.zlib", zlib.compress(bytes(8)), "zlib"),
+        ("a.bin", bytes(8), None),
+        ("a.dat", gzip.compress(bytes(8)), "gzip"),  # magic bytes, no suffix
+    ],
+)
+def test_auto_compression_by_suffix_and_magic(tmp_path: Path, name: str, data: bytes, kind: str | None) -> None:
+    (tmp_path / name).write_bytes(data)
+    ds = stoker.Dataset(x=stoker.Field([str(tmp_path / name)], "float32"))
+    assert ds.files[0]["x"].compression == kind
+    assert len(ds) == 2
+
+
+def test_compression_none_reads_a_gz_named_file_as_raw(tmp_path: Path) -> None:
+    (tmp_path / "a.bin.gz").write_bytes(bytes(12))
+    ds = stoker.Dataset(x=stoker.Field([str(tmp_path / "a.bin.gz")], "float32", compression=None))
+    assert ds.files[0]["x"].compression is None
+    assert len(ds) == 3
+
+
+def test_declared_gzip_without_magic_is_corrupt_naming_file(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(bytes(12))
+    with pytest.raises(stoker.CorruptDataError, match="a.bin"):
+        stoker.Dataset(x=stoker.Field([str(tmp_path / "a.bin")], "float32", compression="gzip"))
+
+
+def test_declared_zlib_without_header_is_corrupt_naming_file(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"\xff" * 12)
+    with pytest.raises(stoker.CorruptDataError, match="a.bin"):
+        stoker.Dataset(x=stoker.Field([str(tmp_path / "a.bin")], "float32", compression="zlib"))
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zz"])
+def test_empty_compressed_file_is_corrupt_naming_file(tmp_path: Path, suffix: str) -> None:
+    (tmp_path / f"a{suffix}").write_bytes(b"")
+    with pytest.raises(stoker.CorruptDataError, match=f"a\\{suffix}"):
+        stoker.Dataset(x=stoker.Field([str(tmp_path / f"a{suffix}")], "float32"))
+
+
+def test_building_a_dataset_decompresses_nothing_when_trailers_agree(tmp_path: Path, monkeypatch) -> None:
+    ds_paths = write_dataset(tmp_path, [5, 6], {"image": IMG, "label": LAB_GZ})
+    import stoker.files as files
+
+    def fail(*a, **k):
+        raise AssertionError("decompressed while building the Dataset")
+
+    monkeypatch.setattr(files, "decompressed_size", fail)
+    ds = stoker.Dataset(
+        image=stoker.Field([str(p) for p in ds_paths["image"]], "int8", (6, 6, 1)),
+        label=stoker.Field([str(p) for p in ds_paths["label"]], "float32"),
+    )
+    assert len(ds) == 11  # trailers agree with the raw counts: still nothing decompressed
+
+
+def test_gzip_trailer_disagreeing_is_settled_by_decompressing(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [5], {"image": IMG})
+    body = np.arange(5, dtype="<f4").tobytes()
+    data = bytearray(gzip.compress(body))
+    data[-4:] = (999).to_bytes(4, "little")  # wrong ISIZE, right CRC and data
+    (tmp_path / "out_0000.bin.gz").write_bytes(bytes(data))
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+    )
+    with pytest.raises(stoker.CorruptDataError, match="out_0000.bin.gz"):
+        # a wrong ISIZE is a corrupt trailer: reading it through must fail naming the file
+        list(ds.loader(2))
+
+
+def test_compressed_count_mismatch_is_raised_when_the_group_opens(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [4, 5], {"image": IMG})
+    (tmp_path / "out_0000.bin.gz").write_bytes(gzip.compress(np.arange(4, dtype="<f4").tobytes()))
+    (tmp_path / "out_0001.bin.gz").write_bytes(gzip.compress(np.arange(6, dtype="<f4").tobytes()))
+    ds = stoker.Dataset(  # no error yet: counts of compressed files settle lazily
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+    )
+    assert ds.records_in(0) == 4
+    with pytest.raises(stoker.PairingError) as info:
+        ds.records_in(1)
+    msg = str(info.value)
+    assert "img_0001.bin" in msg and "out_0001.bin.gz" in msg and "5 records" in msg and "6 records" in msg
+
+
+def test_multi_member_gzip_is_counted_by_decompressing(tmp_path: Path) -> None:
+    ds = build(tmp_path, [9, 4], {"image": IMG, "label": FieldPlan("out", "float32", kind="multi")})
+    assert [g.records for g in ds.groups] == [9, 4]
+
+
+def test_multi_member_gzip_alone_is_counted_by_decompressing(tmp_path: Path) -> None:
+    # No raw field to disagree with: the last member's ISIZE must not be taken as the count.
+    ds = build(tmp_path, [9, 12], {"label": FieldPlan("out", "float32", kind="multi")})
+    assert [g.records for g in ds.groups] == [9, 12]
+    assert len(ds) == 21
+
+
+def test_two_multi_member_gzip_fields_are_counted_by_decompressing(tmp_path: Path) -> None:
+    ds = build(tmp_path, [9], {"a": FieldPlan("a", "float32", kind="multi"),
+                               "b": FieldPlan("b", "int32", kind="multi")})  # fmt: skip
+    assert len(ds) == 9
+
+
+def test_zlib_counts_settle_when_the_group_opens(tmp_path: Path) -> None:
+    ds = build(tmp_path, [3, 0, 8], {"image": IMG, "label": FieldPlan("out", "float32", kind="zlib")})
+    assert ds.files[0]["label"].compression == "zlib"
+    assert [ds.records_in(g) for g in range(3)] == [3, 0, 8]
+
+
+def test_records_in_out_of_range_raises_index_error(pair_ds: stoker.Dataset) -> None:
+    with pytest.raises(IndexError):
+        pair_ds.records_in(pair_ds.num_groups)

@@ -1,0 +1,163 @@
+"""stoker.jax: device_put batches, device prefetch that never skews the saved state, shardings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+import stoker
+from stoker.jax import shard_from_jax, to_jax
+from stoker.sample import expected_label
+
+pytestmark = pytest.mark.jax
+
+ROOT = Path(__file__).resolve().parents[1]
+RES = 16
+PAIRS, RECORDS = 2, 64
+
+
+@pytest.fixture
+def sample(tmp_path: Path) -> stoker.Dataset:
+    stoker.write_sample(tmp_path, pairs=PAIRS, records=RECORDS, inrez=RES)
+    return stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (RES, RES, 1)),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+    )
+
+
+def file_images(ds: stoker.Dataset) -> np.ndarray:
+    paths = [infos["image"].path for infos in ds.files]
+    return np.concatenate([np.fromfile(p, np.int8) for p in paths]).reshape(-1, RES, RES, 1)
+
+
+def as_numpy(batches: list[dict[str, jax.Array]]) -> list[dict[str, np.ndarray]]:
+    return [{k: np.asarray(v) for k, v in b.items()} for b in batches]
+
+
+def assert_same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("sharding", ["none", "single", "named"])
+def test_to_jax_yields_the_numpy_batches_as_jax_arrays(sample: stoker.Dataset, sharding: str) -> None:
+    device = jax.devices()[0]
+    chosen = {
+        "none": None,
+        "single": SingleDeviceSharding(device),
+        "named": NamedSharding(jax.make_mesh((1,), ("batch",)), PartitionSpec("batch")),
+    }[sharding]
+    kw = {"epochs": 2, "shuffle": "global", "seed": 3, "cast": {"image": "float32"}}
+    with sample.loader(24, **kw) as loader:  # type: ignore[arg-type]
+        expected = [dict(b) for b in loader]
+    with sample.loader(24, **kw).to_jax(sharding=chosen) as batches:  # type: ignore[arg-type]
+        got = list(batches)
+    assert all(isinstance(a, jax.Array) for b in got for a in b.values())
+    if chosen is not None:
+        assert all(a.sharding == chosen for b in got for a in b.values())
+    assert_same(expected, as_numpy(got))
+
+
+def test_held_jax_arrays_never_change_while_the_loader_goes_on(sample: stoker.Dataset) -> None:
+    # JAX's CPU backend may alias stoker's buffers: held arrays must keep them from reuse.
+    loader = sample.loader(8, epochs=4, shuffle="global", seed=1, memory_budget=8 * 300 * 4, prefetch=2, threads=2)
+    held, snapshots = [], []
+    with loader.to_jax(prefetch_to_device=3) as batches:
+        for b in batches:
+            if len(held) < 12:
+                held.append(b)
+                snapshots.append({k: np.array(v, copy=True) for k, v in b.items()})
+    images = file_images(sample)
+    for b, s in zip(held, snapshots, strict=True):
+        got = {k: np.asarray(v) for k, v in b.items()}
+        assert all(np.array_equal(got[k], s[k]) for k in got)
+        assert np.array_equal(got["image"], images[got["label"].astype(np.int64)])
+        assert np.array_equal(expected_label(got["image"]), got["label"])
+
+
+def test_prefetch_runs_ahead_but_the_state_counts_what_the_user_took(sample: stoker.Dataset) -> None:
+    with sample.loader(16).to_jax(prefetch_to_device=3) as batches:
+        it = iter(batches)
+        next(it)
+        assert batches.loader.position == (0, 16 * 4)  # one taken, three on the device
+        assert batches.state_dict()["position"] == 16
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 9])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_to_jax_resumes_exactly_with_prefetch_in_flight(sample: stoker.Dataset, k: int, prefetch: int) -> None:
+    def make() -> stoker.Loader:
+        return sample.loader(24, epochs=2, shuffle="global", seed=5)
+
+    with make().to_jax(prefetch_to_device=prefetch) as whole:
+        reference = as_numpy(list(whole))
+    with make().to_jax(prefetch_to_device=prefetch) as first:
+        it = iter(first)
+        before = [next(it) for _ in range(k)]
+        state = json.loads(json.dumps(first.state_dict()))
+    with make().to_jax(prefetch_to_device=prefetch) as second:
+        second.load_state_dict(state)
+        after = list(second)
+    assert_same(reference, as_numpy(before + after))
+
+
+def test_to_jax_rejects_bad_settings(sample: stoker.Dataset) -> None:
+    with sample.loader(8) as loader:
+        with pytest.raises(stoker.SpecError, match="prefetch_to_device"):
+            to_jax(loader, prefetch_to_device=-1)
+        with pytest.raises(stoker.SpecError, match="unknown field"):
+            to_jax(loader, sharding={"pixels": SingleDeviceSharding(jax.devices()[0])})
+        with pytest.raises(stoker.SpecError, match=r"not a jax\.sharding\.Sharding"):
+            to_jax(loader, sharding="batch")
+
+
+def test_shard_from_jax_is_this_process() -> None:
+    assert shard_from_jax() == (jax.process_index(), jax.process_count()) == (0, 1)
+
+
+def test_named_sharding_splits_the_batch_over_devices(sample: stoker.Dataset, tmp_path: Path) -> None:
+    # Two CPU devices need XLA_FLAGS before JAX starts: a fresh interpreter.
+    script = textwrap.dedent(f"""
+        import jax, numpy as np, stoker
+        from jax.sharding import NamedSharding, PartitionSpec
+        assert jax.device_count() == 2
+        ds = stoker.Dataset(image=stoker.Field({str(tmp_path / "img_*.bin")!r}, "int8", ({RES}, {RES}, 1)),
+                            label=stoker.Field({str(tmp_path / "out_*.bin.gz")!r}, "float32"))
+        mesh = jax.make_mesh((2,), ("batch",))
+        data = NamedSharding(mesh, PartitionSpec("batch"))
+        with ds.loader(16, drop_remainder=True) as plain:
+            expected = [dict(b) for b in plain]
+        with ds.loader(16, drop_remainder=True).to_jax(sharding=data) as batches:
+            got = list(batches)
+        assert len(got) == len(expected)
+        for e, g in zip(expected, got):
+            assert g["image"].sharding == data
+            assert [s.data.shape[0] for s in g["image"].addressable_shards] == [8, 8]
+            assert np.array_equal(np.asarray(g["image"]), e["image"])
+        print("ok")
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_jax_train_example_trains_a_few_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import jax_train
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    assert jax_train.main(["--data", str(tmp_path / "data"), "--steps", "30"]) == 0
+    assert "position 64" in capsys.readouterr().out  # 30 steps of 32 over 4 batches an epoch

@@ -1,0 +1,292 @@
+"""stoker.tf: the zero-copy tf.data bridge, Keras, and the native tf.data graph."""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import importlib.util
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf  # make test installs TF; a missing TF fails loudly, never skips
+
+import stoker
+from stoker.engine import AlignedPool
+from stoker.sample import expected_label
+from stoker.tf import as_tensor, native_dataset
+
+pytestmark = pytest.mark.tf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> stoker.Dataset:
+    d = tmp_path_factory.mktemp("sample")
+    stoker.write_sample(d, pairs=3, records=64, inrez=16)
+    return stoker.Dataset(
+        image=stoker.Field(str(d / "img_*.bin"), "int8", (16, 16, 1)),
+        label=stoker.Field(str(d / "out_*.bin.gz"), "float32"),
+    )
+
+
+def _numpy_batches(loader: stoker.Loader) -> list[dict[str, np.ndarray]]:
+    return [{k: v.copy() for k, v in b.items()} for b in loader]
+
+
+def _open_paths() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed since listdir
+            continue
+    return out
+
+
+def _stoker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("stoker-worker")]
+
+
+# -- to_tf --------------------------------------------------------------------------
+
+
+def test_element_spec_is_exact_with_static_batch_when_dropping_remainder(sample: stoker.Dataset) -> None:
+    loader = sample.loader(32, cast={"image": "float32"}, drop_remainder=True, with_index=True)
+    spec = loader.to_tf().element_spec
+    assert spec == {
+        "image": tf.TensorSpec((32, 16, 16, 1), tf.float32, name="image"),
+        "label": tf.TensorSpec((32,), tf.float32, name="label"),
+        "__group__": tf.TensorSpec((32,), tf.int64, name="__group__"),
+        "__index__": tf.TensorSpec((32,), tf.int64, name="__index__"),
+    }
+    loose = sample.loader(32).to_tf().element_spec
+    assert loose["image"].shape.as_list() == [None, 16, 16, 1] and loose["image"].dtype == tf.int8
+    assert loose["label"].shape.as_list() == [None]  # a field of shape () is (n,)
+
+
+def test_to_tf_values_equal_numpy_iteration_and_each_iteration_is_a_fresh_pass(sample: stoker.Dataset) -> None:
+    loader = sample.loader(24, cast={"image": "float32"}, threads=2)
+    expected = _numpy_batches(loader)
+    tfds = loader.to_tf()
+    for _ in range(2):  # a second iteration starts again from the first batch
+        got = [{k: v.numpy() for k, v in b.items()} for b in tfds]
+        assert len(got) == len(expected) == 8  # 192 records in batches of 24
+        for g, e in zip(got, expected, strict=True):
+            assert g.keys() == e.keys()
+            for k in e:
+                np.testing.assert_array_equal(g[k], e[k])
+                assert g[k].dtype == e[k].dtype
+
+
+def test_held_tensors_never_change_while_the_loader_recycles_buffers(sample: stoker.Dataset) -> None:
+    # A budget of a few batches forces buffer reuse; every held tensor must keep its own.
+    loader = sample.loader(8, cast={"image": "float32"}, epochs=3, memory_budget=8 * 16 * 16 * 4 * 6, threads=2)
+    held = list(loader.to_tf())
+    assert len(held) == 3 * 24
+    for _ in loader:  # keep the engine busy writing fresh batches meanwhile
+        pass
+    gc.collect()
+    expected = _numpy_batches(sample.loader(8, cast={"image": "float32"}, epochs=3))
+    for h, e in zip(held, expected, strict=True):
+        np.testing.assert_array_equal(h["image"].numpy(), e["image"])
+        np.testing.assert_array_equal(h["label"].numpy(), e["label"])
+        np.testing.assert_array_equal(h["label"].numpy(), expected_label(h["image"].numpy().astype(np.int8)))
+
+
+def test_as_tensor_aliases_aligned_memory_and_keeps_it_from_reuse() -> None:
+    """Guard of the fast path: fails if the DLPack bridge starts copying or lets go too early."""
+    pool = AlignedPool(max_pooled_bytes=1 << 30)
+    a = pool.array((256, 32, 32), np.dtype(np.float32))
+    a[:] = 1.5
+    address = a.ctypes.data
+    t = as_tensor(a)
+    assert np.from_dlpack(t).ctypes.data == address  # zero copy: the tensor is the array
+    del a
+    gc.collect()
+    b = pool.array((256, 32, 32), np.dtype(np.float32))  # must not get the tensor's region
+    assert b.ctypes.data != address and pool.allocated == 2
+    b[:] = -7.0
+    assert float(tf.reduce_min(t)) == float(tf.reduce_max(t)) == 1.5
+    del b, t
+    gc.collect()
+    pool.array((256, 32, 32), np.dtype(np.float32))  # both regions free again: reused
+    assert pool.allocated == 2
+
+
+def test_as_tensor_copies_memory_tensorflow_cannot_alias() -> None:
+    # 16-byte aligned (numpy's default): TF 2.21 would alias it and abort in a strided slice.
+    raw = np.zeros(4096 + 64, np.uint8)
+    offset = (16 - raw.ctypes.data) % 64 or 16
+    odd = raw[offset : offset + 4096].view(np.float32)
+    assert odd.ctypes.data % 64 != 0
+    odd[:] = np.arange(1024)
+    t = as_tensor(odd)
+    assert np.from_dlpack(t).ctypes.data != odd.ctypes.data
+    np.testing.assert_array_equal(t[1:5].numpy(), [1, 2, 3, 4])
+    swapped = np.arange(6, dtype=">u2")
+    np.testing.assert_array_equal(as_tensor(swapped).numpy(), np.arange(6))
+
+
+def test_to_tf_delivers_the_loaders_own_buffers(sample: stoker.Dataset) -> None:
+    """End-to-end guard: every tensor out of the tf.data iterator is a buffer the loader allocated."""
+    loader = sample.loader(16, cast={"image": "float32"})
+    addresses: set[int] = set()
+    make = loader.allocator_factory
+
+    class Recording:
+        def __init__(self, pooled: int) -> None:
+            self.inner = make(pooled)
+
+        def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            out = self.inner.array(shape, dtype)
+            addresses.add(out.ctypes.data)
+            return out
+
+        def clear(self) -> None:
+            self.inner.clear()
+
+    loader.allocator_factory = Recording
+    seen = 0
+    for batch in loader.to_tf():
+        for tensor in batch.values():
+            assert np.from_dlpack(tensor).ctypes.data in addresses
+            seen += 1
+    assert seen == 2 * 12
+
+
+def test_early_break_leaves_no_worker_thread(sample: stoker.Dataset) -> None:
+    loader = sample.loader(4, epochs=None, threads=2)
+    tfds = loader.to_tf()
+    for i, _ in enumerate(tfds):
+        if i == 3:
+            assert _stoker_threads()  # the pass is running ...
+            break
+    deadline = time.monotonic() + 10
+    while _stoker_threads() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert _stoker_threads() == []  # ... and stopped once TF let go of the iterator
+    under = str(Path(sample.files[0]["image"].path).parent)
+    assert [p for p in _open_paths() if p.startswith(under)] == []  # and its files are closed
+
+
+def test_keras_fit_runs_on_the_sample(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("keras_fit", ROOT / "examples" / "keras_fit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    losses = module.train(tmp_path, steps=3, epochs=2)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert module.main([str(tmp_path), "--steps", "2", "--epochs", "1"]) == 0
+
+
+# -- native_dataset -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch", "cycle", "block", "drop"), [(24, None, None, False), (7, 2, 5, True)])
+def test_native_dataset_equals_the_loader(
+    sample: stoker.Dataset, batch: int, cycle: int | None, block: int | None, drop: bool
+) -> None:
+    kw = {"cycle_length": cycle, "block_length": block, "cast": {"image": "float32"}, "drop_remainder": drop}
+    expected = _numpy_batches(sample.loader(batch, **kw))  # type: ignore[arg-type]
+    native = native_dataset(sample, batch, **kw)  # type: ignore[arg-type]
+    assert native.element_spec["image"].shape.as_list() == [batch if drop else None, 16, 16, 1]
+    assert native.element_spec["label"].shape.as_list() == [batch if drop else None]
+    got = list(native.as_numpy_iterator())
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(g["image"], e["image"])
+        np.testing.assert_array_equal(g["label"], e["label"])
+
+
+def test_native_dataset_checks_counts_before_building(tmp_path: Path) -> None:
+    (tmp_path / "a_0.bin").write_bytes(bytes(12))
+    (tmp_path / "b_0.bin.gz").write_bytes(gzip.compress(bytes(8)))  # 2 records against 3
+    ds = stoker.Dataset(
+        a=stoker.Field(str(tmp_path / "a_*.bin"), "uint32"), b=stoker.Field(str(tmp_path / "b_*.bin.gz"), "uint32")
+    )
+    with pytest.raises(stoker.PairingError):
+        native_dataset(ds, 4)
+
+
+# -- semantics against FixedLengthRecordDataset -----------------------------------------
+
+_HEADER, _FOOTER = 5, 3
+
+
+def _write_kind(tmp: Path, kind: str, counts: list[int], record: int) -> list[str]:
+    rng = np.random.default_rng(len(kind))
+    paths = []
+    for g, n in enumerate(counts):
+        body = rng.integers(0, 256, size=_HEADER + n * record + _FOOTER, dtype=np.uint8).tobytes()
+        suffix = {"raw": ".bin", "gzip": ".bin.gz", "zlib": ".bin.zz"}[kind]
+        path = tmp / f"{kind}_{g:02d}{suffix}"
+        data = {"raw": body, "gzip": gzip.compress(body), "zlib": zlib.compress(body)}[kind]
+        path.write_bytes(data)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.mark.parametrize("kind", ["raw", "gzip", "zlib"])
+def test_records_equal_fixed_length_record_dataset_byte_for_byte(tmp_path: Path, kind: str) -> None:
+    counts, record = [7, 0, 12, 1, 5], 6
+    paths = _write_kind(tmp_path, kind, counts, record)
+    tf_kind = {"raw": "", "gzip": "GZIP", "zlib": "ZLIB"}[kind]
+    expected = [
+        r
+        for p in paths
+        for r in tf.data.FixedLengthRecordDataset(
+            p, record, header_bytes=_HEADER, footer_bytes=_FOOTER, compression_type=tf_kind
+        ).as_numpy_iterator()
+    ]
+    assert len(expected) == sum(counts)
+    # Big-endian uint16 x 3 per record: exercises byte order in both stoker and native_dataset.
+    field = stoker.Field(paths, "uint16", (3,), header_bytes=_HEADER, footer_bytes=_FOOTER, byte_order="big")
+    ds = stoker.Dataset(x=field)
+    got = [r.astype(">u2").tobytes() for b in ds.loader(4, cycle_length=1) for r in b["x"]]
+    assert got == expected
+    native = native_dataset(ds, 4, cycle_length=1, block_length=3)
+    got_native = [r.astype(">u2").tobytes() for b in native.as_numpy_iterator() for r in b["x"]]
+    assert got_native == expected
+
+
+def test_native_dataset_decodes_dtypes_decode_raw_lacks(tmp_path: Path) -> None:
+    values = np.arange(10, dtype=np.uint64) * (1 << 40) + 3
+    (tmp_path / "u_0.bin").write_bytes(values.astype(">u8").tobytes())
+    (tmp_path / "v_0.bin").write_bytes(values.astype("<u4").tobytes())
+    ds = stoker.Dataset(
+        u=stoker.Field(str(tmp_path / "u_*.bin"), "uint64", byte_order="big"),
+        v=stoker.Field(str(tmp_path / "v_*.bin"), "uint32"),
+    )
+    (batch,) = list(native_dataset(ds, 16, block_length=4).as_numpy_iterator())
+    np.testing.assert_array_equal(batch["u"], values)
+    np.testing.assert_array_equal(batch["v"], values.astype(np.uint32))
+    assert batch["u"].dtype == np.uint64 and batch["v"].dtype == np.uint32
+
+
+# -- tf.data service ----------------------------------------------------------------
+
+
+def test_tf_data_service_delivers_every_record_once(sample: stoker.Dataset) -> None:
+    service = tf.data.experimental.service
+    dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
+    address = dispatcher.target.split("://")[1]
+    workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0)) for _ in range(2)]
+    try:
+        native = native_dataset(sample, 16)
+        distributed = native.apply(service.distribute(processing_mode="distributed_epoch", service=dispatcher.target))
+        batches = list(distributed.as_numpy_iterator())
+    finally:
+        for w in workers:
+            w.stop()
+        dispatcher.stop()
+    labels = np.concatenate([b["label"] for b in batches])
+    images = np.concatenate([b["image"] for b in batches])
+    assert sorted(labels.astype(int).tolist()) == list(range(len(sample)))
+    np.testing.assert_array_equal(expected_label(images), labels)  # each image with its own label
