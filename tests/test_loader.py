@@ -7,7 +7,6 @@ import gzip
 import itertools
 import math
 import os
-import threading
 import zlib
 from pathlib import Path
 
@@ -328,7 +327,9 @@ COUNTS_E = [30, 25, 0, 40, 20]
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_gzip_count_mismatch_is_raised_at_the_batch_that_would_first_hold_the_group(tmp_path: Path, threads: int) -> None:
+def test_gzip_count_mismatch_is_raised_at_the_batch_that_would_first_hold_the_group(
+    tmp_path: Path, threads: int
+) -> None:
     write_dataset(tmp_path, COUNTS_E, {"image": IMG, "label": LAB_GZ})
     bad = tmp_path / "out_0003.bin.gz"
     bad.write_bytes(gzip.compress(np.arange(41, dtype="<f4").tobytes()))  # 41 labels for 40 images
@@ -345,7 +346,9 @@ def test_gzip_count_mismatch_is_raised_at_the_batch_that_would_first_hold_the_gr
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_zlib_count_mismatch_is_raised_at_the_batch_that_would_first_hold_the_group(tmp_path: Path, threads: int) -> None:
+def test_zlib_count_mismatch_is_raised_at_the_batch_that_would_first_hold_the_group(
+    tmp_path: Path, threads: int
+) -> None:
     write_dataset(tmp_path, COUNTS_E, {"image": IMG, "label": FieldPlan("out", "float32", kind="zlib")})
     (tmp_path / "out_0004.bin.zz").write_bytes(zlib.compress(np.arange(19, dtype="<f4").tobytes()))
     ds = stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
@@ -359,7 +362,9 @@ def test_zlib_count_mismatch_is_raised_at_the_batch_that_would_first_hold_the_gr
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_truncated_gzip_fails_naming_the_file_no_later_than_the_first_missing_record(tmp_path: Path, threads: int) -> None:
+def test_truncated_gzip_fails_naming_the_file_no_later_than_the_first_missing_record(
+    tmp_path: Path, threads: int
+) -> None:
     # The cut-off trailer disagrees with the images: the count is settled (and fails) when the group opens.
     write_dataset(tmp_path, COUNTS_E, {"image": IMG, "label": LAB_GZ})
     bad = tmp_path / "out_0003.bin.gz"
@@ -390,7 +395,9 @@ def _check_good_rows(tmp: Path, got, *, bad_group: int, bad_labels: np.ndarray) 
                 assert lab == want
 
 
-def test_truncated_gzip_with_a_trusted_count_fails_at_the_batch_holding_the_first_missing_record(tmp_path: Path) -> None:
+def test_truncated_gzip_with_a_trusted_count_fails_at_the_batch_holding_the_first_missing_record(
+    tmp_path: Path,
+) -> None:
     # The truncated file's last 4 bytes happen to read as the right ISIZE: the count is trusted.
     write_dataset(tmp_path, [30, 40], {"image": IMG, "label": LAB_GZ})
     bad = tmp_path / "out_0001.bin.gz"
