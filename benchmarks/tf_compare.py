@@ -1,0 +1,171 @@
+"""stoker against tf.data on W1: the seed's pipeline, its interleave version, native_dataset, to_tf.
+
+Every contender produces float32 images (256, 128, 128, 1) + float32 labels (256,) from the
+same files and a consumer that only iterates and counts. Rounds alternate the contenders,
+each in a fresh process (this kind of machine drifts by tens of percent within a minute);
+ratios are taken within a round, then their median is reported.
+
+    python benchmarks/tf_compare.py [--rounds 3] [--seconds 4] [--data DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+BATCH = 256
+INREZ = 128
+CONTENDERS = {
+    "tf.data seed": "seed",
+    "tf.data seed + interleave": "seed_interleave",
+    "stoker native_dataset": "native",
+    "stoker numpy": "numpy",
+    "stoker to_tf": "to_tf",
+}
+
+
+def _files(data: Path) -> tuple[list[str], list[str]]:
+    return sorted(str(p) for p in data.glob("img_*.bin")), sorted(str(p) for p in data.glob("out_*.bin.gz"))
+
+
+def _seed(data: Path, interleave: bool) -> Any:
+    """The seed question's pipeline; with ``interleave``, its accepted answer's version."""
+    import tensorflow as tf
+
+    img_files, out_files = _files(data)
+
+    def images(files: Any) -> Any:
+        d = tf.data.FixedLengthRecordDataset(files, INREZ * INREZ)
+        d = d.map(lambda s: tf.reshape(tf.io.decode_raw(s, tf.int8), (INREZ, INREZ, 1)))
+        return d.map(lambda x: tf.cast(x, dtype=tf.float32))
+
+    def labels(files: Any) -> Any:
+        d = tf.data.FixedLengthRecordDataset(files, 4, compression_type="GZIP")
+        return d.map(lambda s: tf.io.decode_raw(s, tf.float32))
+
+    if interleave:
+        pairs = tf.data.Dataset.from_tensor_slices((img_files, out_files))
+        xsrc = pairs.interleave(
+            lambda i, o: tf.data.Dataset.zip((images(i), labels(o))), num_parallel_calls=tf.data.AUTOTUNE
+        )
+        xsrc = xsrc.batch(BATCH)
+    else:
+        xsrc = tf.data.Dataset.zip((images(img_files), labels(out_files))).batch(BATCH)
+    return xsrc.repeat().prefetch(tf.data.AUTOTUNE)
+
+
+def _dataset(data: Path) -> Any:
+    import stoker
+
+    return stoker.Dataset(
+        image=stoker.Field(str(data / "img_*.bin"), "int8", (INREZ, INREZ, 1)),
+        label=stoker.Field(str(data / "out_*.bin.gz"), "float32", compression="gzip"),
+    )
+
+
+def _batches(kind: str, data: Path) -> Iterator[Any]:
+    if kind in ("seed", "seed_interleave"):
+        return iter(_seed(data, kind == "seed_interleave"))
+    ds = _dataset(data)
+    if kind == "native":
+        from stoker.tf import native_dataset
+
+        return iter(native_dataset(ds, BATCH, cast={"image": "float32"}).repeat())
+    loader = ds.loader(BATCH, cast={"image": "float32"}, epochs=None)
+    return iter(loader.to_tf()) if kind == "to_tf" else iter(loader)
+
+
+def _child(kind: str, data: Path, seconds: float) -> dict[str, float]:
+    it = _batches(kind, data)
+    next(it)  # build, trace and warm up outside the timed window
+    n = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        batch = next(it)
+        labels = batch[1] if isinstance(batch, tuple) else batch["label"]
+        n += int(labels.shape[0])
+    return {"records": n, "seconds": time.perf_counter() - start}
+
+
+def _run(kind: str, data: Path, seconds: float) -> float:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", kind, "--data", str(data), "--seconds", str(seconds)],
+        capture_output=True, text=True, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"contender {kind!r} failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return float(out["records"] / out["seconds"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--child", choices=sorted(CONTENDERS.values()), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    data = Path(args.data)
+    if args.child:
+        print(json.dumps(_child(args.child, data, args.seconds)))
+        return 0
+    if not (data / ".complete").exists():
+        from stoker.sample import write_sample
+
+        print(f"writing W1 into {data} ...", file=sys.stderr)
+        write_sample(data)
+        (data / ".complete").write_text("ok\n")
+    results: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    t0 = time.time()
+    for r in range(args.rounds):
+        order = list(CONTENDERS) if r % 2 == 0 else list(reversed(CONTENDERS))
+        for name in order:
+            rate = _run(CONTENDERS[name], data, args.seconds)
+            results[name].append(rate)
+            print(f"  round {r + 1}: {name:<28} {rate:>10,.0f} records/s", file=sys.stderr)
+
+    def ratio(a: str, b: str) -> tuple[float, float, float]:
+        rs = [x / y for x, y in zip(results[a], results[b], strict=True)]
+        return statistics.median(rs), min(rs), max(rs)
+
+    cores = len(os.sched_getaffinity(0))
+    lines = [
+        f"# tf.data vs stoker on W1 ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, "
+        f"{platform.processor() or platform.machine()}, {cores} cores, {args.rounds} alternated rounds of "
+        f"{args.seconds:g}s, warm page cache; float32 images, batch {BATCH})",
+        "",
+        "| contender | records/s median | min | max |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, rates in results.items():
+        lines.append(f"| {name} | {statistics.median(rates):,.0f} | {min(rates):,.0f} | {max(rates):,.0f} |")
+    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
+    for a, b in (
+        ("tf.data seed + interleave", "tf.data seed"),
+        ("stoker native_dataset", "tf.data seed"),
+        ("stoker to_tf", "tf.data seed"),
+        ("stoker to_tf", "stoker numpy"),
+        ("stoker native_dataset", "stoker numpy"),
+    ):
+        med, lo, hi = ratio(a, b)
+        lines.append(f"| {a} / {b} | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

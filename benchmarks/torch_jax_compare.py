@@ -1,0 +1,220 @@
+"""W1 through the framework adapters, beside PyTorch's DataLoader and Grain, on the same files.
+
+Contenders (float32 images, batch 256, labels decoded from the gzip files):
+
+- ``stoker numpy``: ``ds.loader(256, cast={"image": "float32"})``, the reference;
+- ``stoker.to_torch``: the same loader through ``loader.to_torch()`` (CPU tensors, zero-copy);
+- ``stoker.to_jax``: the same loader through ``loader.to_jax()`` (CPU device, prefetch 2);
+- ``torch DataLoader``: map-style, per-record ``__getitem__`` (image from ``np.memmap``,
+  cast to float32; label from a decoded array), default collate, ``num_workers`` = cores;
+- ``grain``: ``grain.MapDataset.source(...)`` over the same random-access source,
+  ``.batch(256)``, ``.to_iter_dataset(ReadOptions(num_threads=cores))``.
+
+Every contender runs in a fresh process, rounds alternate the order, and each is timed
+from its first batch on (worker start-up and first-batch latency are excluded alike).
+Prints a markdown table of medians and per-round ratios.
+
+    python benchmarks/torch_jax_compare.py [--rounds 3] [--seconds 3] [--out benchmarks/results/torch_jax.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RES = 128
+BATCH = 256
+CONTENDERS = ("stoker numpy", "stoker.to_torch", "stoker.to_jax", "torch DataLoader", "grain")
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+class RecordSource:
+    """Random access to W1 records: image by memory map, label from the decoded label files."""
+
+    def __init__(self, data: str) -> None:
+        self.images = sorted(str(p) for p in Path(data).glob("img_*.bin"))
+        labels = sorted(Path(data).glob("out_*.bin.gz"))
+        self.labels = np.concatenate([np.frombuffer(gzip.decompress(p.read_bytes()), "<f4") for p in labels])
+        self.counts = [os.path.getsize(p) // (RES * RES) for p in self.images]
+        self.firsts = np.concatenate([[0], np.cumsum(self.counts)])
+        self.maps: list[np.memmap] | None = None  # opened lazily: once per worker process
+
+    def __len__(self) -> int:
+        return int(self.firsts[-1])
+
+    def record(self, i: int) -> tuple[np.ndarray, np.float32]:
+        if self.maps is None:
+            pairs = zip(self.images, self.counts, strict=True)
+            self.maps = [np.memmap(p, np.int8, "r", shape=(n, RES, RES, 1)) for p, n in pairs]
+        g = int(np.searchsorted(self.firsts, i, side="right")) - 1
+        return self.maps[g][i - self.firsts[g]].astype(np.float32), self.labels[i]
+
+
+def batches(name: str, data: str) -> Any:
+    """An endless iterator of batches for contender ``name``."""
+    if name.startswith("stoker"):
+        import stoker
+
+        ds = stoker.Dataset(
+            image=stoker.Field(f"{data}/img_*.bin", "int8", (RES, RES, 1)),
+            label=stoker.Field(f"{data}/out_*.bin.gz", "float32"),
+        )
+        loader = ds.loader(BATCH, epochs=None, cast={"image": "float32"})
+        if name == "stoker.to_torch":
+            return iter(loader.to_torch())
+        if name == "stoker.to_jax":
+            return iter(loader.to_jax())
+        return iter(loader)
+    source = RecordSource(data)
+    if name == "torch DataLoader":
+        import torch.utils.data
+
+        class MapStyle(torch.utils.data.Dataset):
+            def __len__(self) -> int:
+                return len(source)
+
+            def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+                image, label = source.record(i)
+                return torch.from_numpy(image), torch.tensor(label)
+
+        def endless() -> Any:
+            dl = torch.utils.data.DataLoader(MapStyle(), batch_size=BATCH, num_workers=cores(), persistent_workers=True)
+            while True:
+                yield from dl
+
+        return endless()
+    if name == "grain":
+        import grain
+
+        class Source:
+            def __len__(self) -> int:
+                return len(source)
+
+            def __getitem__(self, i: int) -> dict[str, Any]:
+                image, label = source.record(i)
+                return {"image": image, "label": label}
+
+        opts = grain.ReadOptions(num_threads=cores(), prefetch_buffer_size=4 * BATCH)
+        return iter(grain.MapDataset.source(Source()).repeat().batch(BATCH).to_iter_dataset(opts))
+    raise ValueError(name)
+
+
+def size_of(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, list | tuple) else batch["image"]
+    return int(first.shape[0])
+
+
+def child(name: str, data: str, seconds: float) -> dict[str, float]:
+    it = batches(name, data)
+    next(it)  # start-up and first batch excluded, for every contender alike
+    n = 0
+    start = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        n += size_of(next(it))
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+    return {"records": n, "seconds": elapsed}
+
+
+def run_child(name: str, data: str, seconds: float) -> float | None:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", name, "--data", data, "--seconds", str(seconds)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        print(f"  {name} failed:\n{proc.stderr[-1500:]}", file=sys.stderr)
+        return None
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["records"] / out["seconds"]
+
+
+def available(name: str) -> bool:
+    module = {"stoker.to_torch": "torch", "torch DataLoader": "torch", "stoker.to_jax": "jax", "grain": "grain"}
+    if name not in module:
+        return True
+    try:
+        __import__(module[name])
+    except ImportError:
+        print(f"  {name}: {module[name]} is not installed; skipped", file=sys.stderr)
+        return False
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
+    ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.data, args.seconds)))
+        return 0
+    data = Path(args.data)
+    if not (data / ".complete").exists():
+        from stoker.sample import write_sample
+
+        print(f"writing W1 into {data} ...", file=sys.stderr)
+        write_sample(data)
+        (data / ".complete").write_text("ok\n")
+    names = [n for n in CONTENDERS if available(n)]
+    results: dict[str, list[float | None]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            rate = run_child(name, str(data), args.seconds)
+            results[name].append(rate)
+            print(f"  round {r + 1}: {name:<18} {rate or 0:>12,.0f} records/s", file=sys.stderr)
+
+    def ratios(a: str, b: str) -> list[float]:
+        pairs = zip(results.get(a, []), results.get(b, []), strict=False)
+        return [x / y for x, y in pairs if x and y]
+
+    lines = [
+        f"# stoker adapters vs DataLoader and Grain on W1 ({time.strftime('%Y-%m-%d')}, "
+        f"{platform.machine()}, {cores()} cores, {args.rounds} alternated rounds of {args.seconds:g}s, "
+        "float32 images, batch 256, warm page cache)",
+        "",
+        "| contender | records/s median | min | max |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, rates in results.items():
+        ok = [x for x in rates if x]
+        if ok:
+            lines.append(f"| {name} | {statistics.median(ok):,.0f} | {min(ok):,.0f} | {max(ok):,.0f} |")
+        else:
+            lines.append(f"| {name} | failed | | |")
+    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
+    for a, b in [
+        ("stoker.to_torch", "stoker numpy"),
+        ("stoker.to_jax", "stoker numpy"),
+        ("stoker.to_torch", "torch DataLoader"),
+        ("stoker.to_torch", "grain"),
+    ]:
+        rs = ratios(a, b)
+        if rs:
+            lines.append(f"| {a} / {b} | {statistics.median(rs):.2f} | {min(rs):.2f} | {max(rs):.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

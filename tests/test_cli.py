@@ -1,0 +1,136 @@
+"""The stoker command: sample, inspect (dir, --field, --config), bench; errors as `Type: message`."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.cli import main, parse_field
+
+
+@pytest.fixture
+def sample(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    d = tmp_path / "d"
+    assert main(["sample", str(d), "--pairs", "2", "--records", "50", "--inrez", "8"]) == 0
+    assert "wrote 2 pairs x 50 records" in capsys.readouterr().out
+    return d
+
+
+def test_sample_writes_the_files(sample: Path) -> None:
+    assert sorted(p.name for p in sample.iterdir()) == ["img_0000.bin", "img_0001.bin", "out_0000.bin.gz",
+                                                         "out_0001.bin.gz"]  # fmt: skip
+    assert (sample / "img_0001.bin").stat().st_size == 50 * 64
+
+
+def test_inspect_a_sample_dir_reports_groups_records_and_sync(sample: Path, capsys) -> None:
+    assert main(["inspect", str(sample), "--inrez", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "2 groups" in out and "total: 100 records" in out and "in sync" in out
+    assert "img_0000.bin" in out and "out_0001.bin.gz" in out and "gzip" in out
+
+
+def test_inspect_with_fields_and_with_config_print_the_same(sample: Path, capsys) -> None:
+    argv = ["inspect", "--field", f"image={sample}/img_*.bin:int8:8x8x1", "--field",
+            f"label={sample}/out_*.bin.gz:float32:gzip"]  # fmt: skip
+    assert main(argv) == 0
+    by_fields = capsys.readouterr().out
+    cfg = sample / "stoker.toml"
+    cfg.write_text(
+        '[fields.image]\nfiles = "img_*.bin"\ndtype = "int8"\nshape = [8, 8, 1]\n\n'
+        '[fields.label]\nfiles = "out_*.bin.gz"\ndtype = "float32"\ncompression = "gzip"\n'
+    )
+    assert main(["inspect", "--config", str(cfg)]) == 0
+    assert capsys.readouterr().out == by_fields
+    assert "total: 100 records" in by_fields
+
+
+def test_inspect_reports_out_of_sync_groups_with_exit_code_1(sample: Path, capsys) -> None:
+    (sample / "out_0001.bin.gz").write_bytes(gzip.compress(np.arange(49, dtype="<f4").tobytes()))
+    assert main(["inspect", str(sample), "--inrez", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "OUT OF SYNC" in out and "out_0001.bin.gz" in out and "49" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("x=a/*.bin:int8", {"files": "a/*.bin", "dtype": "int8", "shape": [], "compression": "auto"}),
+        ("x=a/*.bin:int8:128x128x1", {"files": "a/*.bin", "dtype": "int8", "shape": [128, 128, 1]}),
+        ("y=b.gz:float32:gzip", {"files": "b.gz", "dtype": "float32", "compression": "gzip"}),
+        ("y=b:float32:4:none", {"files": "b", "shape": [4], "compression": None}),
+        ("z=C:/data/*.bin:uint8:3:zlib", {"files": "C:/data/*.bin", "dtype": "uint8", "compression": "zlib"}),
+    ],
+)
+def test_parse_field(text: str, expected: dict) -> None:
+    spec = parse_field(text)
+    assert spec["name"] == text.split("=")[0]
+    for k, v in expected.items():
+        assert spec[k] == v
+
+
+def _mistake(argv: list[str], capsys) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "Traceback" not in err
+    return err
+
+
+def test_missing_files_print_spec_error_naming_the_glob(tmp_path: Path, capsys) -> None:
+    err = _mistake(["inspect", str(tmp_path / "empty"), "--inrez", "8"], capsys)
+    assert err.startswith("SpecError: ") and str(tmp_path / "empty" / "img_*.bin") in err
+
+
+def test_corrupt_raw_file_prints_corrupt_data_error_naming_the_file(sample: Path, capsys) -> None:
+    with open(sample / "img_0001.bin", "ab") as f:
+        f.write(b"xyz")
+    err = _mistake(["inspect", str(sample), "--inrez", "8"], capsys)
+    assert err.startswith("CorruptDataError: ") and "img_0001.bin" in err
+
+
+def test_raw_count_mismatch_prints_pairing_error_naming_both_files(tmp_path: Path, capsys) -> None:
+    (tmp_path / "a_0.bin").write_bytes(bytes(8))
+    (tmp_path / "b_0.bin").write_bytes(bytes(12))
+    err = _mistake(["inspect", "--field", f"a={tmp_path}/a_*.bin:int32", "--field",
+                    f"b={tmp_path}/b_*.bin:int32"], capsys)  # fmt: skip
+    assert err.startswith("PairingError: ") and "a_0.bin" in err and "b_0.bin" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["inspect", "--field", "x"], "NAME=GLOB:DTYPE"),
+        (["inspect", "--field", "x=a.bin:notadtype"], "notadtype"),
+        (["inspect", "--field", "x=a.bin:int8:banana"], "banana"),
+        (["inspect", "--config", "/nonexistent/stoker.toml"], "/nonexistent/stoker.toml"),
+        (["inspect"], "inspect needs"),
+    ],
+)
+def test_user_mistakes_print_type_and_message_without_traceback(argv, needle: str, capsys) -> None:
+    err = _mistake(argv, capsys)
+    assert err.startswith("SpecError: ") and needle in err
+
+
+def test_bad_config_contents_name_the_config(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[fields.x\n")
+    assert str(bad) in _mistake(["inspect", "--config", str(bad)], capsys)
+    empty = tmp_path / "empty.toml"
+    empty.write_text("[other]\n")
+    assert str(empty) in _mistake(["inspect", "--config", str(empty)], capsys)
+    nofiles = tmp_path / "nofiles.toml"
+    nofiles.write_text('[fields.x]\ndtype = "int8"\n')
+    assert "fields.x" in _mistake(["inspect", "--config", str(nofiles)], capsys)
+
+
+def test_bench_on_a_tiny_dataset_prints_records_per_second_and_the_ceiling_ratio(sample: Path, capsys) -> None:
+    argv = ["bench", "--field", f"image={sample}/img_*.bin:int8:8x8x1", "--field",
+            f"label={sample}/out_*.bin.gz:float32:gzip", "--rounds", "1", "--seconds", "0.3", "--batch-size", "16"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "records/s" in out
+    assert "stoker / ceiling: median" in out
+    assert "ceiling:mmap_cast" in out
