@@ -225,6 +225,8 @@ def stoker_threads() -> list[threading.Thread]:
 
 def wait_no_stoker_threads(timeout: float = 5.0) -> list[threading.Thread]:
     deadline = time.monotonic() + timeout
+    if not stoker_threads():  # the common case: skip gc.collect(), costly once TF/torch are loaded
+        return []
     while True:
         gc.collect()
         alive = stoker_threads()
