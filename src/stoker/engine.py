@@ -56,7 +56,7 @@ class AlignedPool:
 
     def __init__(self, max_pooled_bytes: int) -> None:
         self.max_pooled_bytes = max_pooled_bytes
-        self._free: dict[int, list[mmap.mmap]] = {}
+        self._free: dict[int, list[object]] = {}
         self._pooled = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -71,16 +71,25 @@ class AlignedPool:
             if region is not None:
                 self._pooled -= nbytes
         if region is None:
-            region = mmap.mmap(-1, nbytes)
+            region = self._new_region(nbytes)
             self.allocated += 1
-        arr = np.frombuffer(region, dtype=np.uint8, count=nbytes)
-        # numpy wraps the region in its own memoryview; every view of ``arr`` keeps that
-        # object alive, so its death means no array on the region is left anywhere.
+        arr = self._as_array(region, nbytes)
+        # ``arr.base`` is an object made for this array alone (numpy's memoryview of the
+        # region); every view of ``arr`` keeps it alive, so its death means no array on the
+        # region is left anywhere.
         done = weakref.finalize(arr.base, self._release, region, nbytes)
         done.atexit = False  # at exit the arrays may still be alive; the OS reclaims the memory
         return arr[:used].view(dtype).reshape(shape)
 
-    def _release(self, region: mmap.mmap, nbytes: int) -> None:
+    def _new_region(self, nbytes: int) -> object:
+        """A fresh region of ``nbytes``; subclasses supply other memory (pinned, shared)."""
+        return mmap.mmap(-1, nbytes)
+
+    def _as_array(self, region: object, nbytes: int) -> np.ndarray:
+        """A uint8 array over the region whose ``.base`` is created anew for each call."""
+        return np.frombuffer(region, dtype=np.uint8, count=nbytes)  # type: ignore[call-overload]
+
+    def _release(self, region: object, nbytes: int) -> None:
         with self._lock:
             if not self._closed and self._pooled + nbytes <= self.max_pooled_bytes:
                 self._free.setdefault(nbytes, []).append(region)

@@ -23,10 +23,7 @@ PyTorch is imported here only: ``import stoker`` needs numpy alone.
 
 from __future__ import annotations
 
-import math
-import threading
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,6 +33,7 @@ import torch
 import torch.utils.data
 
 from .dataset import Dataset
+from .engine import AlignedPool
 from .errors import SpecError, StateError
 from .loader import default_threads
 from .order import shard_from_rank, validate_shard
@@ -82,51 +80,21 @@ def worker_shard(shard: tuple[int, int], worker: int, num_workers: int) -> tuple
     return index + count * worker, count * num_workers
 
 
-class PinnedPool:
-    """The engine's :class:`~stoker.engine.Allocator` over CUDA pinned (page-locked) host memory.
+class PinnedPool(AlignedPool):
+    """The engine's :class:`~stoker.engine.AlignedPool` over CUDA pinned (page-locked) host memory.
 
-    Same contract as :class:`~stoker.engine.AlignedPool`: a buffer goes back to the free
-    list only once every array (and tensor) on it is gone; at most ``max_pooled_bytes``
-    are kept. Pinned memory from the CUDA host allocator is page aligned.
+    Same pool, same contract: a buffer goes back to the free list only once every array
+    (and tensor) on it is gone; at most ``max_pooled_bytes`` are kept. Only where the
+    memory comes from differs. Pinned memory from the CUDA host allocator is page aligned.
     """
 
-    def __init__(self, max_pooled_bytes: int) -> None:
-        self.max_pooled_bytes = max_pooled_bytes
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._pooled = 0
-        self._lock = threading.Lock()
-        self._closed = False
-        self.allocated = 0
+    def _new_region(self, nbytes: int) -> object:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        used = math.prod(shape) * dtype.itemsize
-        nbytes = max(1, used)
-        with self._lock:
-            free = self._free.get(nbytes)
-            region = free.pop() if free else None
-            if region is not None:
-                self._pooled -= nbytes
-        if region is None:
-            region = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            self.allocated += 1
-        arr = region.numpy()
-        # ``arr.base`` is a tensor torch made for this array alone; every view of ``arr``
-        # keeps it alive, so its death means no array on the region is left.
-        done = weakref.finalize(arr.base, self._release, region, nbytes)
-        done.atexit = False
-        return arr[:used].view(dtype).reshape(shape)
-
-    def _release(self, region: torch.Tensor, nbytes: int) -> None:
-        with self._lock:
-            if not self._closed and self._pooled + nbytes <= self.max_pooled_bytes:
-                self._free.setdefault(nbytes, []).append(region)
-                self._pooled += nbytes
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._pooled = 0
-            self._closed = True
+    def _as_array(self, region: object, nbytes: int) -> np.ndarray:
+        # ``.numpy()`` makes a new tensor-backed base for each call, like np.frombuffer.
+        assert isinstance(region, torch.Tensor)
+        return region.numpy()
 
 
 def _pinned_factory(pooled: int) -> Allocator:
