@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import gzip
-import os
 import threading
 import zlib
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 import stoker
+from conftest import open_paths, stoker_threads
 from stoker.sample import expected_label
 
 
@@ -147,20 +147,8 @@ def test_three_fields_odd_frame_size_and_big_endian(tmp_path: Path) -> None:
 
 
 def _worker_threads() -> list[threading.Thread]:
-    gc.collect()
-    return [t for t in threading.enumerate() if t.name.startswith("stoker-worker")]
-
-
-def _open_data_fds(root: Path) -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(root)):
-            out.append(target)
-    return out
+    gc.collect()  # a dropped iterator stops its threads when collected; check right after
+    return stoker_threads()
 
 
 def test_threads_start_at_first_batch_and_stop_on_break_close_or_drop(tmp_path: Path) -> None:
@@ -173,16 +161,16 @@ def test_threads_start_at_first_batch_and_stop_on_break_close_or_drop(tmp_path: 
     for _ in it:
         break
     del it
-    assert _worker_threads() == [] and _open_data_fds(tmp_path) == []
+    assert _worker_threads() == [] and open_paths(tmp_path) == []
     with ds.loader(4) as ctx:
         assert ctx.__class__.__name__ == "Loader"
         next(iter(ctx))
     ctx.close()  # idempotent
-    assert _worker_threads() == [] and _open_data_fds(tmp_path) == []
+    assert _worker_threads() == [] and open_paths(tmp_path) == []
     dropped = iter(ds.loader(4))
     next(dropped)
     del dropped
-    assert _worker_threads() == [] and _open_data_fds(tmp_path) == []
+    assert _worker_threads() == [] and open_paths(tmp_path) == []
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
