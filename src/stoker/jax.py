@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from .errors import SpecError
+from .loader import UserPosition
 from .order import shard_from_rank
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def _shardings(loader: Loader, sharding: Any) -> dict[str, Any]:
     return chosen
 
 
-class JaxLoader:
+class JaxLoader(UserPosition):
     """An iterable of dicts of jax arrays over a stoker Loader, prefetched to the device.
 
     Each ``iter()`` starts a new pass of the loader. ``state_dict()`` is the position after
@@ -141,15 +142,6 @@ class JaxLoader:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The loader's state after the last batch this iterable returned (JSON-serializable)."""
-        return self.loader._state_dict_at(self._position)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from ``state``: the next ``iter()`` continues right after the saved batch."""
-        self.loader.load_state_dict(state)
-        self._position = self.loader.position
 
     def close(self) -> None:
         """Stop the loader's threads and close its files; idempotent."""

@@ -21,7 +21,7 @@ from .spec import parse_bytes
 if TYPE_CHECKING:
     from .dataset import Dataset
 
-__all__ = ["Loader", "default_threads"]
+__all__ = ["Loader", "UserPosition", "default_threads"]
 
 Batch = dict[str, np.ndarray]
 STATE_VERSION = 1
@@ -297,6 +297,27 @@ class Loader:
             f"Loader(batch_size={self.batch_size}, epochs={self.epochs}, cycle_length={self.cycle_length}, "
             f"block_length={self.block_length}, threads={self.threads}, prefetch={self.prefetch})"
         )
+
+
+class UserPosition:
+    """State for adapters that run ahead of their user (device prefetch, copies in flight).
+
+    Subclasses set ``self.loader`` and update ``self._position`` to the loader position
+    recorded with each batch as they hand it to the user, so a saved state resumes right
+    after the last batch the user actually received.
+    """
+
+    loader: Loader
+    _position: tuple[int, int]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state after the last batch this iterable returned (JSON-serializable)."""
+        return self.loader._state_dict_at(self._position)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state``: the next ``iter()`` continues right after the saved batch."""
+        self.loader.load_state_dict(state)
+        self._position = self.loader.position
 
 
 def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator) -> None:

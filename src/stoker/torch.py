@@ -35,7 +35,7 @@ import torch.utils.data
 from .dataset import Dataset
 from .engine import AlignedPool
 from .errors import SpecError, StateError
-from .loader import default_threads
+from .loader import UserPosition, default_threads
 from .order import shard_from_rank, validate_shard
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ def to_torch(
     return TorchLoader(loader, device=device, pin_memory=pin_memory, cast_on_device=cast_on_device)
 
 
-class TorchLoader:
+class TorchLoader(UserPosition):
     """An iterable of dicts of torch tensors over a stoker Loader; a context manager.
 
     Each ``iter()`` starts a new pass of the loader. ``state_dict()`` is the position
@@ -226,15 +226,6 @@ class TorchLoader:
             elif not event.query():
                 return
             self._inflight.popleft()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The loader's state after the last batch this iterable returned (JSON-serializable)."""
-        return self.loader._state_dict_at(self._position)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from ``state``: the next ``iter()`` continues right after the saved batch."""
-        self.loader.load_state_dict(state)
-        self._position = self.loader.position
 
     def close(self) -> None:
         """Wait for copies in flight, stop the loader's threads, close its files; idempotent."""
