@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stoker.sample import cached_sample
+
 BATCH = 256
 INREZ = 128
 CONTENDERS = {
@@ -119,12 +121,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(_child(args.child, data, args.seconds)))
         return 0
-    if not (data / ".complete").exists():
-        from stoker.sample import write_sample
-
-        print(f"writing W1 into {data} ...", file=sys.stderr)
-        write_sample(data)
-        (data / ".complete").write_text("ok\n")
+    cached_sample(data)
     results: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     t0 = time.time()
     for r in range(args.rounds):

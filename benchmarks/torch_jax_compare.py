@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from stoker.sample import cached_sample
+
 RES = 128
 BATCH = 256
 CONTENDERS = ("stoker numpy", "stoker.to_torch", "stoker.to_jax", "torch DataLoader", "grain")
@@ -166,13 +168,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, args.data, args.seconds)))
         return 0
-    data = Path(args.data)
-    if not (data / ".complete").exists():
-        from stoker.sample import write_sample
-
-        print(f"writing W1 into {data} ...", file=sys.stderr)
-        write_sample(data)
-        (data / ".complete").write_text("ok\n")
+    data = cached_sample(args.data)
     names = [n for n in CONTENDERS if available(n)]
     results: dict[str, list[float | None]] = {n: [] for n in names}
     for r in range(args.rounds):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from stoker.bench import CEILING_LOOPS, measure, summarize
-from stoker.sample import write_sample
+from stoker.sample import cached_sample
 
 
 def main() -> int:
@@ -28,11 +28,7 @@ def main() -> int:
     ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
     ap.add_argument("--out", default="benchmarks/results/w1.md")
     args = ap.parse_args()
-    data = Path(args.data)
-    if not (data / ".complete").exists():
-        print(f"writing W1 into {data} ...", file=sys.stderr)
-        write_sample(data)
-        (data / ".complete").write_text("ok\n")
+    data = cached_sample(args.data)
     fields = [
         {"name": "image", "files": str(data / "img_*.bin"), "dtype": "int8", "shape": [128, 128, 1]},
         {"name": "label", "files": str(data / "out_*.bin.gz"), "dtype": "float32", "compression": "gzip"},

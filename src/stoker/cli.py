@@ -13,7 +13,7 @@ from typing import Any
 
 from .dataset import Dataset
 from .errors import PairingError, SpecError, StokerError
-from .sample import write_sample
+from .sample import cached_sample, write_sample
 from .spec import Field
 
 __all__ = ["dataset_from_fields", "main", "parse_field"]
@@ -175,11 +175,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     specs = _field_specs(args)
     if specs is None:
-        directory = _bench_cache() / f"sample-{args.pairs}x{args.records}x{args.inrez}"
-        if not (directory / ".complete").exists():
-            print(f"generating the sample dataset once into {directory} ...", file=sys.stderr)
-            write_sample(directory, pairs=args.pairs, records=args.records, inrez=args.inrez)
-            (directory / ".complete").write_text("ok\n")
+        directory = cached_sample(
+            _bench_cache() / f"sample-{args.pairs}x{args.records}x{args.inrez}",
+            pairs=args.pairs, records=args.records, inrez=args.inrez,
+        )  # fmt: skip
         specs = _sample_fields(directory, args.inrez)
     ds = dataset_from_fields(specs)
     cast = args.cast

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import gzip
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from .errors import SpecError
 
-__all__ = ["expected_label", "write_sample"]
+__all__ = ["cached_sample", "expected_label", "write_sample"]
 
 
 def expected_label(image: np.ndarray) -> np.ndarray:
@@ -63,4 +64,15 @@ def write_sample(
         with gzip.open(out / f"out_{g:04d}.bin.gz", "wb", compresslevel=compresslevel) as f:
             f.write(labels.tobytes())
         base += records
+    return out
+
+
+def cached_sample(directory: str | os.PathLike[str], *, pairs: int = 16, records: int = 4096, inrez: int = 128) -> Path:
+    """``write_sample`` once: reuse ``directory`` when an earlier call finished writing it."""
+    out = Path(directory)
+    marker = out / ".complete"  # written last, so a half-written sample is never reused
+    if not marker.exists():
+        print(f"generating the sample dataset once into {out} ...", file=sys.stderr)
+        write_sample(out, pairs=pairs, records=records, inrez=inrez)
+        marker.write_text("ok\n")
     return out
