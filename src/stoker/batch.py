@@ -59,12 +59,21 @@ class _RawFile:
 
 
 class _Stream:
-    """One compressed file being read front to back; batches take turns by ticket."""
+    """One compressed file being read front to back; batches take turns by ticket.
 
-    def __init__(self) -> None:
+    A file small enough to be decoded whole (``unordered``) needs no turns: it is decoded
+    once, by whichever batch gets there first, and each batch copies its own rows in any
+    order. ``serving`` then counts the runs done, and the decoded records are dropped with
+    the stream once the group's final run has been issued and every issued run is done.
+    """
+
+    def __init__(self, *, unordered: bool = False) -> None:
         self.cond = threading.Condition()
         self.issued = 0  # tickets handed out (in plan order, by the dispatcher)
-        self.serving = 0  # ticket whose turn it is
+        self.serving = 0  # ticket whose turn it is (unordered: runs done)
+        self.unordered = unordered
+        self.final_issued = False  # the group's final run has a ticket: no more will come
+        self.whole: _Whole | None = None
         self.inflater: Inflater | None = None
         self.pos = 0  # records consumed so far
         self.error: BaseException | None = None
@@ -83,7 +92,9 @@ class _Stream:
         with self.cond:
             if self.error is None:
                 self.error = error
-            if ticket == self.serving:
+            if self.unordered:
+                self.serving += 1
+            elif ticket == self.serving:
                 self.advance()
             elif ticket > self.serving:
                 self.abandoned.add(ticket)
@@ -135,7 +146,6 @@ class Assembler:
         # "global" shuffle: compressed fields decoded once into memory, per group.
         self._resident: dict[tuple[int, str], np.ndarray] = {}
         self._resident_locks: dict[tuple[int, str], threading.Lock] = {}
-        self._wholes: dict[tuple[int, int, str], _Whole] = {}
         self.stop = threading.Event()
         self._closed = False
 
@@ -154,9 +164,11 @@ class Assembler:
                 with self._lock:
                     stream = self._streams.get(key)
                     if stream is None:
-                        stream = self._streams[key] = _Stream()
-                task.tickets[(i, name)] = (stream, stream.issued)
-                stream.issued += 1
+                        stream = self._streams[key] = _Stream(unordered=self._whole_able(name, run.group))
+                with stream.cond:
+                    task.tickets[(i, name)] = (stream, stream.issued)
+                    stream.issued += 1
+                    stream.final_issued = stream.final_issued or run.final
         return task
 
     # -- work (runs in worker threads) --------------------------------------------------
@@ -318,10 +330,13 @@ class Assembler:
                 excess -= 1
 
     def _release(self, epoch: int, info: FileInfo, f: _RawFile, final: bool) -> None:
-        with self._lock:
+        with self._lock:  # one lock round per run: this is on the hot path
             f.refs -= 1
             f.done = f.done or final
-        self._release_if_done(epoch, info, f)
+            if f.done and f.refs == 0:
+                if self._files.get((epoch, info.path)) is f:
+                    del self._files[(epoch, info.path)]
+                f.close()
 
     def _release_if_done(self, epoch: int, info: FileInfo, f: _RawFile) -> None:
         with self._lock:
@@ -405,6 +420,9 @@ class Assembler:
         stream: _Stream,
         ticket: int,
     ) -> None:
+        if stream.unordered:
+            self._read_whole(epoch, name, spec, info, run, dst, stream)
+            return
         with stream.cond:
             while stream.serving != ticket:
                 if self.stop.is_set():
@@ -464,29 +482,34 @@ class Assembler:
             )  # fmt: skip
         return inf
 
+    def _whole_able(self, name: str, group: int) -> bool:
+        """Whether the group's file of ``name`` is decoded and verified whole (no turns)."""
+        spec = self.fields[name]
+        expected = self.catalog.count(group)
+        return spec.header_bytes + expected * spec.record_bytes + spec.footer_bytes <= VERIFY_WHOLE_BYTES
+
     def _stream_run(
         self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, stream: _Stream, epoch: int
     ) -> None:
-        expected = self.catalog.count(run.group)
-        if spec.header_bytes + expected * spec.record_bytes + spec.footer_bytes <= VERIFY_WHOLE_BYTES:
-            self._whole_run(epoch, name, spec, info, run, dst, expected)
-            return
         if stream.inflater is None or stream.pos > run.start:
             self._open_stream(name, spec, info, stream)
         if run.count:
             self._read_span(name, spec, info, run, stream, dst, cast=self._cast[name] or run.step != 1)
 
-    def _whole_run(
-        self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, expected: int
+    def _read_whole(
+        self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, stream: _Stream
     ) -> None:
-        """Serve a run from the file decoded and verified whole (stream turns keep it single-file)."""
-        key = (epoch, run.group, name)
-        entry = self._wholes.get(key)
-        if entry is None:
-            entry = self._decode_whole(name, spec, info, run.group, expected)
-            self._wholes[key] = entry
-        arr, valid, err, final_err = entry
+        """Serve a run from the file decoded and verified whole, in any order of batches."""
         try:
+            whole = stream.whole  # set once, never reset: no lock needed to see it set
+            if whole is None:
+                with stream.cond:  # the first run to get here decodes; the others wait for it
+                    if stream.whole is None:
+                        stream.whole = self._decode_whole(
+                            name, spec, info, run.group, self.catalog.count(run.group)
+                        )
+                    whole = stream.whole
+            arr, valid, err, final_err = whole
             if run.count:
                 if run.stop > valid:
                     assert err is not None
@@ -495,8 +518,13 @@ class Assembler:
             if run.final and final_err is not None:
                 raise final_err
         finally:
-            if run.final:
-                self._wholes.pop(key, None)
+            with stream.cond:
+                stream.serving += 1
+                last = stream.final_issued and stream.serving >= stream.issued
+            if last:
+                with self._lock:
+                    if self._streams.get((epoch, run.group, name)) is stream:
+                        del self._streams[(epoch, run.group, name)]
 
     def _decode_whole(
         self, name: str, spec: Field, info: FileInfo, group: int, expected: int
