@@ -145,10 +145,11 @@ def test_defaults_are_pure_functions_of_geometry() -> None:
     assert default_cycle_length(1) == 1
     assert default_cycle_length(3) == 3
     assert default_cycle_length(1000) == 4
-    assert default_block_length(1 << 20) == 1
-    assert default_block_length(16384) == 64
-    assert default_block_length(4) == 1 << 18
-    assert default_block_length(3 << 20) == 1
+    assert default_block_length(4 << 20) == 1
+    assert default_block_length(16384) == 256
+    assert default_block_length(4) == 1 << 20
+    assert default_block_length(3 << 20) == 2
+    assert default_block_length(5 << 20) == 1
 
 
 # -- against TensorFlow itself -----------------------------------------------------------------

@@ -75,8 +75,8 @@ def test_order_equals_tf_data_interleave(
 
 
 def test_default_lengths_match_tf_data_with_the_same_settings(tmp_path: Path) -> None:
-    ds = _write(tmp_path, [40, 3, 25, 17, 31, 2], record=256 * 1024)  # block_length default = 4
+    ds = _write(tmp_path, [40, 3, 25, 17, 31, 2], record=256 * 1024)  # block_length default = 16
     loader = ds.loader(7)
-    assert (loader.cycle_length, loader.block_length) == (4, 4)
+    assert (loader.cycle_length, loader.block_length) == (4, 16)
     got = [int(x) for b in loader for x in b["label"]]
     assert got == [i for i, _ in _tf_sequence(ds, loader.cycle_length, loader.block_length)]
