@@ -2,7 +2,8 @@
 
 Alternates, round after round, each contender in a fresh process: stoker and the ceiling
 loops (see stoker.bench) with float32 output, the same with int8 output, and stoker at
-batch_size 16 to show engine overhead at small batches. Prints per-contender medians and
+batch_size 16 to show engine overhead at small batches, the two shuffle modes, and W3-cold
+(global shuffle and sequential with the page cache evicted before each round). Prints per-contender medians and
 the per-round ratios stoker / best ceiling loop of the same round (median and spread).
 
     python benchmarks/w1.py [--rounds 5] [--seconds 3] [--out benchmarks/results/w1.md]
@@ -48,6 +49,14 @@ def main() -> int:
         contenders[f"stoker float32 shuffle={mode}"] = {
             "fields": fields, "batch": 256, "cast": "float32", "seconds": args.seconds, "shuffle": mode,
         }  # fmt: skip
+    # W3-cold: the page cache evicted (posix_fadvise DONTNEED on every file) at the start of the
+    # round, the larger-than-RAM case; sequential cold beside it for the disk's own pace.
+    for mode in ("global", False):
+        name = "stoker float32 cold" + (f" shuffle={mode}" if mode else "")
+        contenders[name] = {
+            "fields": fields, "batch": 256, "cast": "float32", "seconds": args.seconds, "shuffle": mode,
+            "evict": True,
+        }  # fmt: skip
 
     def progress(r: int, m: object) -> None:
         print(f"  round {r + 1}: {m.contender:<32} {m.records_per_s:>12,.0f} records/s", file=sys.stderr)  # type: ignore[attr-defined]
@@ -88,6 +97,12 @@ def main() -> int:
         ]
         med, lo, hi = summarize(ratios)
         lines.append(f"| stoker shuffle={mode} / sequential (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    cold = [
+        results["stoker float32 cold shuffle=global"][r].records_per_s / results["stoker float32 cold"][r].records_per_s
+        for r in range(args.rounds)
+    ]
+    med, lo, hi = summarize(cold)
+    lines.append(f"| stoker shuffle=global / sequential, both cold (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -130,12 +130,14 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
     ds = dataset_from_fields(cfg["fields"])
     total_bytes = sum(f.record_bytes for f in ds.fields.values())
     n = 0
+    cold = bool(cfg.get("evict"))
+    if cold:
+        _evict_page_cache([i.path for infos in ds.files for i in infos.values()])
     start = time.perf_counter()
     until = start + cfg["seconds"]
-    if cfg.get("evict"):
-        _evict_page_cache([i.path for infos in ds.files for i in infos.values()])
     shuffle: Any = cfg.get("shuffle") or False
-    with ds.loader(cfg["batch"], epochs=None, cast=cfg["cast"] or None, threads=cfg.get("threads"),
+    # Cold: one epoch at most, since a second one would find the first one's pages cached.
+    with ds.loader(cfg["batch"], epochs=1 if cold else None, cast=cfg["cast"] or None, threads=cfg.get("threads"),
                    prefetch=cfg.get("prefetch"), shuffle=shuffle, seed=0 if shuffle else None) as loader:
         for batch in loader:
             n += len(next(iter(batch.values())))
