@@ -10,9 +10,20 @@ Example:
     ...     ...
 """
 
+from .access import Subset
 from .dataset import Dataset
-from .errors import CorruptDataError, PairingError, ReadError, SpecError, StateError, StokerError
+from .errors import (
+    CorruptDataError,
+    PairingError,
+    ReadError,
+    RecordIndexError,
+    SpecError,
+    StaleIndexError,
+    StateError,
+    StokerError,
+)
 from .files import Group
+from .index import write_index
 from .loader import Loader
 from .sample import write_sample
 from .spec import Field
@@ -25,9 +36,13 @@ __all__ = [
     "Loader",
     "PairingError",
     "ReadError",
+    "RecordIndexError",
     "SpecError",
+    "StaleIndexError",
     "StateError",
     "StokerError",
+    "Subset",
+    "write_index",
     "write_sample",
 ]
 

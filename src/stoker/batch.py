@@ -25,10 +25,11 @@ from .inflate import Inflater, TruncatedStreamError
 from .plan import BatchPlan, Run
 from .spec import Field
 
-__all__ = ["GROUP_KEY", "INDEX_KEY", "Assembler", "Task"]
+__all__ = ["GROUP_KEY", "INDEX_KEY", "VALID_KEY", "Assembler", "Task", "fill_padding"]
 
 GROUP_KEY = "__group__"
 INDEX_KEY = "__index__"
+VALID_KEY = "__valid__"  # pad_last: True on real rows, False on padding
 # Open raw files kept across runs; a group's files close after its last run, this bounds
 # what early breaks and dropped remainders leave open.
 _MAX_OPEN = 64
@@ -116,6 +117,21 @@ class Task:
         return f"batch {self.plan.index} of epoch {self.plan.epoch} ({self.plan.rows} records)"
 
 
+def fill_padding(out: dict[str, np.ndarray], valid: int) -> None:
+    """pad_last: zero the padding rows ``valid..`` of every array, mark them in ``__valid__``.
+
+    ``__group__`` / ``__index__`` of padding rows are -1, so they never name a real record.
+    """
+    for name, arr in out.items():
+        if name == VALID_KEY:
+            arr[:valid] = True
+            arr[valid:] = False
+        elif name in (GROUP_KEY, INDEX_KEY):
+            arr[valid:] = -1
+        else:
+            arr[valid:] = 0
+
+
 class Assembler:
     """Turns planned batches into dicts of arrays; owns the files and streams it opens."""
 
@@ -180,6 +196,9 @@ class Assembler:
         if self.with_index:
             out[GROUP_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
             out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
+        if plan.valid is not None:
+            out[VALID_KEY] = self.allocator.array((plan.rows,), np.dtype(bool))
+            fill_padding(out, plan.valid)
         if plan.gather is not None:
             self._gather(plan, out)
         taken: set[tuple[int, str]] = set()  # stream turns this batch has had
@@ -249,8 +268,8 @@ class Assembler:
                 else:
                     out[name][rows] = self._resident_array(name, spec, info, g)[local]
         if self.with_index:
-            out[GROUP_KEY][:] = groups
-            out[INDEX_KEY][:] = index
+            out[GROUP_KEY][: len(groups)] = groups
+            out[INDEX_KEY][: len(index)] = index
 
     def _resident_array(self, name: str, spec: Field, info: FileInfo, g: int) -> np.ndarray:
         key = (g, name)

@@ -12,6 +12,9 @@ from .files import Catalog, FileInfo, Group
 from .spec import Field
 
 if TYPE_CHECKING:
+    from .access import Subset
+    from .batch import Assembler
+    from .engine import Allocator
     from .loader import Loader
 
 __all__ = ["Dataset"]
@@ -30,6 +33,9 @@ class Dataset:
         pair_key: a regex whose first group (or whole match) taken from each basename must be
             equal across a group's files; default: the numbers in the basenames must agree
             where both carry numbers. ``""`` disables the check.
+        index: the persistent index beside the data (:mod:`stoker.index`): "auto" uses it
+            where it matches the files and raises StaleIndexError where it does not;
+            "rebuild" rewrites stale or missing entries; "ignore" never reads it.
 
     Example:
         >>> ds = Dataset(image=Field("data/img_*.bin", "int8", (128, 128, 1)),
@@ -39,7 +45,13 @@ class Dataset:
     """
 
     def __init__(
-        self, fields: Mapping[str, Field] | None = None, /, *, pair_key: str | None = None, **named: Field
+        self,
+        fields: Mapping[str, Field] | None = None,
+        /,
+        *,
+        pair_key: str | None = None,
+        index: str = "auto",
+        **named: Field,
     ) -> None:
         merged: dict[str, Field] = {}
         if fields is not None:
@@ -61,7 +73,7 @@ class Dataset:
             raise SpecError(f"pair_key={pair_key!r} must be a regular expression string or None")
         self.fields: dict[str, Field] = merged
         self.pair_key = pair_key
-        self._catalog = Catalog(merged, pair_key=pair_key)
+        self._catalog = Catalog(merged, pair_key=pair_key, index=index)
 
     @property
     def num_groups(self) -> int:
@@ -117,6 +129,7 @@ class Dataset:
         shard: tuple[int, int] = (0, 1),
         even: bool = True,
         state: Mapping[str, Any] | None = None,
+        pad_last: bool = False,
     ) -> Loader:
         """An iterable of batches: dicts of field name -> numpy array of ``(n, *shape)``.
 
@@ -142,6 +155,9 @@ class Dataset:
             even: trim every shard to the same number of batches (collectives never hang);
                 False covers every record exactly.
             state: a ``loader.state_dict()`` to resume from (same as ``load_state_dict``).
+            pad_last: evaluation mode: every record exactly once over all shards, every batch
+                full size, the same number of batches on every shard; padding rows are
+                zeros, marked False in a bool ``__valid__`` array (``even`` is not applied).
         """
         from .loader import Loader
 
@@ -163,7 +179,61 @@ class Dataset:
             shard=shard,
             even=even,
             state=state,
+            pad_last=pad_last,
         )
+
+    # -- random access and subsets (see stoker.access) --------------------------------
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        """Record ``i`` (negative counts from the end) as ``{field: array of shape}``.
+
+        Example:
+            >>> ds[0]["image"].shape  # doctest: +SKIP
+            (128, 128, 1)
+        """
+        from .access import read_one
+
+        return read_one(self, i)
+
+    def read(self, indices: Any, *, cast: Any = None) -> dict[str, np.ndarray]:
+        """Records at ``indices`` (any order, repeats allowed) as ``{field: (k, *shape)}``.
+
+        Gathered in bulk: sorted by file and record, raw fields from memory maps, compressed
+        fields from their decoded form (cached, bounded) or from the index's seek points.
+
+        Example:
+            >>> batch = ds.read([5, 0, 5])  # doctest: +SKIP
+        """
+        from .access import read_records
+
+        return read_records(self, indices, cast=cast)
+
+    def select(self, *, groups: Any = None, records: Any = None) -> Subset:
+        """A Dataset of some groups and/or records of this one; see :func:`stoker.access.select`."""
+        from .access import select
+
+        return select(self, groups=groups, records=records)
+
+    def split(self, fractions: Mapping[str, float], *, seed: int, by: str = "group") -> dict[str, Subset]:
+        """Disjoint, complete, deterministic subsets; see :func:`stoker.access.split`.
+
+        Example:
+            >>> parts = ds.split({"train": 0.9, "val": 0.1}, seed=0)  # doctest: +SKIP
+            >>> train = parts["train"].loader(256, shuffle="global", seed=1)  # doctest: +SKIP
+        """
+        from .access import split
+
+        return split(self, fractions, seed=seed, by=by)
+
+    def _subset_key(self) -> str | None:
+        """What distinguishes a subset in a resume fingerprint (None: the whole dataset)."""
+        return None
+
+    def _assembler(
+        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool
+    ) -> Assembler:
+        from .batch import Assembler
+
+        return Assembler(self._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index)
 
     # Used by adapters and the CLI; public enough to document, not part of the contract.
     def output_dtypes(self, cast: Any = None) -> dict[str, np.dtype]:

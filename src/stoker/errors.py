@@ -8,7 +8,9 @@ __all__ = [
     "CorruptDataError",
     "PairingError",
     "ReadError",
+    "RecordIndexError",
     "SpecError",
+    "StaleIndexError",
     "StateError",
     "StokerError",
 ]
@@ -71,3 +73,11 @@ class ReadError(StokerError, OSError):
 
 class StateError(StokerError, ValueError):
     """A saved loader state does not belong to this dataset and loader configuration."""
+
+
+class StaleIndexError(StokerError, ValueError):
+    """A persistent index file no longer matches its data files, or was written by another version."""
+
+
+class RecordIndexError(StokerError, IndexError):
+    """A record index is outside the dataset (random access)."""

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import CorruptDataError, PairingError, ReadError, SpecError
+from .index import apply_index
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
 from .spec import Field
 
@@ -180,7 +181,7 @@ def _keys_agree(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
 class Catalog:
     """All groups of a Dataset; record counts settled lazily and thread-safely."""
 
-    def __init__(self, fields: Mapping[str, Field], *, pair_key: str | None = None) -> None:
+    def __init__(self, fields: Mapping[str, Field], *, pair_key: str | None = None, index: str = "auto") -> None:
         self.fields = dict(fields)
         paths = {name: expand_files(name, spec) for name, spec in self.fields.items()}
         lengths = {name: len(p) for name, p in paths.items()}
@@ -206,8 +207,17 @@ class Catalog:
         ]
         self._counts: list[int | None] = [None] * self.num_groups
         self._lock = threading.Lock()
+        # From a persistent index that matches the file (see stoker.index): exact counts of
+        # compressed files and their seek points (compressed, decompressed offsets).
+        self._exact: dict[tuple[int, str], int] = {}
+        self.seek_points: dict[tuple[int, str], tuple[tuple[int, int], ...]] = {}
+        apply_index(self, index)
         for g, infos in enumerate(self.files):
-            raw = {n: i.records_hint for n, i in infos.items() if i.compression is None}
+            raw = {
+                n: i.records_hint if i.compression is None else self._exact[(g, n)]
+                for n, i in infos.items()
+                if i.compression is None or (g, n) in self._exact
+            }
             if len(set(raw.values())) > 1:
                 raise self._mismatch(g, raw)
             if len(raw) == len(infos):
@@ -237,6 +247,15 @@ class Catalog:
     def counts(self) -> list[int]:
         return [self.count(g) for g in range(self.num_groups)]
 
+    def root(self) -> Catalog:
+        """The catalog of the whole dataset (a subset's view answers with its parent's)."""
+        return self
+
+    def set_indexed(self, g: int, name: str, records: int, seek_points: tuple[tuple[int, int], ...]) -> None:
+        """Record what a matching persistent index says of field ``name`` of group ``g``."""
+        self._exact[(g, name)] = records
+        self.seek_points[(g, name)] = seek_points
+
     def trusted_hint(self, g: int, name: str) -> bool:
         """True when field ``name`` of group ``g`` is counted only by its trailer so far."""
         info = self.files[g][name]
@@ -251,7 +270,9 @@ class Catalog:
         known = raw[0] if raw else None
         counts: dict[str, int | None] = {}
         for name, info in infos.items():
-            if info.compression is None or (info.records_hint is not None and info.records_hint == known):
+            if (g, name) in self._exact:
+                counts[name] = self._exact[(g, name)]
+            elif info.compression is None or (info.records_hint is not None and info.records_hint == known):
                 counts[name] = info.records_hint
             else:
                 counts[name] = self._count_by_decompressing(name, info)

@@ -48,7 +48,11 @@ class TruncatedStreamError(CorruptDataError):
 class Inflater:
     """Sequential reader of the decompressed bytes of one gzip or zlib file."""
 
-    def __init__(self, path: str, kind: str, *, field: str | None = None) -> None:
+    def __init__(
+        self, path: str, kind: str, *, field: str | None = None, start: tuple[int, int] = (0, 0)
+    ) -> None:
+        # ``start``: (compressed, decompressed) offset of a gzip member start or of the
+        # stream start, from which decoding may begin (a persistent index's seek point).
         self.path = path
         self.kind = kind
         self.field = field
@@ -57,12 +61,15 @@ class Inflater:
         except OSError as e:
             raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
         self._close_lock = threading.Lock()
-        self._in_offset = 0  # compressed bytes read so far
+        self._in_offset = start[0]  # compressed bytes read so far
         self._d: Any = _zlib.decompressobj(_WBITS[kind])
         self._tail = b""  # compressed input not yet consumed by the decompressor
         self._out = b""  # decompressed bytes not yet handed out
         self._out_pos = 0
-        self.produced = 0  # decompressed bytes handed out
+        self.produced = start[1]  # decompressed bytes handed out
+        self._decoded = start[1]  # decompressed bytes produced by the decoder
+        # (compressed offset, decompressed offset) of every member start seen so far.
+        self.members: list[tuple[int, int]] = [start]
         self._eof = False
 
     def close(self) -> None:
@@ -116,6 +123,7 @@ class Inflater:
                     self._eof = True
                     return False
                 if self.kind == "gzip" and rest[:2] == GZIP_MAGIC:
+                    self.members.append((self._in_offset - len(rest), self._decoded))
                     self._d = _zlib.decompressobj(_WBITS["gzip"])
                     self._tail = rest
                     continue
@@ -131,6 +139,7 @@ class Inflater:
                 raise self._corrupt(str(e), e) from e
             self._tail = self._d.unconsumed_tail
             if out:
+                self._decoded += len(out)
                 self._out, self._out_pos = out, 0
                 return True
         return False

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .batch import GROUP_KEY, INDEX_KEY, Assembler
+from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler
 from .dataset import resolve_cast
 from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor
 from .errors import SpecError, StateError
@@ -80,6 +80,7 @@ class Loader:
         even: bool = True,
         state: Mapping[str, Any] | None = None,
         executor: Executor | None = None,
+        pad_last: bool = False,
     ) -> None:
         self.dataset = dataset
         self.batch_size = _positive("batch_size", batch_size, allow_none=False) or 1
@@ -90,6 +91,11 @@ class Loader:
             raise SpecError(f"with_index={with_index!r} must be True or False")
         self.drop_remainder = drop_remainder
         self.with_index = with_index
+        if not isinstance(pad_last, bool):
+            raise SpecError(f"pad_last={pad_last!r} must be True or False")
+        if pad_last and drop_remainder:
+            raise SpecError("pad_last=True pads the last batch and drop_remainder=True drops it; choose one")
+        self.pad_last = pad_last
         fields = dataset.fields
         self.cycle_length = _positive("cycle_length", cycle_length) or default_cycle_length(dataset.num_groups)
         self.block_length = _positive("block_length", block_length) or default_block_length(
@@ -100,6 +106,9 @@ class Loader:
         if with_index:
             self.dtypes[GROUP_KEY] = self.dtypes[INDEX_KEY] = np.dtype(np.int64)
             self.shapes[GROUP_KEY] = self.shapes[INDEX_KEY] = ()
+        if pad_last:
+            self.dtypes[VALID_KEY] = np.dtype(bool)
+            self.shapes[VALID_KEY] = ()
         self.memory_budget = parse_bytes(memory_budget)
         self.threads = _positive("threads", threads) or default_threads()
         self.batch_bytes = sum(
@@ -148,7 +157,7 @@ class Loader:
             dataset._catalog.count,
             PlanConfig(
                 self.batch_size, drop_remainder, self.cycle_length, self.block_length,
-                shuffle, self.seed, self.window, self.shard, even,
+                shuffle, self.seed, self.window, self.shard, even, pad_last,
             ),
         )  # fmt: skip
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
@@ -180,7 +189,7 @@ class Loader:
     # -- resume ----------------------------------------------------------------------
     def _fingerprint_parts(self) -> dict[str, object]:
         ds = self.dataset
-        return {
+        parts: dict[str, object] = {
             "counts": [ds.records_in(g) for g in range(ds.num_groups)],
             "fields": {
                 n: [f.dtype.str, list(f.shape), f.header_bytes, f.footer_bytes] for n, f in ds.fields.items()
@@ -194,6 +203,10 @@ class Loader:
             # Not batch_size, shard or even: they may change on resume (elastic), since the
             # position counts records of the epoch's global sequence, whoever takes them.
         }
+        subset = ds._subset_key()
+        if subset is not None:  # which groups and records of the files a subset holds
+            parts["subset"] = subset
+        return parts
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: after the last batch ``__next__`` returned.
@@ -251,6 +264,8 @@ class Loader:
         """Batches per epoch for this shard (settles every group's record count)."""
         total = len(self.dataset)
         i, c = self.shard
+        if self.pad_last:
+            return self._plan.padded_batches(total)
         mine = even_length(total, c) if self.even and c > 1 else shard_length(total, i, c)
         return self._plan.batches_per_epoch(mine)
 
@@ -336,8 +351,7 @@ class _Pass:
         pooled = loader.memory_budget - loader.prefetch * loader.batch_bytes
         self._pool = loader.allocator_factory(pooled)
         ds = loader.dataset
-        self._assembler = Assembler(
-            ds._catalog,
+        self._assembler = ds._assembler(
             {n: loader.dtypes[n] for n in ds.fields},
             self._pool,
             batch_size=loader.batch_size,

@@ -93,6 +93,8 @@ class BatchPlan:
     rows: int
     runs: tuple[Run, ...]
     gather: Gather | None = None
+    # pad_last: rows ``valid..rows`` are padding (the runs/gather fill only ``0..valid``).
+    valid: int | None = None
 
 
 Shuffle = Literal[False, "global", "files"]
@@ -109,6 +111,9 @@ class PlanConfig:
     window: int = 1  # "files" mode: blocks shuffled together
     shard: tuple[int, int] = (0, 1)
     even: bool = True
+    # Evaluation mode: no trimming; every shard yields the same number of full-size batches,
+    # the last ones padded (BatchPlan.valid says how many rows are real).
+    pad_last: bool = False
 
 
 def interleave(
@@ -184,7 +189,7 @@ class Plan:
     def _limit(self, total: int | None, start: int) -> int | None:
         """Records this shard yields in an epoch (None: until the sequence ends)."""
         c = self.config.shard[1]
-        if c == 1 or not self.config.even:
+        if c == 1 or not self.config.even or self.config.pad_last:
             return None
         assert total is not None
         return max(0, (total - start) // c)
@@ -250,15 +255,49 @@ class Plan:
                 count -= take
                 local += take * c
                 if rows == size:
-                    yield BatchPlan(epoch, index, start + c * taken, rows, tuple(runs))
+                    valid = size if cfg.pad_last else None  # pad_last: every batch says which rows are real
+                    yield BatchPlan(epoch, index, start + c * taken, rows, tuple(runs), None, valid)
                     index += 1
                     runs, rows = [], 0
             if b == end and not finished:
                 # The group's last record went to another shard (or was trimmed): tell the
                 # engine anyway, with an empty run, so it confirms the stream and lets go.
                 runs.append(Run(g, b, 0, rows, True, c))
-        if rows and not cfg.drop_remainder:
+        if cfg.pad_last:
+            yield from self._padded(epoch, index, start + c * taken, start, rows, tuple(runs))
+        elif rows and not cfg.drop_remainder:
             yield BatchPlan(epoch, index, start + c * taken, rows, tuple(runs))
+
+    def padded_batches(self, total: int, start: int = 0) -> int:
+        """pad_last: batches every shard yields from ``start``: enough for the longest shard."""
+        longest = max(0, -(-(total - start) // self.config.shard[1]))
+        return -(-longest // self.config.batch_size)
+
+    def _padded(
+        self,
+        epoch: int,
+        index: int,
+        position: int,
+        start: int,
+        rows: int,
+        runs: tuple[Run, ...],
+        gather: Gather | None = None,
+    ) -> Iterator[BatchPlan]:
+        """The last real rows padded to a full batch, then all-padding batches up to the common count.
+
+        Only the last batch of an epoch can be short on any shard (shard lengths differ by at
+        most one record), so after it every shard has consumed the epoch: its position is the
+        epoch's end, which keeps lockstep resume exact.
+        """
+        total = self.total()
+        end = self.padded_batches(total, start)
+        size = self.config.batch_size
+        if rows or runs:
+            yield BatchPlan(epoch, index, total if index + 1 >= end else position, size, runs, gather, rows)
+            index += 1
+        while index < end:
+            yield BatchPlan(epoch, index, total, size, (), None, 0)
+            index += 1
 
     def total(self) -> int:
         return sum(self.count(g) for g in range(self.num_groups))
@@ -283,7 +322,13 @@ class Plan:
             ids = perm(positions)
             groups = np.searchsorted(firsts, ids, side="right") - 1
             local = ids - firsts[groups]
-            yield BatchPlan(epoch, index, start + c * (k + take), take, (), Gather(groups, local))
+            if cfg.pad_last and take < size:
+                yield from self._padded(epoch, index, start + c * (k + take), start, take, (), Gather(groups, local))
+                return
+            valid = take if cfg.pad_last else None
+            yield BatchPlan(epoch, index, start + c * (k + take), take, (), Gather(groups, local), valid)
+        if cfg.pad_last:
+            yield from self._padded(epoch, -(-n // size), start + c * n, start, 0, ())
 
     def batches(self, epochs: int | None, *, first_epoch: int = 0, start: int = 0) -> Iterator[BatchPlan]:
         """Batches of epochs ``first_epoch, first_epoch + 1, ...`` (forever if ``epochs`` is None)."""

@@ -1,0 +1,530 @@
+"""Random access and subsets: ``ds[i]``, ``ds.read(indices)``, ``ds.select(...)``, ``ds.split(...)``.
+
+One table resolves a global record index to (group, record): the cumulative record counts
+of the groups. A batch of indices is gathered in bulk: sorted by (group, record) so each
+file is visited once, raw fields by fancy indexing of a memory map of the file (one copy,
+no per-record syscall), compressed fields from their decoded form or through seek points.
+
+Compressed fields, bounded: a file whose records decode to at most ``cache_bytes``
+(default 256 MiB per Dataset, :data:`DEFAULT_CACHE_BYTES`) is decoded whole once, verified
+to its end (CRC, length), and kept in a least-recently-used cache of at most
+``cache_bytes``. A larger file is never held: each read decodes from the nearest seek point
+before the wanted records (gzip member starts from the persistent index, see
+:mod:`stoker.index`; else the file's start) only as far as the last wanted record. Records
+read that way pass the deflate decoder's checks but not the member's CRC, which covers the
+whole member.
+
+A subset is a Dataset (:class:`Subset`) over some groups of its root dataset and, per group,
+all records or a sorted array of them. The plan and loader work on it unchanged: the plan
+sees its geometry (groups and counts); batches of a subset of whole groups are read by the
+streaming assembler (any compression, front to back); batches of a subset of records are read
+by this module's gather, so every loader feature (shuffle, shard, resume, ``with_index``,
+``pad_last``, the framework adapters) works on both. ``__group__`` / ``__index__`` name the
+root dataset's group and record in the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import mmap
+import numbers
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, fill_padding
+from .dataset import Dataset, resolve_cast
+from .errors import CorruptDataError, ReadError, RecordIndexError, SpecError
+from .files import Catalog, FileInfo, Group
+from .inflate import Inflater
+from .order import Permutation
+
+if TYPE_CHECKING:
+    from .engine import Allocator
+    from .plan import BatchPlan
+    from .spec import Field
+
+__all__ = ["DEFAULT_CACHE_BYTES", "RecordReader", "Subset", "read_one", "read_records", "select", "split"]
+
+# Decoded compressed files kept per Dataset for random access. Labels of the seed's layout
+# (4 bytes a record) take 16 KiB a group, so a million groups' labels fit; image files of
+# 64 MiB decoded: four at a time, enough for the loader's default cycle of 4 groups.
+DEFAULT_CACHE_BYTES = 256 << 20
+# The split's permutation stream: independent of the loader's record/group/window streams.
+STREAM_SPLIT = 3
+
+
+class RecordReader:
+    """Gathers records of a root Catalog by (group, record), in bulk; safe to share between threads."""
+
+    def __init__(self, catalog: Catalog, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.catalog = catalog
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
+        self._cached = 0
+        self._lock = threading.Lock()
+        self._decoding: dict[tuple[int, str], threading.Lock] = {}
+
+    def read_into(
+        self, groups: np.ndarray, records: np.ndarray, out: Mapping[str, np.ndarray], rows: np.ndarray | None = None
+    ) -> None:
+        """``out[field][rows[k]] = `` record ``records[k]`` of group ``groups[k]`` (indices already valid)."""
+        if rows is None:
+            rows = np.arange(len(groups), dtype=np.int64)
+        if not len(groups):
+            return
+        order = np.lexsort((records, groups))
+        bounds = np.flatnonzero(np.diff(groups[order])) + 1
+        for part in np.split(order, bounds):
+            g = int(groups[part[0]])
+            local, dst_rows = records[part], rows[part]
+            for name, spec in self.catalog.fields.items():
+                info = self.catalog.files[g][name]
+                if info.compression is None:
+                    self._raw(name, spec, info, local, out[name], dst_rows)
+                else:
+                    self._compressed(name, spec, info, g, local, out[name], dst_rows)
+
+    def _raw(
+        self, name: str, spec: Field, info: FileInfo, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
+    ) -> None:
+        try:
+            fd = os.open(info.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise ReadError(
+                f"field {name!r}: cannot open {info.path!r}: {e.strerror}", field=name, path=info.path
+            ) from e
+        try:
+            size = os.fstat(fd).st_size
+            # Checked right before mapping: a file cut short under a map kills the process (SIGBUS).
+            if size != info.size:
+                last = int(local.max())
+                raise CorruptDataError(
+                    f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
+                    f"was built (record {last} asked for, byte offset {spec.header_bytes + last * spec.record_bytes})",
+                    field=name, path=info.path, index=last, offset=spec.header_bytes + last * spec.record_bytes,
+                )  # fmt: skip
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        try:
+            n = (info.size - spec.header_bytes - spec.footer_bytes) // spec.record_bytes
+            src = np.frombuffer(mapped, spec.dtype, n * (spec.record_bytes // spec.dtype.itemsize), spec.header_bytes)
+            try:
+                dst[rows] = src.reshape(n, *spec.shape)[local]
+            finally:
+                del src
+        finally:
+            mapped.close()
+
+    def _compressed(
+        self, name: str, spec: Field, info: FileInfo, g: int, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
+    ) -> None:
+        n = self.catalog.count(g)
+        if n * spec.record_bytes <= self.cache_bytes:
+            dst[rows] = self._decoded(name, spec, info, g, n)[local]
+        else:
+            self._seek_read(name, spec, info, g, local, dst, rows)
+
+    def _decoded(self, name: str, spec: Field, info: FileInfo, g: int, n: int) -> np.ndarray:
+        key = (g, name)
+        with self._lock:
+            arr = self._cache.get(key)
+            if arr is not None:
+                self._cache.move_to_end(key)
+                return arr
+            lock = self._decoding.setdefault(key, threading.Lock())
+        with lock:
+            with self._lock:
+                arr = self._cache.get(key)
+            if arr is None:
+                arr = self._decode_whole(name, spec, info, n)
+                with self._lock:
+                    self._cache[key] = arr
+                    self._cached += arr.nbytes
+                    while self._cached > self.cache_bytes and len(self._cache) > 1:
+                        _, old = self._cache.popitem(last=False)
+                        self._cached -= old.nbytes
+        return arr
+
+    def _decode_whole(self, name: str, spec: Field, info: FileInfo, n: int) -> np.ndarray:
+        assert info.compression is not None
+        buf = np.empty(n * spec.record_bytes, np.uint8)
+        with Inflater(info.path, info.compression, field=name) as inf:
+            got = inf.skip(spec.header_bytes) + inf.readinto(memoryview(buf))  # type: ignore[arg-type]
+            if got < spec.header_bytes + len(buf):
+                raise self._short(name, spec, info, n, inf.produced)
+            if inf.skip(spec.footer_bytes) != spec.footer_bytes or not inf.at_end():
+                raise CorruptDataError(
+                    f"field {name!r}: {info.path!r} does not end after its {n} records and footer_bytes="
+                    f"{spec.footer_bytes} (decompressed offset {inf.produced})",
+                    field=name, path=info.path, index=n, offset=inf.produced,
+                )  # fmt: skip
+        return buf.view(spec.dtype).reshape(n, *spec.shape)
+
+    def _short(self, name: str, spec: Field, info: FileInfo, n: int, produced: int) -> CorruptDataError:
+        index = max(0, (produced - spec.header_bytes) // spec.record_bytes)
+        return CorruptDataError(
+            f"field {name!r}: {info.compression} stream {info.path!r} ends at decompressed offset {produced}, "
+            f"inside record {index} of {n}",
+            field=name, path=info.path, index=index, offset=produced,
+        )  # fmt: skip
+
+    def _seek_read(
+        self, name: str, spec: Field, info: FileInfo, g: int, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
+    ) -> None:
+        """Decode only from the seek point before each run of wanted records (bounded memory)."""
+        assert info.compression is not None
+        rb = spec.record_bytes
+        wanted, inverse = np.unique(local, return_inverse=True)
+        got = np.empty((len(wanted), *spec.shape), spec.dtype)
+        view = memoryview(got.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        points = self.catalog.root().seek_points.get((g, name), ((0, 0),))
+        starts = np.array([p[1] for p in points], dtype=np.int64)
+        breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
+        inf: Inflater | None = None
+        try:
+            done = 0
+            for run in np.split(wanted, breaks):
+                target = spec.header_bytes + int(run[0]) * rb
+                k = int(np.searchsorted(starts, target, side="right")) - 1
+                if inf is None or inf.produced > target or int(starts[k]) > inf.produced:
+                    if inf is not None:
+                        inf.close()
+                    inf = Inflater(info.path, info.compression, field=name, start=points[k])
+                want = target - inf.produced
+                if inf.skip(want) != want:
+                    raise self._short(name, spec, info, self.catalog.count(g), inf.produced)
+                nbytes = len(run) * rb
+                if inf.readinto(view[done : done + nbytes]) != nbytes:
+                    raise self._short(name, spec, info, self.catalog.count(g), inf.produced)
+                done += nbytes
+        finally:
+            if inf is not None:
+                inf.close()
+        dst[rows] = got[inverse]
+
+
+_FIRSTS: weakref.WeakKeyDictionary[Dataset, np.ndarray] = weakref.WeakKeyDictionary()
+_READERS: weakref.WeakKeyDictionary[Dataset, RecordReader] = weakref.WeakKeyDictionary()
+_TABLE_LOCK = threading.Lock()
+
+
+def _firsts(ds: Dataset) -> np.ndarray:
+    """Cumulative record counts: group g holds global records ``firsts[g] .. firsts[g + 1]``."""
+    table = _FIRSTS.get(ds)
+    if table is None:
+        counts = np.fromiter((ds.records_in(g) for g in range(ds.num_groups)), np.int64, ds.num_groups)
+        table = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
+        with _TABLE_LOCK:
+            _FIRSTS[ds] = table
+    return table
+
+
+def _root(ds: Dataset) -> Dataset:
+    return ds.root if isinstance(ds, Subset) else ds
+
+
+def _reader(ds: Dataset) -> RecordReader:
+    root = _root(ds)
+    with _TABLE_LOCK:
+        reader = _READERS.get(root)
+        if reader is None:
+            reader = _READERS[root] = RecordReader(root._catalog)
+    return reader
+
+
+def locate(ds: Dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group, record within the group) of each valid global index of ``ds``."""
+    firsts = _firsts(ds)
+    groups = np.searchsorted(firsts, indices, side="right") - 1
+    return groups, indices - firsts[groups]
+
+
+def to_root(ds: Dataset, groups: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group, record) of ``ds`` as (group, record in the file) of its root dataset."""
+    if not isinstance(ds, Subset):
+        return groups, records
+    view = ds._catalog
+    root_records = records.copy()
+    order = np.argsort(groups, kind="stable")
+    bounds = np.flatnonzero(np.diff(groups[order])) + 1
+    for part in np.split(order, bounds) if len(order) else []:
+        selected = view.records[int(groups[part[0]])]
+        if selected is not None:
+            root_records[part] = selected[records[part]]
+    return view.groups[groups], root_records
+
+
+def _indices(ds: Dataset, indices: Any, what: str) -> np.ndarray:
+    idx = np.asarray(indices)
+    if idx.ndim != 1:
+        raise SpecError(f"{what} must be a 1-D sequence of record indices, got shape {idx.shape}")
+    if idx.size and idx.dtype.kind not in "iu":
+        raise SpecError(f"{what} must be integers, got dtype {idx.dtype}")
+    idx = idx.astype(np.int64)
+    n = len(ds)
+    if idx.size:
+        bad = (idx < -n) | (idx >= n)
+        if bad.any():
+            first = int(idx[np.flatnonzero(bad)[0]])
+            raise RecordIndexError(
+                f"record index {first} is out of range for {ds!r} with {n} records", index=first,
+                path=_first_path(ds),
+            )  # fmt: skip
+    return np.where(idx < 0, idx + n, idx)
+
+
+def _first_path(ds: Dataset) -> str | None:
+    files = ds.files
+    return next(iter(files[0].values())).path if files else None
+
+
+def read_records(ds: Dataset, indices: Any, *, cast: Any = None) -> dict[str, np.ndarray]:
+    """``ds.read``: records at global ``indices`` (any order, repeats allowed) as ``{field: (k, *shape)}``."""
+    idx = _indices(ds, indices, "indices")
+    dtypes = resolve_cast(ds.fields, cast)
+    out = {n: np.empty((len(idx), *f.shape), dtypes[n]) for n, f in ds.fields.items()}
+    if len(idx):
+        groups, records = to_root(ds, *locate(ds, idx))
+        _reader(ds).read_into(groups, records, out)
+    return out
+
+
+def read_one(ds: Dataset, i: Any) -> dict[str, np.ndarray]:
+    """``ds[i]``: one record as ``{field: array of the field's shape}``; a slice reads a batch."""
+    if isinstance(i, slice):
+        return read_records(ds, np.arange(*i.indices(len(ds)), dtype=np.int64))
+    if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+        raise SpecError(f"a record index must be an integer (or a slice), got {i!r}")
+    batch = read_records(ds, np.array([int(i)], dtype=np.int64))
+    return {n: a[0, ...] for n, a in batch.items()}
+
+
+class _CatalogView(Catalog):
+    """The root catalog seen through a subset: its groups, and per group all records or some."""
+
+    def __init__(self, root: Catalog, groups: np.ndarray, records: Sequence[np.ndarray | None]) -> None:
+        # Not Catalog.__init__: a view shares the root's files and settled counts.
+        self.fields = root.fields
+        self._root = root
+        self.groups = groups
+        self.records = list(records)
+        self.num_groups = len(groups)
+        self.files = [root.files[int(g)] for g in groups]
+        self.seek_points = {}
+        self._lock = threading.Lock()
+
+    def count(self, g: int) -> int:
+        selected = self.records[g]
+        return len(selected) if selected is not None else self._root.count(int(self.groups[g]))
+
+    def root(self) -> Catalog:
+        return self._root
+
+
+class Subset(Dataset):
+    """Some groups of a root Dataset and, per group, all or some of its records (in file order).
+
+    Made by :meth:`Dataset.select` and :meth:`Dataset.split`; everything a Dataset does
+    (``len``, ``ds[i]``, ``read``, ``loader`` with every option, ``select`` again) works on it.
+    Its global indices run over its own records, group by group.
+    """
+
+    _catalog: _CatalogView
+
+    def __init__(self, root: Dataset, groups: np.ndarray, records: Sequence[np.ndarray | None]) -> None:
+        # Not Dataset.__init__: no globbing or counting again, the root did that.
+        self.root = root
+        self.fields = root.fields
+        self.pair_key = root.pair_key
+        self._catalog = _CatalogView(root._catalog, groups, records)
+
+    @property
+    def groups(self) -> tuple[Group, ...]:
+        """Every group of the subset, ``index`` being its group number in the root dataset."""
+        view = self._catalog
+        return tuple(
+            Group(int(view.groups[v]), {n: i.path for n, i in view.files[v].items()}, view.count(v))
+            for v in range(view.num_groups)
+        )
+
+    def _subset_key(self) -> str:
+        h = hashlib.sha256(np.ascontiguousarray(self._catalog.groups, np.int64).tobytes())
+        for selected in self._catalog.records:
+            h.update(b"*" if selected is None else b"[" + np.ascontiguousarray(selected, np.int64).tobytes() + b"]")
+        return h.hexdigest()[:16]
+
+    def _assembler(
+        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool
+    ) -> Assembler:
+        kind = _GroupsAssembler if all(r is None for r in self._catalog.records) else _RecordsAssembler
+        return kind(self, out_dtypes, allocator, batch_size=batch_size, with_index=with_index)
+
+    def __repr__(self) -> str:
+        return f"Subset of {self.root!r}: {self.num_groups} groups"
+
+
+class _GroupsAssembler(Assembler):
+    """Whole groups: the streaming assembler, with ``__group__`` named in the root dataset."""
+
+    def __init__(
+        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
+        with_index: bool,
+    ) -> None:  # fmt: skip
+        super().__init__(view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index)
+        self._groups = view._catalog.groups
+
+    def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
+        out, plan = super().__call__(task)
+        if self.with_index:
+            real = plan.rows if plan.valid is None else plan.valid
+            out[GROUP_KEY][:real] = self._groups[out[GROUP_KEY][:real]]
+        return out, plan
+
+
+class _RecordsAssembler(Assembler):
+    """Some records of groups: every planned batch read by random access (no stream turns)."""
+
+    def __init__(
+        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
+        with_index: bool,
+    ) -> None:  # fmt: skip
+        super().__init__(view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index)
+        self._view = view
+        self._reader = RecordReader(view.root._catalog)  # its cache lives as long as this pass
+
+    def prepare(self, plan: BatchPlan) -> Task:
+        return Task(plan)
+
+    def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
+        plan = task.plan
+        out = {n: self.allocator.array((plan.rows, *f.shape), self.out_dtypes[n]) for n, f in self.fields.items()}
+        if self.with_index:
+            out[GROUP_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
+            out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
+        if plan.valid is not None:
+            out[VALID_KEY] = self.allocator.array((plan.rows,), np.dtype(bool))
+            fill_padding(out, plan.valid)
+        if plan.gather is not None:
+            groups, local = plan.gather.groups, plan.gather.index
+        else:
+            runs = [r for r in plan.runs if r.count]
+            groups = np.concatenate([np.full(r.count, r.group, np.int64) for r in runs] or [np.zeros(0, np.int64)])
+            local = np.concatenate(
+                [np.arange(r.start, r.stop, r.step, dtype=np.int64) for r in runs] or [np.zeros(0, np.int64)]
+            )
+        root_groups, root_records = to_root(self._view, groups, local)
+        self._reader.read_into(root_groups, root_records, out)
+        if self.with_index:
+            out[GROUP_KEY][: len(groups)] = root_groups
+            out[INDEX_KEY][: len(groups)] = root_records
+        return out, plan
+
+
+def _positions(value: Any, n: int, what: str) -> np.ndarray:
+    """A slice or integer sequence of positions in ``[0, n)`` (negatives from the end), no repeats."""
+    if isinstance(value, slice):
+        return np.arange(*value.indices(n), dtype=np.int64)
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise SpecError(f"{what} must be a slice or a 1-D sequence of integers, got {value!r:.100}")
+    arr = arr.astype(np.int64)
+    if arr.size and (arr.min() < -n or arr.max() >= n):
+        bad = int(arr[(arr < -n) | (arr >= n)][0])
+        raise RecordIndexError(f"{what}: {bad} is out of range for {n}", index=bad)
+    arr = np.where(arr < 0, arr + n, arr)
+    if len(np.unique(arr)) != len(arr):
+        raise SpecError(f"{what} holds repeated values; a subset holds each group or record once")
+    return arr
+
+
+def select(ds: Dataset, *, groups: Any = None, records: Any = None) -> Subset:
+    """A subset of ``ds``: ``groups`` (a slice or group numbers, kept in the order given), then
+    ``records`` (a slice or global record indices of those groups, taken in ascending order).
+
+    Groups are numbered as in ``ds`` (for a subset: its own groups); ``records`` index the
+    records of the selected groups, as ``len(ds.select(groups=...))`` counts them. Groups
+    left with no record are dropped. Repeats are an error.
+
+    Example:
+        >>> ds.select(groups=[0, 2], records=slice(0, 100))  # doctest: +SKIP
+    """
+    if isinstance(ds, Subset):
+        root, base_groups, base_records = ds.root, ds._catalog.groups, list(ds._catalog.records)
+    else:
+        root, base_groups, base_records = ds, np.arange(ds.num_groups, dtype=np.int64), [None] * ds.num_groups
+    if groups is not None:
+        chosen = _positions(groups, len(base_groups), "groups")
+        base_groups = base_groups[chosen]
+        base_records = [base_records[int(i)] for i in chosen]
+    view = Subset(root, base_groups, base_records)
+    if records is None:
+        return view
+    idx = np.sort(_positions(records, len(view), "records"))
+    vg, local = locate(view, idx)
+    new_groups: list[int] = []
+    new_records: list[np.ndarray | None] = []
+    bounds = np.flatnonzero(np.diff(vg)) + 1
+    for part in np.split(np.arange(len(idx)), bounds) if len(idx) else []:
+        v = int(vg[part[0]])
+        chosen_records = local[part]
+        prior = base_records[v]
+        mapped = chosen_records if prior is None else prior[chosen_records]
+        g = int(base_groups[v])
+        whole = len(mapped) == root.records_in(g) and bool((mapped == np.arange(len(mapped))).all())
+        new_groups.append(g)
+        new_records.append(None if whole else mapped)  # whole groups keep streaming reads
+    return Subset(root, np.array(new_groups, dtype=np.int64), new_records)
+
+
+def _sizes(fractions: Sequence[float], total: int) -> list[int]:
+    """Largest-remainder rounding: sizes summing to ``total``, ties to the earlier name."""
+    exact = [f * total for f in fractions]
+    sizes = [math.floor(x) for x in exact]
+    for k in sorted(range(len(exact)), key=lambda k: (-(exact[k] - sizes[k]), k))[: total - sum(sizes)]:
+        sizes[k] += 1
+    return sizes
+
+
+def split(ds: Dataset, fractions: Mapping[str, float], *, seed: int, by: str = "group") -> dict[str, Subset]:
+    """Disjoint subsets covering ``ds``, sized by ``fractions`` (summing to 1), deterministic in ``seed``.
+
+    ``by="group"`` deals whole groups (files), so any compression streams; ``by="record"``
+    deals records. Units are permuted by a keyed permutation of ``seed`` (its own stream,
+    independent of loader shuffles), cut in the order of ``fractions`` with sizes rounded by
+    largest remainder, and each part keeps the dataset's order. The same seed and dataset
+    give the same parts on any machine.
+
+    Example:
+        >>> parts = ds.split({"train": 0.9, "val": 0.1}, seed=0, by="record")  # doctest: +SKIP
+        >>> len(parts["train"]) + len(parts["val"]) == len(ds)  # doctest: +SKIP
+        True
+    """
+    if not isinstance(fractions, Mapping) or not fractions:
+        raise SpecError(f"fractions={fractions!r} must be a non-empty mapping of name -> fraction")
+    for name, f in fractions.items():
+        if not isinstance(name, str) or isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f <= 1:
+            raise SpecError(f"fractions[{name!r}]={f!r} must be a number in [0, 1] under a string name")
+    if abs(sum(float(f) for f in fractions.values()) - 1) > 1e-9:
+        total = sum(fractions.values())
+        raise SpecError(f"fractions {dict(fractions)} sum to {total}, not 1: the parts must cover the data")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise SpecError(f"seed={seed!r} must be a non-negative integer")
+    if by not in ("group", "record"):
+        raise SpecError(f"by={by!r} must be 'group' or 'record'")
+    total = ds.num_groups if by == "group" else len(ds)
+    perm = Permutation(total, int(seed), 0, STREAM_SPLIT)(np.arange(total, dtype=np.int64))
+    out: dict[str, Subset] = {}
+    start = 0
+    for name, size in zip(fractions, _sizes([float(f) for f in fractions.values()], total), strict=True):
+        part = np.sort(perm[start : start + size])
+        start += size
+        out[name] = select(ds, groups=part) if by == "group" else select(ds, records=part)
+    return out

@@ -1,0 +1,233 @@
+"""A persistent index beside the data: record counts and gzip seek points, no decompression to open.
+
+``write_index(ds)`` (or ``stoker index DIR``) writes one small JSON file, ``.stoker-index.json``,
+in every directory that holds the dataset's files. Per file it records the size and
+``mtime_ns`` it was indexed at, the record count, and for gzip/zlib files the decompressed
+size and the start of every gzip member as ``(compressed offset, decompressed offset)``.
+
+A Dataset built afterwards takes the record counts of compressed files from the index
+when the file's size and mtime still match, so opening 10,000 compressed groups
+decompresses nothing; random access (``ds[i]``, ``ds.read``) starts decoding at the last
+member start before the records it needs instead of at the start of the file.
+
+What the seek points are, honestly: gzip member starts only. zlib's inflate state cannot
+be saved from Python (no ``inflatePrime``, no block-boundary reporting), so a single-member
+file has one seek point, its start; files written in members (``bgzip``-style, or
+``cat a.gz b.gz``) get one per member.
+
+Trust: an entry whose file changed size or mtime is stale. ``Dataset(..., index="auto")``
+(the default) raises :class:`~stoker.errors.StaleIndexError` naming the file; an index file
+of another format version raises naming the index file. ``index="rebuild"`` rewrites stale,
+missing and old entries (decompressing only those files); ``index="ignore"`` never reads it.
+The file is written atomically (temp file, fsync, ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import CorruptDataError, SpecError, StaleIndexError
+from .inflate import Inflater
+
+if TYPE_CHECKING:
+    from .dataset import Dataset
+    from .files import Catalog, FileInfo
+    from .spec import Field
+
+__all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexMode", "IndexEntry", "apply_index", "index_path", "write_index"]
+
+INDEX_NAME = ".stoker-index.json"  # a dot file, so globs like "data/*" never match it
+INDEX_VERSION = 1
+_FORMAT = "stoker-index"
+IndexMode = Literal["auto", "rebuild", "ignore"]
+_MODES = ("auto", "rebuild", "ignore")
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """What the index knows of one file."""
+
+    size: int
+    mtime_ns: int
+    compression: str | None
+    decompressed_bytes: int  # == size for raw files
+    # (compressed offset, decompressed offset) of each gzip member start; ((0, 0),) for zlib.
+    members: tuple[tuple[int, int], ...]
+
+    def to_json(self, records: int) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "mtime_ns": self.mtime_ns,
+            "compression": self.compression,
+            "records": records,
+            "decompressed_bytes": self.decompressed_bytes,
+            "members": [list(m) for m in self.members],
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any], where: str) -> IndexEntry:
+        try:
+            return cls(
+                int(doc["size"]),
+                int(doc["mtime_ns"]),
+                doc["compression"],
+                int(doc["decompressed_bytes"]),
+                tuple((int(a), int(b)) for a, b in doc["members"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise StaleIndexError(f"index {where} has a malformed entry ({e!r}); rebuild it", path=where) from e
+
+    def matches(self, info: FileInfo) -> bool:
+        return self.size == info.size and self.mtime_ns == info.mtime_ns
+
+
+def index_path(data_file: str) -> str:
+    """The index file that covers ``data_file``: ``.stoker-index.json`` in its directory."""
+    return os.path.join(os.path.dirname(os.path.abspath(data_file)), INDEX_NAME)
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    """The index file's entries by basename; None when there is no index file."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StaleIndexError(
+            f"index file {path!r} cannot be read ({e}); rebuild it with `stoker index`", path=path
+        ) from e
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("files"), dict):
+        raise StaleIndexError(f"{path!r} is not a stoker index file; remove it or rebuild it", path=path)
+    if doc.get("version") != INDEX_VERSION:
+        raise StaleIndexError(
+            f"index file {path!r} has format version {doc.get('version')!r}, this stoker reads version "
+            f"{INDEX_VERSION}; rebuild it with `stoker index` or Dataset(..., index='rebuild')",
+            path=path,
+        )
+    return doc["files"]
+
+
+def scan(name: str, info: FileInfo) -> IndexEntry:
+    """Index one file: decompress it once to find its size and member starts."""
+    if info.compression is None:
+        return IndexEntry(info.size, info.mtime_ns, None, info.size, ((0, 0),))
+    with Inflater(info.path, info.compression, field=name) as inf:
+        while inf.skip(1 << 30) == 1 << 30:
+            pass
+        total, members = inf.produced, tuple(inf.members)
+    st = os.stat(info.path)
+    if st.st_size != info.size or st.st_mtime_ns != info.mtime_ns:
+        raise StaleIndexError(f"field {name!r}: {info.path!r} changed while it was being indexed", field=name,
+                              path=info.path)  # fmt: skip
+    return IndexEntry(info.size, info.mtime_ns, info.compression, total, members)
+
+
+def records_of(name: str, spec: Field, info: FileInfo, entry: IndexEntry) -> int:
+    """The record count an entry implies under the field's record layout."""
+    body = entry.decompressed_bytes - spec.header_bytes - spec.footer_bytes
+    if body < 0 or body % spec.record_bytes:
+        raise CorruptDataError(
+            f"field {name!r}: {info.path!r} decompresses to {entry.decompressed_bytes} bytes (per its index), "
+            f"which is not header_bytes={spec.header_bytes} + footer_bytes={spec.footer_bytes} + a whole number "
+            f"of {spec.record_bytes}-byte records",
+            field=name, path=info.path,
+        )  # fmt: skip
+    return body // spec.record_bytes
+
+
+def _write_atomic(path: str, doc: Mapping[str, Any]) -> None:
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=".stoker-index.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"), sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry]) -> list[str]:
+    """Merge ``entries`` into the index file of each directory they live in; returns the paths."""
+    by_file: dict[str, dict[str, dict[str, Any]]] = {}
+    for (g, name), entry in entries.items():
+        info = catalog.files[g][name]
+        records = records_of(name, catalog.fields[name], info, entry)
+        by_file.setdefault(index_path(info.path), {})[os.path.basename(info.path)] = entry.to_json(records)
+    written = []
+    for path, new in sorted(by_file.items()):
+        try:
+            old = _load(path) or {}
+        except StaleIndexError:
+            old = {}  # an older or unreadable index is replaced whole
+        _write_atomic(path, {"format": _FORMAT, "version": INDEX_VERSION, "files": {**old, **new}})
+        written.append(path)
+    return written
+
+
+def write_index(dataset: Dataset) -> list[Path]:
+    """Index every file of ``dataset`` (decompressing each compressed file once); returns the files written.
+
+    Existing entries of other files in the same index file are kept.
+
+    Example:
+        >>> ds = stoker.Dataset(image=..., label=..., index="ignore")  # doctest: +SKIP
+        >>> stoker.write_index(ds)  # doctest: +SKIP
+        [PosixPath('data/.stoker-index.json')]
+    """
+    catalog = dataset._catalog.root()
+    entries = {(g, n): scan(n, info) for g, infos in enumerate(catalog.files) for n, info in infos.items()}
+    return [Path(p) for p in _save(catalog, entries)]
+
+
+def apply_index(catalog: Catalog, mode: str) -> None:
+    """Give ``catalog`` the counts and seek points of matching index entries (see module doc)."""
+    if mode not in _MODES:
+        raise SpecError(f"index={mode!r} must be one of {list(_MODES)}")
+    if mode == "ignore":
+        return
+    loaded: dict[str, dict[str, Any] | None] = {}
+    rebuild: dict[tuple[int, str], IndexEntry] = {}
+    for g, infos in enumerate(catalog.files):
+        for name, info in infos.items():
+            if info.compression is None:
+                continue  # raw counts come from the size: nothing to gain, nothing to trust
+            path = index_path(info.path)
+            if path not in loaded:
+                try:
+                    loaded[path] = _load(path)
+                except StaleIndexError:
+                    if mode != "rebuild":
+                        raise
+                    loaded[path] = {}  # older or unreadable: every entry is rebuilt
+            files = loaded[path]
+            doc = files.get(os.path.basename(info.path)) if files is not None else None
+            entry = IndexEntry.from_json(doc, path) if isinstance(doc, dict) else None
+            if entry is None:
+                if mode != "rebuild":
+                    continue  # a file no index covers: counted as without an index
+                rebuild[(g, name)] = entry = scan(name, info)
+            elif not entry.matches(info) or entry.compression != info.compression:
+                if mode != "rebuild":
+                    raise StaleIndexError(
+                        f"field {name!r}: index {path!r} is stale for {info.path!r} (indexed at size {entry.size}, "
+                        f"mtime_ns {entry.mtime_ns}, compression {entry.compression}; now size {info.size}, "
+                        f"mtime_ns {info.mtime_ns}, compression {info.compression}); rebuild it with "
+                        "`stoker index` or Dataset(..., index='rebuild')",
+                        field=name, path=info.path,
+                    )  # fmt: skip
+                rebuild[(g, name)] = entry = scan(name, info)
+            catalog.set_indexed(g, name, records_of(name, catalog.fields[name], info, entry), entry.members)
+    if rebuild:
+        _save(catalog, rebuild)
