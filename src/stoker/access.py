@@ -274,9 +274,10 @@ def _indices(ds: Dataset, indices: Any, what: str) -> np.ndarray:
         bad = (idx < -n) | (idx >= n)
         if bad.any():
             first = int(idx[np.flatnonzero(bad)[0]])
+            path = _first_path(ds)
             raise RecordIndexError(
-                f"record index {first} is out of range for {ds!r} with {n} records", index=first,
-                path=_first_path(ds),
+                f"record index {first} is out of range for {ds!r} with {n} records (first file {path!r})",
+                index=first, path=path,
             )  # fmt: skip
     return np.where(idx < 0, idx + n, idx)
 

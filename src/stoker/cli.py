@@ -1,4 +1,4 @@
-"""The ``stoker`` command: a thin layer over the public API (sample, inspect, bench)."""
+"""The ``stoker`` command: a thin layer over the public API (sample, inspect, index, bench)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ def _fields_from_config(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def dataset_from_fields(specs: Sequence[Mapping[str, Any]], *, pair_key: str | None = None) -> Dataset:
+def dataset_from_fields(
+    specs: Sequence[Mapping[str, Any]], *, pair_key: str | None = None, index: str = "auto"
+) -> Dataset:
     """A Dataset from field settings as ``parse_field`` or a config file give them."""
     fields = {}
     for s in specs:
@@ -86,7 +88,7 @@ def dataset_from_fields(specs: Sequence[Mapping[str, Any]], *, pair_key: str | N
             compression=compression,
             byte_order=s.get("byte_order", "little"),
         )
-    return Dataset(fields, pair_key=pair_key)
+    return Dataset(fields, pair_key=pair_key, index=index)
 
 
 def _field_specs(args: argparse.Namespace) -> list[dict[str, Any]] | None:
@@ -166,6 +168,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    from .index import write_index
+
+    specs = _field_specs(args)
+    if specs is None:
+        if not args.dir:
+            raise SpecError("index needs a sample DIR, --field NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION] or --config")
+        specs = _sample_fields(Path(args.dir), args.inrez)
+    t = time.perf_counter()
+    # The index on disk is what is being rewritten: never read it (it may be stale or old).
+    ds = dataset_from_fields(specs, pair_key=args.pair_key, index="ignore")
+    written = write_index(ds)
+    nfiles = ds.num_groups * len(ds.fields)
+    print(f"indexed {nfiles} files of {ds.num_groups} groups ({len(ds)} records) in {time.perf_counter() - t:.1f}s")
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 def _bench_cache() -> Path:
     return Path(os.environ.get("STOKER_CACHE", ".stoker-cache"))
 
@@ -242,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pair-key", default=None, help="regex that must agree across a group's basenames")
     _add_field_args(p)
     p.set_defaults(run=cmd_inspect)
+    p = sub.add_parser("index", help="write the persistent index (record counts, gzip seek points) beside the data")
+    p.add_argument("dir", nargs="?", help="a directory written by `stoker sample`")
+    p.add_argument("--inrez", type=int, default=128, help="frame size of a sample DIR")
+    p.add_argument("--pair-key", default=None, help="regex that must agree across a group's basenames")
+    _add_field_args(p)
+    p.set_defaults(run=cmd_index)
     p = sub.add_parser("bench", help="stream the dataset and compare with the machine's ceiling on the same files")
     _add_field_args(p)
     p.add_argument("--batch-size", type=int, default=256)

@@ -292,7 +292,7 @@ class Plan:
         total = self.total()
         end = self.padded_batches(total, start)
         size = self.config.batch_size
-        if rows or runs:
+        if rows or (runs and index < end):  # runs alone: end-of-group markers, carried if a batch is due
             yield BatchPlan(epoch, index, total if index + 1 >= end else position, size, runs, gather, rows)
             index += 1
         while index < end:

@@ -1,0 +1,317 @@
+"""Random access (ds[i], ds.read), subsets (select, split) and evaluation mode (pad_last)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, reference
+
+import stoker
+from stoker.access import RecordReader
+from stoker.testing import assert_resumable
+
+LAB_MULTI = FieldPlan("out", "float32", (), kind="multi")
+LAB_ZLIB = FieldPlan("lab", "int16", (2,), kind="zlib", header=3, footer=2)
+COUNTS = [13, 0, 7, 21, 3, 9]
+
+
+@pytest.fixture
+def ds(tmp_path: Path) -> stoker.Dataset:
+    return build(tmp_path, COUNTS, {"image": IMG, "label": LAB_GZ, "aux": LAB_ZLIB})
+
+
+def flat_reference(ds: stoker.Dataset) -> dict[str, np.ndarray]:
+    """Every record of every field, in global index order, read independently of stoker."""
+    ref = reference(ds)
+    return {n: np.concatenate([r[n] for r in ref]) for n in ds.fields}
+
+
+def global_index(ds: stoker.Dataset, groups: np.ndarray, index: np.ndarray) -> np.ndarray:
+    firsts = np.concatenate([[0], np.cumsum([ds.records_in(g) for g in range(ds.num_groups)])])
+    return firsts[groups] + index
+
+
+def real_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    valid = batch["__valid__"]
+    return {k: v[valid] for k, v in batch.items()}
+
+
+# -- ds[i] and ds.read ----------------------------------------------------------------
+def test_getitem_returns_every_record_with_negative_indices(ds: stoker.Dataset) -> None:
+    ref = flat_reference(ds)
+    n = len(ds)
+    for i in range(n):
+        rec = ds[i]
+        for name, spec in ds.fields.items():
+            assert isinstance(rec[name], np.ndarray) and rec[name].shape == spec.shape
+            assert np.array_equal(rec[name], ref[name][i])
+            assert np.array_equal(ds[i - n][name], ref[name][i])
+
+
+@pytest.mark.parametrize("i", [53, -54, 10**12])
+def test_getitem_out_of_range_is_an_index_error_naming_the_file(ds: stoker.Dataset, i: int) -> None:
+    with pytest.raises(stoker.RecordIndexError, match="out of range.*53 records") as e:
+        ds[i]
+    assert isinstance(e.value, IndexError) and isinstance(e.value, stoker.StokerError)
+    assert e.value.index == i and e.value.path is not None and "img_0000.bin" in str(e.value)
+
+
+def test_getitem_rejects_non_integers(ds: stoker.Dataset) -> None:
+    with pytest.raises(stoker.SpecError, match="must be an integer"):
+        ds[1.5]  # type: ignore[index]
+    with pytest.raises(stoker.SpecError, match="must be an integer"):
+        ds[True]  # type: ignore[index]
+
+
+def test_read_any_order_with_repeats_and_cast(ds: stoker.Dataset) -> None:
+    ref = flat_reference(ds)
+    idx = np.array([52, 0, 5, 5, -1, 20, 13, 0])
+    got = ds.read(idx, cast={"image": "float32"})
+    assert got["image"].dtype == np.float32 and got["label"].dtype == np.float32
+    for name in ds.fields:
+        assert np.array_equal(got[name], ref[name][idx].astype(got[name].dtype))
+    empty = ds.read([])
+    assert all(len(v) == 0 for v in empty.values())
+    sliced = ds[10:20:3]
+    assert np.array_equal(sliced["aux"], ref["aux"][10:20:3])
+
+
+@pytest.mark.parametrize("shuffle", [False, "global", "files"])
+def test_read_equals_loader_contents(ds: stoker.Dataset, shuffle: Any) -> None:
+    seed = 3 if shuffle else None
+    with ds.loader(8, with_index=True, shuffle=shuffle, seed=seed) as loader:
+        for batch in loader:
+            got = ds.read(global_index(ds, batch["__group__"], batch["__index__"]))
+            for name in ds.fields:
+                assert np.array_equal(got[name], batch[name])
+
+
+def test_read_errors_name_the_file(ds: stoker.Dataset) -> None:
+    path = ds.files[3]["image"].path
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - IMG.stored_dtype.itemsize * 36)
+    with pytest.raises(stoker.CorruptDataError, match="img_0003.bin") as e:
+        ds.read([25])
+    assert e.value.path == path and e.value.field == "image"
+    with pytest.raises(stoker.RecordIndexError, match="-54 is out of range"):
+        ds.read([0, -54])
+    with pytest.raises(stoker.SpecError, match="integers"):
+        ds.read([0.5])
+
+
+def test_corrupt_compressed_group_raises_naming_file_on_random_access(tmp_path: Path) -> None:
+    ds = build(tmp_path, [5, 6], {"image": IMG, "label": LAB_GZ})
+    ref = flat_reference(ds)
+    path = ds.files[1]["label"].path
+    data = bytearray(Path(path).read_bytes())
+    data[-8] ^= 0xFF  # the CRC: the stream decodes but fails its check
+    Path(path).write_bytes(bytes(data))
+    assert np.array_equal(ds.read([0, 4])["label"], ref["label"][[0, 4]])
+    with pytest.raises(stoker.CorruptDataError, match="out_0001.bin.gz") as e:
+        ds[7]
+    assert e.value.path == path
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_reader_without_cache_seeks_and_equals_reference(tmp_path: Path, indexed: bool) -> None:
+    ds = build(tmp_path, [40, 17, 33], {"image": IMG, "label": LAB_MULTI})
+    if indexed:
+        stoker.write_index(ds)
+        ds = stoker.Dataset(ds.fields)
+        assert len(ds._catalog.seek_points[(0, "label")]) == 3  # three gzip members per file
+    ref = flat_reference(ds)
+    reader = RecordReader(ds._catalog, cache_bytes=0)  # never decode a file whole
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(ds), 200)
+    g, r = (np.searchsorted([0, 40, 57, 90], idx, side="right") - 1), None
+    r = idx - np.array([0, 40, 57, 90])[g]
+    out = {n: np.empty((len(idx), *f.shape), f.dtype) for n, f in ds.fields.items()}
+    reader.read_into(g, r, out)
+    for name in ds.fields:
+        assert np.array_equal(out[name], ref[name][idx])
+
+
+# -- select / split --------------------------------------------------------------------
+def test_select_groups_keeps_their_order_and_maps_index_to_root(ds: stoker.Dataset) -> None:
+    sub = ds.select(groups=[3, 0, 5])
+    assert isinstance(sub, stoker.Subset) and len(sub) == 21 + 13 + 9
+    assert [g.index for g in sub.groups] == [3, 0, 5]
+    ref = reference(ds)
+    assert np.array_equal(sub[0]["label"], ref[3]["label"][0])
+    assert np.array_equal(sub[21]["label"], ref[0]["label"][0])
+    seq = check_batches(ds, sub.loader(5, with_index=True), complete=False)
+    assert sorted(seq) == sorted((g, i) for g in (3, 0, 5) for i in range(COUNTS[g]))
+
+
+def test_select_records_slice_and_array_compose(ds: stoker.Dataset) -> None:
+    ref = flat_reference(ds)
+    sub = ds.select(records=slice(10, 40))
+    assert len(sub) == 30
+    assert np.array_equal(sub.read(np.arange(30))["image"], ref["image"][10:40])
+    inner = sub.select(records=[29, 0, 7])  # ascending order of the subset's own indices
+    assert np.array_equal(inner.read([0, 1, 2])["aux"], ref["aux"][[10, 17, 39]])
+    both = ds.select(groups=[3, 0], records=slice(19, 23))  # records of the selected groups
+    assert np.array_equal(both.read([0, 1, 2, 3])["label"], ref["label"][[39, 40, 0, 1]])  # group 3 starts at 20
+
+
+def test_select_errors(ds: stoker.Dataset) -> None:
+    with pytest.raises(stoker.SpecError, match="repeated"):
+        ds.select(groups=[1, 1])
+    with pytest.raises(stoker.RecordIndexError, match="groups: 6 is out of range"):
+        ds.select(groups=[6])
+    with pytest.raises(stoker.RecordIndexError, match="records: 53 is out of range"):
+        ds.select(records=[53])
+    with pytest.raises(stoker.SpecError, match="slice or a 1-D"):
+        ds.select(records=[[1]])
+
+
+@pytest.mark.parametrize("by", ["group", "record"])
+def test_split_is_disjoint_complete_and_deterministic(ds: stoker.Dataset, by: str) -> None:
+    parts = ds.split({"train": 0.7, "val": 0.2, "test": 0.1}, seed=5, by=by)
+    again = ds.split({"train": 0.7, "val": 0.2, "test": 0.1}, seed=5, by=by)
+    other = ds.split({"train": 0.7, "val": 0.2, "test": 0.1}, seed=6, by=by)
+    seen: list[tuple[int, int]] = []
+    for name, part in parts.items():
+        batches = list(part.loader(4, with_index=True))
+        pairs = [p for b in batches for p in zip(b["__group__"].tolist(), b["__index__"].tolist(), strict=True)]
+        check_batches(ds, batches, complete=False)
+        again_pairs = [
+            p
+            for b in again[name].loader(4, with_index=True)
+            for p in zip(b["__group__"].tolist(), b["__index__"].tolist(), strict=True)
+        ]
+        assert pairs == again_pairs
+        seen.extend(pairs)
+    assert sorted(seen) == sorted((g, i) for g, n in enumerate(COUNTS) for i in range(n))
+    units = ds.num_groups if by == "group" else len(ds)
+    assert [len(p.groups) if by == "group" else len(p) for p in parts.values()] == [
+        round(units * 0.7),
+        round(units * 0.2),
+        units - round(units * 0.7) - round(units * 0.2),
+    ]
+    assert any(p._subset_key() != o._subset_key() for p, o in zip(parts.values(), other.values(), strict=True))
+
+
+def test_split_validates_fractions_and_seed(ds: stoker.Dataset) -> None:
+    with pytest.raises(stoker.SpecError, match="sum to"):
+        ds.split({"a": 0.5, "b": 0.4}, seed=0)
+    with pytest.raises(stoker.SpecError, match="seed"):
+        ds.split({"a": 1.0}, seed=-1)
+    with pytest.raises(stoker.SpecError, match="by="):
+        ds.split({"a": 1.0}, seed=0, by="file")
+    with pytest.raises(stoker.SpecError, match=r"fractions\['a'\]"):
+        ds.split({"a": 1.5, "b": -0.5}, seed=0)
+
+
+SUBSETS = {
+    "groups": lambda ds: ds.select(groups=[5, 0, 3]),
+    "records": lambda ds: ds.split({"a": 0.6, "b": 0.4}, seed=1, by="record")["a"],
+}
+
+
+@pytest.mark.parametrize("kind", list(SUBSETS))
+@pytest.mark.parametrize("shuffle", [False, "global", "files"])
+def test_loader_features_work_on_subsets(ds: stoker.Dataset, kind: str, shuffle: Any) -> None:
+    sub = SUBSETS[kind](ds)
+    seed = 9 if shuffle else None
+    expected = sorted(
+        zip(*(a.tolist() for a in _root_pairs(sub)), strict=True)  # every record of the subset once
+    )
+    seqs = []
+    for i in range(3):
+        loader = sub.loader(4, with_index=True, shuffle=shuffle, seed=seed, shard=(i, 3), even=False)
+        seqs.extend(check_batches(ds, loader, complete=False))
+    assert sorted(seqs) == expected
+    assert_resumable(lambda: sub.loader(3, epochs=2, shuffle=shuffle, seed=seed, with_index=True), steps=4)
+
+
+def _root_pairs(sub: stoker.Subset) -> tuple[np.ndarray, np.ndarray]:
+    from stoker.access import locate, to_root
+
+    return to_root(sub, *locate(sub, np.arange(len(sub))))
+
+
+def test_resume_state_distinguishes_subsets(ds: stoker.Dataset) -> None:
+    parts = ds.split({"a": 0.5, "b": 0.5}, seed=2, by="record")
+    loader = parts["a"].loader(4)
+    next(iter(loader))
+    state = loader.state_dict()
+    with pytest.raises(stoker.StateError, match="subset"):
+        parts["b"].loader(4, state=state)
+    with pytest.raises(stoker.StateError):
+        ds.loader(4, state=state)
+    parts["a"].loader(4, state=state)  # the same subset resumes
+
+
+@pytest.mark.torch
+def test_to_torch_on_a_record_subset(ds: stoker.Dataset) -> None:
+    import torch
+
+    sub = ds.split({"a": 0.5, "b": 0.5}, seed=2, by="record")["b"]
+    ref = sub.read(np.arange(len(sub)))
+    got = list(sub.loader(8, pad_last=True).to_torch())
+    labels = torch.cat([b["label"][b["__valid__"]] for b in got])
+    assert np.array_equal(labels.numpy(), ref["label"])
+
+
+@pytest.mark.tf
+def test_to_tf_on_a_group_subset(ds: stoker.Dataset) -> None:
+    sub = ds.select(groups=[3, 5])
+    ref = sub.read(np.arange(len(sub)))
+    got = [b["aux"].numpy() for b in sub.loader(8).to_tf()]
+    assert np.array_equal(np.concatenate(got), ref["aux"])
+
+
+# -- evaluation mode -------------------------------------------------------------------
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("shuffle", [False, "global", "files"])
+@pytest.mark.parametrize("batch", [1, 4, 5])
+def test_pad_last_every_record_once_full_batches_same_count(
+    ds: stoker.Dataset, shards: int, shuffle: Any, batch: int
+) -> None:
+    seed = 4 if shuffle else None
+    counts, seen = set(), []
+    for i in range(shards):
+        loader = ds.loader(batch, with_index=True, pad_last=True, shard=(i, shards), shuffle=shuffle, seed=seed)
+        batches = list(loader)
+        counts.add(len(batches))
+        assert len(loader) == len(batches)
+        for b in batches:
+            assert all(len(v) == batch for v in b.values()) and b["__valid__"].dtype == bool
+            pad = ~b["__valid__"]
+            assert not b["image"][pad].any() and (b["__group__"][pad] == -1).all()
+            assert b["__valid__"].tolist() == sorted(b["__valid__"].tolist(), reverse=True)  # padding last
+        seen.extend(check_batches(ds, [real_rows(b) for b in batches], complete=False))
+    assert len(counts) == 1, f"shards yield different numbers of batches: {counts}"
+    assert counts == {-(-(-(-len(ds) // shards)) // batch)}
+    assert sorted(seen) == sorted((g, i) for g, n in enumerate(COUNTS) for i in range(n))
+
+
+def test_pad_last_on_a_record_subset_over_uneven_shards(ds: stoker.Dataset) -> None:
+    sub = ds.split({"a": 0.3, "b": 0.7}, seed=0, by="record")["a"]
+    seen, counts = [], set()
+    for i in range(4):
+        batches = list(sub.loader(3, with_index=True, pad_last=True, shard=(i, 4)))
+        counts.add(len(batches))
+        seen.extend(check_batches(ds, [real_rows(b) for b in batches], complete=False))
+    assert len(counts) == 1
+    assert sorted(seen) == sorted(zip(*(a.tolist() for a in _root_pairs(sub)), strict=True))
+
+
+def test_pad_last_resumes_and_state_after_epoch_end_is_the_end(ds: stoker.Dataset) -> None:
+    assert_resumable(lambda: ds.loader(4, epochs=2, pad_last=True, shard=(2, 3), shuffle="global", seed=1), steps=3)
+    for i in range(3):
+        loader = ds.loader(4, epochs=1, pad_last=True, shard=(i, 3))
+        list(loader)
+        assert loader.state_dict()["position"] >= len(ds)  # every shard: the epoch is consumed
+
+
+def test_pad_last_with_drop_remainder_is_an_error(ds: stoker.Dataset) -> None:
+    with pytest.raises(stoker.SpecError, match="pad_last"):
+        ds.loader(4, pad_last=True, drop_remainder=True)
+    with pytest.raises(stoker.SpecError, match="pad_last"):
+        ds.loader(4, pad_last=1)  # type: ignore[arg-type]
