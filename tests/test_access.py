@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, reference
 
 import stoker
+from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, reference
 from stoker.access import RecordReader
 from stoker.testing import assert_resumable
 
@@ -287,7 +288,7 @@ def test_pad_last_every_record_once_full_batches_same_count(
             assert b["__valid__"].tolist() == sorted(b["__valid__"].tolist(), reverse=True)  # padding last
         seen.extend(check_batches(ds, [real_rows(b) for b in batches], complete=False))
     assert len(counts) == 1, f"shards yield different numbers of batches: {counts}"
-    assert counts == {-(-(-(-len(ds) // shards)) // batch)}
+    assert counts == {math.ceil(math.ceil(len(ds) / shards) / batch)}
     assert sorted(seen) == sorted((g, i) for g, n in enumerate(COUNTS) for i in range(n))
 
 
