@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, reference
+from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, open_paths, reference
 from stoker.access import RecordReader
 from stoker.testing import assert_resumable
 
@@ -134,6 +135,26 @@ def test_reader_without_cache_seeks_and_equals_reference(tmp_path: Path, indexed
     reader.read_into(g, r, out)
     for name in ds.fields:
         assert np.array_equal(out[name], ref[name][idx])
+
+
+def test_random_access_files_are_released_with_the_dataset(tmp_path: Path) -> None:
+    ds = build(tmp_path, COUNTS, {"image": IMG, "label": LAB_GZ})
+    ds.read(np.arange(len(ds)))
+    assert open_paths(tmp_path)  # raw files stay mapped between reads
+    del ds
+    gc.collect()
+    assert open_paths(tmp_path) == []
+
+
+def test_loader_over_a_record_subset_closes_its_files(ds: stoker.Dataset, tmp_path: Path) -> None:
+    sub = ds.select(records=slice(3, 50, 2))
+    with sub.loader(4, threads=2) as loader:
+        it = iter(loader)
+        next(it)
+        assert open_paths(tmp_path)
+    assert open_paths(tmp_path) == []
+    list(sub.loader(4))
+    assert open_paths(tmp_path) == []
 
 
 # -- select / split --------------------------------------------------------------------

@@ -56,12 +56,38 @@ __all__ = ["DEFAULT_CACHE_BYTES", "RecordReader", "Subset", "read_one", "read_re
 # (4 bytes a record) take 16 KiB a group, so a million groups' labels fit; image files of
 # 64 MiB decoded: four at a time, enough for the loader's default cycle of 4 groups.
 DEFAULT_CACHE_BYTES = 256 << 20
+# Raw files a reader keeps mapped between reads (each costs a descriptor and address space,
+# no memory); least recently used ones are closed beyond this.
+MAX_MAPPED = 64
 # The split's permutation stream: independent of the loader's record/group/window streams.
 STREAM_SPLIT = 3
 
 
+class _Mapped:
+    """One raw file kept open and mapped; ``refs`` counts reads using it right now."""
+
+    __slots__ = ("fd", "map", "refs")
+
+    def __init__(self, fd: int, mapped: mmap.mmap) -> None:
+        self.fd, self.map, self.refs = fd, mapped, 0
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+def _close_all(maps: OrderedDict[str, _Mapped]) -> None:
+    for m in maps.values():
+        m.close()
+    maps.clear()
+
+
 class RecordReader:
-    """Gathers records of a root Catalog by (group, record), in bulk; safe to share between threads."""
+    """Gathers records of a root Catalog by (group, record), in bulk; safe to share between threads.
+
+    Keeps up to :data:`MAX_MAPPED` raw files mapped between reads; ``close()`` (or garbage
+    collection of the reader) unmaps and closes them.
+    """
 
     def __init__(self, catalog: Catalog, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.catalog = catalog
@@ -70,6 +96,80 @@ class RecordReader:
         self._cached = 0
         self._lock = threading.Lock()
         self._decoding: dict[tuple[int, str], threading.Lock] = {}
+        self._maps: OrderedDict[str, _Mapped] = OrderedDict()
+        self._finalizer = weakref.finalize(self, _close_all, self._maps)
+
+    def close(self) -> None:
+        """Unmap and close every file and drop decoded data; idempotent (the reader reopens on use)."""
+        with self._lock:
+            busy = {p: m for p, m in self._maps.items() if m.refs}
+            idle = [m for p, m in self._maps.items() if not m.refs]
+            self._maps.clear()
+            self._maps.update(busy)  # in use by another thread: closed when released
+            self._cache.clear()
+            self._cached = 0
+        for m in idle:
+            m.close()
+
+    def _acquire(self, name: str, spec: Field, info: FileInfo, local: np.ndarray) -> _Mapped:
+        with self._lock:
+            m = self._maps.get(info.path)
+            if m is not None:
+                self._maps.move_to_end(info.path)
+                m.refs += 1
+        if m is None:
+            try:
+                fd = os.open(info.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as e:
+                raise ReadError(
+                    f"field {name!r}: cannot open {info.path!r}: {e.strerror}", field=name, path=info.path
+                ) from e
+            try:
+                self._check_size(name, spec, info, fd, local)
+                m = _Mapped(fd, mmap.mmap(fd, info.size, access=mmap.ACCESS_READ))
+            except BaseException:
+                os.close(fd)
+                raise
+            m.refs = 1
+            with self._lock:
+                other = self._maps.get(info.path)
+                if other is not None:  # another thread mapped it meanwhile: use theirs
+                    other.refs += 1
+                    m.close()
+                    m = other
+                else:
+                    self._maps[info.path] = m
+                    excess = max(0, len(self._maps) - MAX_MAPPED)
+                    evict = [(p, o) for p, o in self._maps.items() if not o.refs][:excess]
+                    for p, _ in evict:
+                        del self._maps[p]
+            if other is None:
+                for _, o in evict:
+                    o.close()
+        try:
+            self._check_size(name, spec, info, m.fd, local)
+        except BaseException:
+            self._release(info, m)
+            raise
+        return m
+
+    def _check_size(self, name: str, spec: Field, info: FileInfo, fd: int, local: np.ndarray) -> None:
+        # On every read: a file cut short under a map would kill the process (SIGBUS).
+        size = os.fstat(fd).st_size
+        if size != info.size:
+            last = int(local.max())
+            raise CorruptDataError(
+                f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
+                f"was built (record {last} asked for, byte offset {spec.header_bytes + last * spec.record_bytes})",
+                field=name, path=info.path, index=last, offset=spec.header_bytes + last * spec.record_bytes,
+            )  # fmt: skip
+
+    def _release(self, info: FileInfo, m: _Mapped) -> None:
+        with self._lock:
+            m.refs -= 1
+            orphan = m.refs == 0 and self._maps.get(info.path) is not m
+        if orphan:  # closed or evicted while this read used it
+            m.close()
 
     def read_into(
         self, groups: np.ndarray, records: np.ndarray, out: Mapping[str, np.ndarray], rows: np.ndarray | None = None
@@ -94,34 +194,16 @@ class RecordReader:
     def _raw(
         self, name: str, spec: Field, info: FileInfo, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
     ) -> None:
-        try:
-            fd = os.open(info.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise ReadError(
-                f"field {name!r}: cannot open {info.path!r}: {e.strerror}", field=name, path=info.path
-            ) from e
-        try:
-            size = os.fstat(fd).st_size
-            # Checked right before mapping: a file cut short under a map kills the process (SIGBUS).
-            if size != info.size:
-                last = int(local.max())
-                raise CorruptDataError(
-                    f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
-                    f"was built (record {last} asked for, byte offset {spec.header_bytes + last * spec.record_bytes})",
-                    field=name, path=info.path, index=last, offset=spec.header_bytes + last * spec.record_bytes,
-                )  # fmt: skip
-            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
+        m = self._acquire(name, spec, info, local)
         try:
             n = (info.size - spec.header_bytes - spec.footer_bytes) // spec.record_bytes
-            src = np.frombuffer(mapped, spec.dtype, n * (spec.record_bytes // spec.dtype.itemsize), spec.header_bytes)
+            src = np.frombuffer(m.map, spec.dtype, n * (spec.record_bytes // spec.dtype.itemsize), spec.header_bytes)
             try:
                 dst[rows] = src.reshape(n, *spec.shape)[local]
             finally:
                 del src
         finally:
-            mapped.close()
+            self._release(info, m)
 
     def _compressed(
         self, name: str, spec: Field, info: FileInfo, g: int, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
@@ -269,7 +351,7 @@ def _indices(ds: Dataset, indices: Any, what: str) -> np.ndarray:
     if idx.size and idx.dtype.kind not in "iu":
         raise SpecError(f"{what} must be integers, got dtype {idx.dtype}")
     idx = idx.astype(np.int64)
-    n = len(ds)
+    n = int(_firsts(ds)[-1])
     if idx.size:
         bad = (idx < -n) | (idx >= n)
         if bad.any():
@@ -403,6 +485,10 @@ class _RecordsAssembler(Assembler):
 
     def prepare(self, plan: BatchPlan) -> Task:
         return Task(plan)
+
+    def close(self) -> None:
+        super().close()
+        self._reader.close()
 
     def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
         plan = task.plan

@@ -1,0 +1,195 @@
+"""Random access and the persistent index, measured.
+
+1. Time to first batch over 10,000 small gzip groups (gzip images + gzip labels, 16 records
+   each), with and without the index: ``Dataset(...)``, then ``len(ds)`` (every count), then
+   the first batch of ``shuffle="global"``. Without the index every file is decompressed
+   to count it; with it none is.
+2. Random access on W1 raw (the seed's layout, ``stoker.sample.cached_sample``):
+   ``ds.read`` of 256 random indices, and ``ds[i]`` one record at a time.
+3. Random access on W2, gzip-compressed 128x128 int8 images (4 files x 4096 records, each
+   file written as gzip members of 64 records, ``bgzip``-style), with the index:
+   through its seek points only (``cache_bytes=0``: decode from the member start before
+   each wanted run), and through the decoded in-memory form (default cache). For contrast,
+   the same files without an index (seek point = file start) with ``cache_bytes=0``.
+
+Contenders alternate round by round in one process (warm page cache); medians of rounds
+and per-round ratios are printed.
+
+    python benchmarks/access.py [--rounds 3] [--seconds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+import stoker
+from stoker.access import RecordReader
+from stoker.sample import cached_sample
+
+CACHE = Path(os.environ.get("STOKER_CACHE", ".stoker-cache"))
+
+
+def many_groups(directory: Path, groups: int = 10_000, records: int = 16, frame: int = 64) -> Path:
+    """``groups`` pairs of small gzip files, written once (marker file last)."""
+    marker = directory / ".complete"
+    if marker.exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"writing {groups} small gzip groups into {directory} ...", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    for g in range(groups):
+        img = rng.integers(-128, 128, (records, frame), dtype=np.int8)
+        (directory / f"img_{g:05d}.bin.gz").write_bytes(gzip.compress(img.tobytes(), compresslevel=1))
+        lab = np.arange(g * records, (g + 1) * records, dtype="<f4")
+        (directory / f"out_{g:05d}.bin.gz").write_bytes(gzip.compress(lab.tobytes(), compresslevel=1))
+    marker.write_text("ok\n")
+    return directory
+
+
+def w2(directory: Path, w1: Path, files: int = 4, member_records: int = 64) -> Path:
+    """gzip images: the first ``files`` W1 image files, each as members of ``member_records``."""
+    marker = directory / ".complete"
+    if marker.exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"writing W2 (gzip images, members of {member_records} records) into {directory} ...", file=sys.stderr)
+    frame = 128 * 128
+    for g in range(files):
+        raw = (w1 / f"img_{g:04d}.bin").read_bytes()
+        step = member_records * frame
+        with open(directory / f"img_{g:04d}.bin.gz", "wb") as f:
+            for start in range(0, len(raw), step):
+                f.write(gzip.compress(raw[start : start + step], compresslevel=1))
+    marker.write_text("ok\n")
+    return directory
+
+
+def timed(fn: Callable[[], int], seconds: float) -> float:
+    """Records per second of ``fn`` (returns records done per call) over about ``seconds``."""
+    done, t0 = 0, time.perf_counter()
+    while True:
+        done += fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return done / elapsed
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--groups", type=int, default=10_000)
+    args = ap.parse_args()
+
+    # -- 1. time to first batch ---------------------------------------------------------
+    small = many_groups(CACHE / f"access-{args.groups}x16", args.groups)
+    fields = {
+        "image": stoker.Field(str(small / "img_*.bin.gz"), "int8", (64,)),
+        "label": stoker.Field(str(small / "out_*.bin.gz"), "float32"),
+    }
+    t = time.perf_counter()
+    stoker.write_index(stoker.Dataset(fields, index="ignore"))
+    index_seconds = time.perf_counter() - t
+    first: dict[str, list[float]] = {"no index": [], "index": []}
+    counted: dict[str, list[float]] = {"no index": [], "index": []}
+    for r in range(args.rounds):
+        for name, mode in (("no index", "ignore"), ("index", "auto")):
+            t0 = time.perf_counter()
+            ds = stoker.Dataset(fields, index=mode)
+            n = len(ds)
+            t1 = time.perf_counter()
+            with ds.loader(256, shuffle="global", seed=r) as loader:
+                batch = next(iter(loader))
+            t2 = time.perf_counter()
+            assert n == args.groups * 16 and len(batch["label"]) == 256
+            counted[name].append(t1 - t0)
+            first[name].append(t2 - t0)
+            print(f"  round {r + 1}: {name:<9} open+len {t1 - t0:7.3f}s  first batch {t2 - t0:7.3f}s", file=sys.stderr)
+
+    # -- 2. W1 raw random access ------------------------------------------------------------
+    w1 = cached_sample(CACHE / "sample-16x4096x128")
+    w1_ds = stoker.Dataset(
+        image=stoker.Field(str(w1 / "img_*.bin"), "int8", (128, 128, 1)),
+        label=stoker.Field(str(w1 / "out_*.bin.gz"), "float32"),
+    )
+    n1 = len(w1_ds)
+    rng = np.random.default_rng(1)
+    w1_ds.read(np.arange(0, n1, 4096))  # decode the labels once (cached, 16 KiB a group)
+
+    def read_batch() -> int:
+        w1_ds.read(rng.integers(0, n1, 256))
+        return 256
+
+    def read_one() -> int:
+        for i in rng.integers(0, n1, 64).tolist():
+            w1_ds[i]
+        return 64
+
+    # -- 3. W2 gzip images -------------------------------------------------------------------
+    w2_dir = w2(CACHE / "access-w2", w1)
+    w2_field = {"image": stoker.Field(str(w2_dir / "img_*.bin.gz"), "int8", (128, 128, 1))}
+    stoker.write_index(stoker.Dataset(w2_field, index="ignore"))
+    w2_ds = stoker.Dataset(w2_field)
+    n2 = len(w2_ds)
+    firsts = np.arange(0, n2 + 1, 4096)
+    seek_reader = RecordReader(w2_ds._catalog, cache_bytes=0)
+    cache_reader = RecordReader(w2_ds._catalog)  # the default: decoded files kept, 256 MiB
+    plain_reader = RecordReader(stoker.Dataset(w2_field, index="ignore")._catalog, cache_bytes=0)
+
+    def w2_read(reader: RecordReader, k: int) -> Callable[[], int]:
+        def go() -> int:
+            idx = rng.integers(0, n2, k)
+            g = np.searchsorted(firsts, idx, side="right") - 1
+            out = {"image": np.empty((k, 128, 128, 1), np.int8)}
+            reader.read_into(g, idx - firsts[g], out)
+            return k
+
+        return go
+
+    cache_reader.read_into(np.arange(4), np.zeros(4, np.int64), {"image": np.empty((4, 128, 128, 1), np.int8)})
+    contenders = {
+        "W1 raw ds.read(256 random)": read_batch,
+        "W1 raw ds[i]": read_one,
+        "W2 gzip, index seek points, batch 256": w2_read(seek_reader, 256),
+        "W2 gzip, index seek points, 1 record": w2_read(seek_reader, 1),
+        "W2 gzip, decoded cache, batch 256": w2_read(cache_reader, 256),
+        "W2 gzip, no index, no cache, 1 record": w2_read(plain_reader, 1),
+    }
+    rates: dict[str, list[float]] = {k: [] for k in contenders}
+    for r in range(args.rounds):
+        for name, fn in contenders.items():
+            rates[name].append(timed(fn, args.seconds))
+            print(f"  round {r + 1}: {name:<40} {rates[name][-1]:>12,.0f} records/s", file=sys.stderr)
+
+    print(f"\n10,000-group time to first batch ({args.groups} groups x 2 gzip files, {args.rounds} rounds; "
+          f"writing the index took {index_seconds:.1f}s)")  # fmt: skip
+    print(f"{'':<10} {'open + len(ds) s':>17} {'first global batch s':>21}")
+    for name in first:
+        print(f"{name:<10} {med(counted[name]):>17.3f} {med(first[name]):>21.3f}")
+    ratio = [a / b for a, b in zip(first["no index"], first["index"], strict=True)]
+    print(f"first batch, no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
+    print(f"\nrandom access ({args.rounds} rounds of {args.seconds:g}s)")
+    print(f"{'contender':<42} {'records/s median':>17} {'min':>10} {'max':>10}")
+    for name, xs in rates.items():
+        print(f"{name:<42} {med(xs):>17,.0f} {min(xs):>10,.0f} {max(xs):>10,.0f}")
+    seek = [a / b for a, b in zip(rates["W2 gzip, index seek points, 1 record"],
+                                  rates["W2 gzip, no index, no cache, 1 record"], strict=True)]  # fmt: skip
+    print(f"W2 1-record reads, index seek points / no index: median {med(seek):.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
