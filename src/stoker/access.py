@@ -179,9 +179,12 @@ class RecordReader:
             rows = np.arange(len(groups), dtype=np.int64)
         if not len(groups):
             return
-        order = np.lexsort((records, groups))
-        bounds = np.flatnonzero(np.diff(groups[order])) + 1
-        for part in np.split(order, bounds):
+        if len(groups) == 1:  # ds[i]: no sorting to do
+            parts = [np.zeros(1, np.int64)]
+        else:
+            order = np.lexsort((records, groups))
+            parts = np.split(order, np.flatnonzero(np.diff(groups[order])) + 1)
+        for part in parts:
             g = int(groups[part[0]])
             local, dst_rows = records[part], rows[part]
             for name, spec in self.catalog.fields.items():
