@@ -151,6 +151,17 @@ def test_unreadable_index_is_an_error_naming_it(tmp_path: Path, content: bytes) 
     assert e.value.path == str(tmp_path / INDEX_NAME)
 
 
+def test_malformed_entry_is_an_error_naming_index_and_file(tmp_path: Path) -> None:
+    ds = compressed(tmp_path)
+    (index,) = stoker.write_index(ds)
+    doc = json.loads(index.read_text())
+    del doc["files"]["img_0002.bin.gz"]["members"]
+    index.write_text(json.dumps(doc))
+    with pytest.raises(stoker.StaleIndexError, match=r"malformed entry for .*img_0002\.bin\.gz") as e:
+        stoker.Dataset(ds.fields)
+    assert e.value.path == str(index)
+
+
 def test_index_mode_is_validated(tmp_path: Path) -> None:
     with pytest.raises(stoker.SpecError, match="index='always'"):
         build(tmp_path, [2], {"label": LAB_GZ}, index="always")

@@ -71,22 +71,6 @@ class IndexEntry:
             "members": [list(m) for m in self.members],
         }
 
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any], where: str) -> IndexEntry:
-        try:
-            return cls(
-                int(doc["size"]),
-                int(doc["mtime_ns"]),
-                doc["compression"],
-                int(doc["decompressed_bytes"]),
-                tuple((int(a), int(b)) for a, b in doc["members"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise StaleIndexError(f"index {where} has a malformed entry ({e!r}); rebuild it", path=where) from e
-
-    def matches(self, info: FileInfo) -> bool:
-        return self.size == info.size and self.mtime_ns == info.mtime_ns
-
 
 def index_path(data_file: str) -> str:
     """The index file that covers ``data_file``: ``.stoker-index.json`` in its directory."""
@@ -192,42 +176,61 @@ def write_index(dataset: Dataset) -> list[Path]:
 
 
 def apply_index(catalog: Catalog, mode: str) -> None:
-    """Give ``catalog`` the counts and seek points of matching index entries (see module doc)."""
+    """Give ``catalog`` the counts and seek points of matching index entries (see module doc).
+
+    Runs once per file of a Dataset being opened, so it stays on plain dicts: one index
+    file per directory, entries checked field by field without building objects.
+    """
     if mode not in _MODES:
         raise SpecError(f"index={mode!r} must be one of {list(_MODES)}")
     if mode == "ignore":
         return
-    loaded: dict[str, dict[str, Any] | None] = {}
+    directories: dict[str, tuple[str, dict[str, Any] | None]] = {}
     rebuild: dict[tuple[int, str], IndexEntry] = {}
     for g, infos in enumerate(catalog.files):
         for name, info in infos.items():
             if info.compression is None:
                 continue  # raw counts come from the size: nothing to gain, nothing to trust
-            path = index_path(info.path)
-            if path not in loaded:
+            directory, base = os.path.split(info.path)
+            known = directories.get(directory)
+            if known is None:
+                path = os.path.join(os.path.abspath(directory), INDEX_NAME)
                 try:
-                    loaded[path] = _load(path)
+                    files = _load(path)
                 except StaleIndexError:
                     if mode != "rebuild":
                         raise
-                    loaded[path] = {}  # older or unreadable: every entry is rebuilt
-            files = loaded[path]
-            doc = files.get(os.path.basename(info.path)) if files is not None else None
-            entry = IndexEntry.from_json(doc, path) if isinstance(doc, dict) else None
-            if entry is None:
+                    files = {}  # older or unreadable: every entry is rebuilt
+                known = directories[directory] = (path, files)
+            path, files = known
+            doc = files.get(base) if files is not None else None
+            if not isinstance(doc, dict):
                 if mode != "rebuild":
                     continue  # a file no index covers: counted as without an index
-                rebuild[(g, name)] = entry = scan(name, info)
-            elif not entry.matches(info) or entry.compression != info.compression:
+                entry = rebuild[(g, name)] = scan(name, info)
+                doc = entry.to_json(0)
+            elif (doc.get("size"), doc.get("mtime_ns"), doc.get("compression")) != (
+                info.size, info.mtime_ns, info.compression,
+            ):  # fmt: skip
                 if mode != "rebuild":
                     raise StaleIndexError(
-                        f"field {name!r}: index {path!r} is stale for {info.path!r} (indexed at size {entry.size}, "
-                        f"mtime_ns {entry.mtime_ns}, compression {entry.compression}; now size {info.size}, "
-                        f"mtime_ns {info.mtime_ns}, compression {info.compression}); rebuild it with "
-                        "`stoker index` or Dataset(..., index='rebuild')",
+                        f"field {name!r}: index {path!r} is stale for {info.path!r} (indexed at size "
+                        f"{doc.get('size')}, mtime_ns {doc.get('mtime_ns')}, compression {doc.get('compression')}; "
+                        f"now size {info.size}, mtime_ns {info.mtime_ns}, compression {info.compression}); "
+                        "rebuild it with `stoker index` or Dataset(..., index='rebuild')",
                         field=name, path=info.path,
                     )  # fmt: skip
-                rebuild[(g, name)] = entry = scan(name, info)
-            catalog.set_indexed(g, name, records_of(name, catalog.fields[name], info, entry), entry.members)
+                entry = rebuild[(g, name)] = scan(name, info)
+                doc = entry.to_json(0)
+            try:
+                total, members = int(doc["decompressed_bytes"]), doc["members"]
+                # One member: its start is the file's start, no seek point worth keeping.
+                points = tuple((int(a), int(b)) for a, b in members) if len(members) > 1 else ((0, 0),)
+            except (KeyError, TypeError, ValueError) as e:
+                raise StaleIndexError(
+                    f"index {path!r} has a malformed entry for {info.path!r} ({e!r}); rebuild it", path=path
+                ) from e
+            entry = IndexEntry(info.size, info.mtime_ns, info.compression, total, points)
+            catalog.set_indexed(g, name, records_of(name, catalog.fields[name], info, entry), points)
     if rebuild:
         _save(catalog, rebuild)
