@@ -13,7 +13,7 @@ import pytest
 
 import stoker
 from conftest import IMG, FieldPlan, build, reference
-from stoker import inflate
+from stoker import batch, inflate
 from stoker.cli import main
 from stoker.index import INDEX_NAME, INDEX_VERSION
 
@@ -25,13 +25,13 @@ COUNTS = [13, 0, 7, 21, 3]
 
 
 @pytest.fixture
-def inflaters(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Paths of every Inflater constructed (every decompression stoker starts), in order."""
-    made: list[str] = []
+def inflaters(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, int]]]:
+    """(path, start) of every Inflater constructed (every decompression stoker starts), in order."""
+    made: list[tuple[str, tuple[int, int]]] = []
     original = inflate.Inflater.__init__
 
     def counting(self: inflate.Inflater, path: str, *args: object, **kw: object) -> None:
-        made.append(path)
+        made.append((path, kw.get("start", (0, 0))))  # type: ignore[arg-type]
         original(self, path, *args, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(inflate.Inflater, "__init__", counting)
@@ -57,7 +57,7 @@ def test_write_index_writes_one_versioned_file_beside_the_data(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [INDEX_NAME]  # no temp left
 
 
-def test_opening_with_the_index_decompresses_nothing(tmp_path: Path, inflaters: list[str]) -> None:
+def test_opening_with_the_index_decompresses_nothing(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
     fields = compressed(tmp_path).fields
     stoker.write_index(stoker.Dataset(fields, index="ignore"))
     inflaters.clear()
@@ -102,7 +102,7 @@ def test_stale_after_touch_only(tmp_path: Path) -> None:
         stoker.Dataset(ds.fields)
 
 
-def test_rebuild_rewrites_stale_entries_and_then_matches(tmp_path: Path, inflaters: list[str]) -> None:
+def test_rebuild_rewrites_stale_entries_and_then_matches(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
     ds = compressed(tmp_path)
     stoker.write_index(ds)
     path = Path(ds.files[3]["label"].path)
@@ -112,7 +112,7 @@ def test_rebuild_rewrites_stale_entries_and_then_matches(tmp_path: Path, inflate
     image.write_bytes(gzip.compress(np.zeros((30, 36), np.int8).tobytes()))
     inflaters.clear()
     rebuilt = stoker.Dataset(ds.fields, index="rebuild")
-    assert sorted(os.path.basename(p) for p in inflaters) == ["img_0003.bin.gz", "lab_0003.bin.zz"]
+    assert sorted(os.path.basename(p) for p, _ in inflaters) == ["img_0003.bin.gz", "lab_0003.bin.zz"]
     assert rebuilt.records_in(3) == 30
     inflaters.clear()
     again = stoker.Dataset(ds.fields)
@@ -127,7 +127,7 @@ def test_rebuild_creates_a_missing_index(tmp_path: Path) -> None:
     assert (tmp_path / INDEX_NAME).exists()
 
 
-def test_index_of_an_older_version_is_an_error_naming_it_then_rebuilt(tmp_path: Path, inflaters: list[str]) -> None:
+def test_index_of_an_older_version_is_an_error_naming_it_then_rebuilt(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
     ds = compressed(tmp_path)
     (index,) = stoker.write_index(ds)
     doc = json.loads(index.read_text())
@@ -167,7 +167,7 @@ def test_index_mode_is_validated(tmp_path: Path) -> None:
         build(tmp_path, [2], {"label": LAB_GZ}, index="always")
 
 
-def test_files_the_index_does_not_cover_are_counted_as_without_it(tmp_path: Path, inflaters: list[str]) -> None:
+def test_files_the_index_does_not_cover_are_counted_as_without_it(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
     ds = compressed(tmp_path)
     (index,) = stoker.write_index(ds)
     doc = json.loads(index.read_text())
@@ -176,10 +176,10 @@ def test_files_the_index_does_not_cover_are_counted_as_without_it(tmp_path: Path
     inflaters.clear()
     again = stoker.Dataset(ds.fields)
     assert again.records_in(3) == 21 and len(again) == sum(COUNTS)
-    assert [os.path.basename(p) for p in inflaters] == ["lab_0003.bin.zz"]
+    assert [os.path.basename(p) for p, _ in inflaters] == ["lab_0003.bin.zz"]
 
 
-def test_member_starts_are_seek_points_for_random_access(tmp_path: Path, inflaters: list[str]) -> None:
+def test_member_starts_are_seek_points_for_random_access(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
     ds = build(tmp_path, [300, 90], {"image": IMG, "label": LAB_MULTI})
     ref = np.concatenate([r["label"] for r in reference(ds)])
     stoker.write_index(ds)
@@ -194,9 +194,33 @@ def test_member_starts_are_seek_points_for_random_access(tmp_path: Path, inflate
     reader.read_into(np.array([0]), np.array([250]), out)
     assert out["label"][0] == ref[250]
     # the reader started at the third member, not at the start of the file
-    assert inflaters == [ds.files[0]["label"].path]
+    assert inflaters == [(ds.files[0]["label"].path, points[2])]
     idx = np.arange(len(ds))[::-7]
     assert np.array_equal(ds.read(idx)["label"], ref[idx])
+
+
+def test_resume_inside_a_large_compressed_file_starts_at_a_member(
+    tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
+    build(tmp_path, [300, 30], {"label": LAB_MULTI})
+    fields = {"label": stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32")}
+    stoker.write_index(stoker.Dataset(fields, index="ignore"))
+    ds = stoker.Dataset(fields)
+    full = list(ds.loader(50, with_index=True, cycle_length=1))
+    loader = ds.loader(50, with_index=True, cycle_length=1)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    inflaters.clear()
+    rest = list(ds.loader(50, with_index=True, cycle_length=1, state=state))
+    assert len(rest) == len(full) - 5
+    for a, b in zip(rest, full[5:], strict=True):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    first = inflaters[0]
+    assert first == (ds.files[0]["label"].path, ds._catalog.seek_points[(0, "label")][2])  # record 250: member 3
 
 
 def test_cli_index_for_the_sample_layout_and_for_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

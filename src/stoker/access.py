@@ -404,7 +404,12 @@ class _CatalogView(Catalog):
         self.records = list(records)
         self.num_groups = len(groups)
         self.files = [root.files[int(g)] for g in groups]
-        self.seek_points = {}
+        self.seek_points = {
+            (v, name): root.seek_points[(int(g), name)]
+            for v, g in enumerate(groups)
+            for name in self.fields
+            if (int(g), name) in root.seek_points
+        }
         self._lock = threading.Lock()
 
     def count(self, g: int) -> int:

@@ -487,12 +487,25 @@ class Assembler:
         if mine and stream.inflater is not None:
             stream.inflater.close()
 
-    def _open_stream(self, name: str, spec: Field, info: FileInfo, stream: _Stream) -> Inflater:
+    def _open_stream(
+        self, name: str, spec: Field, info: FileInfo, stream: _Stream, seek: tuple[int, int, int] | None = None
+    ) -> Inflater:
+        """Open the stream at its start, or at ``seek = (record, compressed, decompressed offset)``."""
         if stream.inflater is not None:
             stream.inflater.close()
         assert info.compression is not None
-        inf = Inflater(info.path, info.compression, field=name)
+        inf = Inflater(info.path, info.compression, field=name, start=seek[1:] if seek else (0, 0))
         stream.inflater, stream.pos = inf, 0
+        if seek is not None:
+            target = spec.header_bytes + seek[0] * spec.record_bytes
+            if inf.skip(target - seek[2]) != target - seek[2]:
+                raise CorruptDataError(
+                    f"field {name!r}: {info.path!r} ends at decompressed offset {inf.produced}, before record "
+                    f"{seek[0]} (offset {target}) that its persistent index places after a member start",
+                    field=name, path=info.path, index=seek[0], offset=inf.produced,
+                )  # fmt: skip
+            stream.pos = seek[0]
+            return inf
         if spec.header_bytes and inf.skip(spec.header_bytes) != spec.header_bytes:
             raise CorruptDataError(
                 f"field {name!r}: {info.path!r} decompresses to {inf.produced} bytes, fewer than "
@@ -511,9 +524,18 @@ class Assembler:
         self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, stream: _Stream, epoch: int
     ) -> None:
         if stream.inflater is None or stream.pos > run.start:
-            self._open_stream(name, spec, info, stream)
+            self._open_stream(name, spec, info, stream, self._seek_point(run.group, name, spec, run.start))
         if run.count:
             self._read_span(name, spec, info, run, stream, dst, cast=self._cast[name] or run.step != 1)
+
+    def _seek_point(self, group: int, name: str, spec: Field, record: int) -> tuple[int, int, int] | None:
+        """The persistent index's last gzip member start before ``record`` (resume mid-file), if any."""
+        points = self.catalog.seek_points.get((group, name))
+        if not points or not record:
+            return None
+        target = spec.header_bytes + record * spec.record_bytes
+        best = max((p for p in points if p[1] <= target), key=lambda p: p[1], default=(0, 0))
+        return (record, *best) if best[1] > spec.header_bytes else None
 
     def _read_whole(
         self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, stream: _Stream
