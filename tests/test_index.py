@@ -17,6 +17,7 @@ from stoker import batch, inflate
 from stoker.cli import main
 from stoker.index import INDEX_NAME, INDEX_VERSION
 
+Made = list[tuple[str, tuple[int, int]]]  # (path, start) of each Inflater constructed
 IMG_GZ = FieldPlan("img", "int8", (6, 6, 1), kind="gzip")
 LAB_GZ = FieldPlan("out", "float32", (), kind="gzip")
 LAB_ZLIB = FieldPlan("lab", "int16", (), kind="zlib", header=2, footer=1)
@@ -25,9 +26,9 @@ COUNTS = [13, 0, 7, 21, 3]
 
 
 @pytest.fixture
-def inflaters(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, int]]]:
+def inflaters(monkeypatch: pytest.MonkeyPatch) -> Made:
     """(path, start) of every Inflater constructed (every decompression stoker starts), in order."""
-    made: list[tuple[str, tuple[int, int]]] = []
+    made: Made = []
     original = inflate.Inflater.__init__
 
     def counting(self: inflate.Inflater, path: str, *args: object, **kw: object) -> None:
@@ -57,7 +58,7 @@ def test_write_index_writes_one_versioned_file_beside_the_data(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [INDEX_NAME]  # no temp left
 
 
-def test_opening_with_the_index_decompresses_nothing(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
+def test_opening_with_the_index_decompresses_nothing(tmp_path: Path, inflaters: Made) -> None:
     fields = compressed(tmp_path).fields
     stoker.write_index(stoker.Dataset(fields, index="ignore"))
     inflaters.clear()
@@ -102,7 +103,7 @@ def test_stale_after_touch_only(tmp_path: Path) -> None:
         stoker.Dataset(ds.fields)
 
 
-def test_rebuild_rewrites_stale_entries_and_then_matches(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
+def test_rebuild_rewrites_stale_entries_and_then_matches(tmp_path: Path, inflaters: Made) -> None:
     ds = compressed(tmp_path)
     stoker.write_index(ds)
     path = Path(ds.files[3]["label"].path)
@@ -127,7 +128,7 @@ def test_rebuild_creates_a_missing_index(tmp_path: Path) -> None:
     assert (tmp_path / INDEX_NAME).exists()
 
 
-def test_index_of_an_older_version_is_an_error_naming_it_then_rebuilt(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
+def test_index_of_an_older_version_is_an_error_naming_it_then_rebuilt(tmp_path: Path, inflaters: Made) -> None:
     ds = compressed(tmp_path)
     (index,) = stoker.write_index(ds)
     doc = json.loads(index.read_text())
@@ -167,7 +168,7 @@ def test_index_mode_is_validated(tmp_path: Path) -> None:
         build(tmp_path, [2], {"label": LAB_GZ}, index="always")
 
 
-def test_files_the_index_does_not_cover_are_counted_as_without_it(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
+def test_files_the_index_does_not_cover_are_counted_as_without_it(tmp_path: Path, inflaters: Made) -> None:
     ds = compressed(tmp_path)
     (index,) = stoker.write_index(ds)
     doc = json.loads(index.read_text())
@@ -179,7 +180,7 @@ def test_files_the_index_does_not_cover_are_counted_as_without_it(tmp_path: Path
     assert [os.path.basename(p) for p, _ in inflaters] == ["lab_0003.bin.zz"]
 
 
-def test_member_starts_are_seek_points_for_random_access(tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]]) -> None:
+def test_member_starts_are_seek_points_for_random_access(tmp_path: Path, inflaters: Made) -> None:
     ds = build(tmp_path, [300, 90], {"image": IMG, "label": LAB_MULTI})
     ref = np.concatenate([r["label"] for r in reference(ds)])
     stoker.write_index(ds)
@@ -200,7 +201,7 @@ def test_member_starts_are_seek_points_for_random_access(tmp_path: Path, inflate
 
 
 def test_resume_inside_a_large_compressed_file_starts_at_a_member(
-    tmp_path: Path, inflaters: list[tuple[str, tuple[int, int]]], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, inflaters: Made, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
     build(tmp_path, [300, 30], {"label": LAB_MULTI})
