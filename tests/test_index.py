@@ -163,6 +163,17 @@ def test_malformed_entry_is_an_error_naming_index_and_file(tmp_path: Path) -> No
     assert e.value.path == str(index)
 
 
+def test_entry_that_is_not_whole_records_under_the_field_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    ds = compressed(tmp_path)
+    (index,) = stoker.write_index(ds)
+    doc = json.loads(index.read_text())
+    doc["files"]["img_0004.bin.gz"]["decompressed_bytes"] += 1
+    index.write_text(json.dumps(doc))
+    with pytest.raises(stoker.CorruptDataError, match=r"img_0004\.bin\.gz.*per its index") as e:
+        stoker.Dataset(ds.fields)
+    assert e.value.path == ds.files[4]["image"].path and e.value.field == "image"
+
+
 def test_index_mode_is_validated(tmp_path: Path) -> None:
     with pytest.raises(stoker.SpecError, match="index='always'"):
         build(tmp_path, [2], {"label": LAB_GZ}, index="always")

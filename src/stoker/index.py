@@ -41,7 +41,16 @@ if TYPE_CHECKING:
     from .files import Catalog, FileInfo
     from .spec import Field
 
-__all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexMode", "IndexEntry", "apply_index", "index_path", "write_index"]
+__all__ = [
+    "INDEX_NAME",
+    "INDEX_VERSION",
+    "IndexEntry",
+    "IndexLookup",
+    "IndexMode",
+    "apply_index",
+    "index_path",
+    "write_index",
+]
 
 INDEX_NAME = ".stoker-index.json"  # a dot file, so globs like "data/*" never match it
 INDEX_VERSION = 1
@@ -175,34 +184,58 @@ def write_index(dataset: Dataset) -> list[Path]:
     return [Path(p) for p in _save(catalog, entries)]
 
 
-def apply_index(catalog: Catalog, mode: str) -> None:
+class IndexLookup:
+    """The index files of one Dataset being opened, loaded once per directory."""
+
+    def __init__(self, mode: str) -> None:
+        if mode not in _MODES:
+            raise SpecError(f"index={mode!r} must be one of {list(_MODES)}")
+        self.mode = mode
+        self._directories: dict[str, tuple[str, dict[str, Any] | None]] = {}
+
+    def directory(self, directory: str) -> tuple[str, dict[str, Any] | None]:
+        """(index file path, its entries by basename or None) for a directory of data files."""
+        known = self._directories.get(directory)
+        if known is None:
+            path = os.path.join(os.path.abspath(directory), INDEX_NAME)
+            try:
+                files = _load(path) if self.mode != "ignore" else None
+            except StaleIndexError:
+                if self.mode != "rebuild":
+                    raise
+                files = {}  # older or unreadable: every entry is rebuilt
+            known = self._directories[directory] = (path, files)
+        return known
+
+    def matches(self, path: str, st: os.stat_result, compression: str) -> bool:
+        """True when an entry vouches for this file as it is now (its header need not be read)."""
+        if self.mode == "ignore":
+            return False
+        directory, base = os.path.split(path)
+        files = self.directory(directory)[1]
+        doc = files.get(base) if files else None
+        return isinstance(doc, dict) and (doc.get("size"), doc.get("mtime_ns"), doc.get("compression")) == (
+            st.st_size, st.st_mtime_ns, compression,
+        )  # fmt: skip
+
+
+def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
     """Give ``catalog`` the counts and seek points of matching index entries (see module doc).
 
     Runs once per file of a Dataset being opened, so it stays on plain dicts: one index
     file per directory, entries checked field by field without building objects.
     """
-    if mode not in _MODES:
-        raise SpecError(f"index={mode!r} must be one of {list(_MODES)}")
+    mode = lookup.mode
     if mode == "ignore":
         return
-    directories: dict[str, tuple[str, dict[str, Any] | None]] = {}
     rebuild: dict[tuple[int, str], IndexEntry] = {}
+    layout = {n: (f.header_bytes + f.footer_bytes, f.record_bytes) for n, f in catalog.fields.items()}
     for g, infos in enumerate(catalog.files):
         for name, info in infos.items():
             if info.compression is None:
                 continue  # raw counts come from the size: nothing to gain, nothing to trust
             directory, base = os.path.split(info.path)
-            known = directories.get(directory)
-            if known is None:
-                path = os.path.join(os.path.abspath(directory), INDEX_NAME)
-                try:
-                    files = _load(path)
-                except StaleIndexError:
-                    if mode != "rebuild":
-                        raise
-                    files = {}  # older or unreadable: every entry is rebuilt
-                known = directories[directory] = (path, files)
-            path, files = known
+            path, files = lookup.directory(directory)
             doc = files.get(base) if files is not None else None
             if not isinstance(doc, dict):
                 if mode != "rebuild":
@@ -230,7 +263,11 @@ def apply_index(catalog: Catalog, mode: str) -> None:
                 raise StaleIndexError(
                     f"index {path!r} has a malformed entry for {info.path!r} ({e!r}); rebuild it", path=path
                 ) from e
-            entry = IndexEntry(info.size, info.mtime_ns, info.compression, total, points)
-            catalog.set_indexed(g, name, records_of(name, catalog.fields[name], info, entry), points)
+            framing, record_bytes = layout[name]
+            records, rest = divmod(total - framing, record_bytes)
+            if rest or records < 0:  # raises, naming the file
+                entry = IndexEntry(info.size, info.mtime_ns, info.compression, total, points)
+                records_of(name, catalog.fields[name], info, entry)
+            catalog.set_indexed(g, name, records, points)
     if rebuild:
         _save(catalog, rebuild)
