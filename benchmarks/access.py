@@ -4,6 +4,8 @@
    each), with and without the index: ``Dataset(...)``, then ``len(ds)`` (every count), then
    the first batch of ``shuffle="global"``. Without the index every file is decompressed
    to count it; with it none is.
+   Also 200 larger gzip groups (256 images of 4 KiB, 1 MiB decoded per file, + gzip labels):
+   open + ``len(ds)`` + the first batch in file order, with and without the index.
 2. Random access on W1 raw (the seed's layout, ``stoker.sample.cached_sample``):
    ``ds.read`` of 256 random indices, and ``ds[i]`` one record at a time.
 3. Random access on W2, gzip-compressed 128x128 int8 images (4 files x 4096 records, each
@@ -51,6 +53,27 @@ def many_groups(directory: Path, groups: int = 10_000, records: int = 16, frame:
         (directory / f"img_{g:05d}.bin.gz").write_bytes(gzip.compress(img.tobytes(), compresslevel=1))
         lab = np.arange(g * records, (g + 1) * records, dtype="<f4")
         (directory / f"out_{g:05d}.bin.gz").write_bytes(gzip.compress(lab.tobytes(), compresslevel=1))
+    marker.write_text("ok\n")
+    return directory
+
+
+def mid_groups(directory: Path, w1: Path, groups: int = 200, records: int = 256) -> Path:
+    """``groups`` pairs: gzip 64x64 int8 images cut from W1's bytes (1 MiB per file) + gzip labels."""
+    marker = directory / ".complete"
+    if marker.exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    print(f"writing {groups} gzip groups of 1 MiB into {directory} ...", file=sys.stderr)
+    size = records * 4096
+    with open(w1 / "img_0000.bin", "rb") as src:
+        for g in range(groups):
+            chunk = src.read(size)
+            if len(chunk) < size:
+                src.seek(0)
+                chunk = src.read(size)
+            (directory / f"img_{g:04d}.bin.gz").write_bytes(gzip.compress(chunk, compresslevel=1))
+            lab = np.arange(g * records, (g + 1) * records, dtype="<f4")
+            (directory / f"out_{g:04d}.bin.gz").write_bytes(gzip.compress(lab.tobytes(), compresslevel=1))
     marker.write_text("ok\n")
     return directory
 
@@ -119,8 +142,28 @@ def main() -> int:
             first[name].append(t2 - t0)
             print(f"  round {r + 1}: {name:<9} open+len {t1 - t0:7.3f}s  first batch {t2 - t0:7.3f}s", file=sys.stderr)
 
-    # -- 2. W1 raw random access ------------------------------------------------------------
     w1 = cached_sample(CACHE / "sample-16x4096x128")
+    mid = mid_groups(CACHE / "access-200x1MiB", w1)
+    mid_fields = {
+        "image": stoker.Field(str(mid / "img_*.bin.gz"), "int8", (64, 64, 1)),
+        "label": stoker.Field(str(mid / "out_*.bin.gz"), "float32"),
+    }
+    stoker.write_index(stoker.Dataset(mid_fields, index="ignore"))
+    opened: dict[str, list[float]] = {"no index": [], "index": []}
+    for r in range(args.rounds):
+        for name, mode in (("no index", "ignore"), ("index", "auto")):
+            t0 = time.perf_counter()
+            ds = stoker.Dataset(mid_fields, index=mode)
+            n = len(ds)
+            with ds.loader(256) as loader:
+                next(iter(loader))
+            opened[name].append(time.perf_counter() - t0)
+            print(
+                f"  round {r + 1}: 200 x 1 MiB {name:<9} open+len+first batch {opened[name][-1]:7.3f}s", file=sys.stderr
+            )
+    assert n == 200 * 256
+
+    # -- 2. W1 raw random access ------------------------------------------------------------
     w1_ds = stoker.Dataset(
         image=stoker.Field(str(w1 / "img_*.bin"), "int8", (128, 128, 1)),
         label=stoker.Field(str(w1 / "out_*.bin.gz"), "float32"),
@@ -174,13 +217,18 @@ def main() -> int:
             rates[name].append(timed(fn, args.seconds))
             print(f"  round {r + 1}: {name:<40} {rates[name][-1]:>12,.0f} records/s", file=sys.stderr)
 
-    print(f"\n10,000-group time to first batch ({args.groups} groups x 2 gzip files, {args.rounds} rounds; "
+    print(f"\n{args.groups:,}-group time to first batch ({args.groups} groups x 2 gzip files, {args.rounds} rounds; "
           f"writing the index took {index_seconds:.1f}s)")  # fmt: skip
     print(f"{'':<10} {'open + len(ds) s':>17} {'first global batch s':>21}")
     for name in first:
         print(f"{name:<10} {med(counted[name]):>17.3f} {med(first[name]):>21.3f}")
     ratio = [a / b for a, b in zip(first["no index"], first["index"], strict=True)]
     print(f"first batch, no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
+    ratio = [a / b for a, b in zip(opened["no index"], opened["index"], strict=True)]
+    print(f"\n200 groups of 1 MiB gzip images + gzip labels: open + len(ds) + first batch, median of {args.rounds}")
+    for name, xs in opened.items():
+        print(f"{name:<10} {med(xs):>8.3f}s")
+    print(f"no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
     print(f"\nrandom access ({args.rounds} rounds of {args.seconds:g}s)")
     print(f"{'contender':<42} {'records/s median':>17} {'min':>10} {'max':>10}")
     for name, xs in rates.items():

@@ -286,6 +286,10 @@ def test_to_tf_on_a_group_subset(ds: stoker.Dataset) -> None:
     ref = sub.read(np.arange(len(sub)))
     got = [b["aux"].numpy() for b in sub.loader(8).to_tf()]
     assert np.array_equal(np.concatenate(got), ref["aux"])
+    padded = list(sub.loader(8, pad_last=True).to_tf())
+    assert all(b["aux"].shape[0] == 8 for b in padded)
+    got = np.concatenate([b["aux"].numpy()[b["__valid__"].numpy()] for b in padded])
+    assert np.array_equal(got, ref["aux"])
 
 
 # -- evaluation mode -------------------------------------------------------------------
