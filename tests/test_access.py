@@ -10,10 +10,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import stoker
 from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, open_paths, reference
 from stoker.access import RecordReader
+from stoker.plan import BatchPlan, Plan, PlanConfig
 from stoker.testing import assert_resumable
 
 LAB_MULTI = FieldPlan("out", "float32", (), kind="multi")
@@ -315,6 +318,42 @@ def test_pad_last_every_record_once_full_batches_same_count(
     assert len(counts) == 1, f"shards yield different numbers of batches: {counts}"
     assert counts == {math.ceil(math.ceil(len(ds) / shards) / batch)}
     assert sorted(seen) == sorted((g, i) for g, n in enumerate(COUNTS) for i in range(n))
+
+
+def _plan_records(plan: BatchPlan) -> list[tuple[int, int]]:
+    if plan.gather is not None:
+        return list(zip(plan.gather.groups.tolist(), plan.gather.index.tolist(), strict=True))
+    return [(r.group, r.start + k * r.step) for r in plan.runs for k in range(r.count)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 12), min_size=1, max_size=6),
+    batch=st.integers(1, 7),
+    shards=st.integers(1, 6),
+    shuffle=st.sampled_from([False, "global", "files"]),
+    cycle=st.integers(1, 3),
+    block=st.integers(1, 4),
+)
+def test_pad_last_plan_property(
+    counts: list[int], batch: int, shards: int, shuffle: Any, cycle: int, block: int
+) -> None:
+    """The pure plan alone: records once over shards, full batches, one batch count, valid rows first."""
+    seen: list[tuple[int, int]] = []
+    lengths = set()
+    for i in range(shards):
+        config = PlanConfig(batch, False, cycle, block, shuffle, 7 if shuffle else None, 2, (i, shards), True, True)
+        plans = list(Plan(len(counts), counts.__getitem__, config).epoch(0))
+        lengths.add(len(plans))
+        for p in plans:
+            assert p.rows == batch and p.valid is not None and 0 <= p.valid <= batch
+            records = _plan_records(p)
+            assert len(records) == p.valid
+            seen.extend(records)
+        if plans:
+            assert plans[-1].position >= sum(counts)
+    assert lengths == {math.ceil(math.ceil(sum(counts) / shards) / batch)}
+    assert sorted(seen) == [(g, k) for g, n in enumerate(counts) for k in range(n)]
 
 
 def test_pad_last_on_a_record_subset_over_uneven_shards(ds: stoker.Dataset) -> None:
