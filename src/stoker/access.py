@@ -38,12 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import remote
 from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, fill_padding
 from .dataset import Dataset, resolve_cast
 from .errors import CorruptDataError, ReadError, RecordIndexError, SpecError
 from .files import Catalog, FileInfo, Group
 from .inflate import Inflater
 from .order import Permutation
+from .remote import is_remote
 
 if TYPE_CHECKING:
     from .engine import Allocator
@@ -197,6 +199,14 @@ class RecordReader:
     def _raw(
         self, name: str, spec: Field, info: FileInfo, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
     ) -> None:
+        if is_remote(info.path):  # a URL: coalesced ranged reads (stoker.remote), no memory map
+            wanted, inverse = np.unique(local, return_inverse=True)
+            raw = remote.read_records(
+                info.path, spec.storage_options, spec.header_bytes, spec.record_bytes, wanted,
+                size=info.size, field=name,
+            )  # fmt: skip
+            dst[rows] = raw.view(spec.dtype).reshape(len(wanted), *spec.shape)[inverse]
+            return
         m = self._acquire(name, spec, info, local)
         try:
             n = (info.size - spec.header_bytes - spec.footer_bytes) // spec.record_bytes
@@ -241,7 +251,7 @@ class RecordReader:
     def _decode_whole(self, name: str, spec: Field, info: FileInfo, n: int) -> np.ndarray:
         assert info.compression is not None
         buf = np.empty(n * spec.record_bytes, np.uint8)
-        with Inflater(info.path, info.compression, field=name) as inf:
+        with Inflater(info.path, info.compression, field=name, storage_options=spec.storage_options) as inf:
             got = inf.skip(spec.header_bytes) + inf.readinto(memoryview(buf))  # type: ignore[arg-type]
             if got < spec.header_bytes + len(buf):
                 raise self._short(name, spec, info, n, inf.produced)
@@ -282,7 +292,9 @@ class RecordReader:
                 if inf is None or inf.produced > target or int(starts[k]) > inf.produced:
                     if inf is not None:
                         inf.close()
-                    inf = Inflater(info.path, info.compression, field=name, start=points[k])
+                    inf = Inflater(
+                        info.path, info.compression, field=name, start=points[k], storage_options=spec.storage_options
+                    )
                 want = target - inf.produced
                 if inf.skip(want) != want:
                     raise self._short(name, spec, info, self.catalog.count(g), inf.produced)

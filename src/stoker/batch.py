@@ -23,6 +23,7 @@ from .errors import CorruptDataError, ReadError
 from .files import Catalog, FileInfo
 from .inflate import Inflater, TruncatedStreamError
 from .plan import BatchPlan, Run
+from .remote import is_remote
 from .spec import Field
 
 __all__ = ["GROUP_KEY", "INDEX_KEY", "VALID_KEY", "Assembler", "Task", "fill_padding"]
@@ -250,7 +251,9 @@ class Assembler:
             infos = self.catalog.files[g]
             for name, spec in self.fields.items():
                 info = infos[name]
-                if info.compression is None:
+                if info.compression is None and is_remote(info.path):
+                    out[name][rows] = self._remote_records(name, spec, info, local)
+                elif info.compression is None:
                     f = self._acquire(plan.epoch, name, info)
                     try:
                         needed = spec.header_bytes + (int(local[-1]) + 1) * spec.record_bytes
@@ -368,6 +371,9 @@ class Assembler:
         rb = spec.record_bytes
         offset = spec.header_bytes + run.start * rb
         nbytes = run.count * rb
+        if is_remote(info.path):
+            self._read_remote_raw(name, spec, info, run, dst, offset)
+            return
         if run.count == 0:
             if run.final:
                 with self._lock:
@@ -402,6 +408,38 @@ class Assembler:
                 del src
         finally:
             self._release(epoch, info, f, run.final)
+
+    def _read_remote_raw(
+        self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, offset: int
+    ) -> None:
+        """A run of a remote raw file: one ranged read (in parallel parts) into the batch or staging."""
+        from .remote import read_into
+
+        rb = spec.record_bytes
+        span = run.stop - run.start
+        direct = not self._cast[name] and run.step == 1
+        view = memoryview(dst).cast("B") if direct else self._staging(span * rb)  # type: ignore[arg-type]
+        try:
+            got = read_into(info.path, spec.storage_options, offset, view, size=info.size, field=name)
+        except ReadError as e:
+            e.index = (e.offset - spec.header_bytes) // rb if e.offset is not None else run.start
+            e.add_note(f"record {e.index} of group {run.group}")
+            raise
+        if got < span * rb:
+            raise self._truncated(name, info, spec, run, offset + got)
+        if not direct:
+            src = np.frombuffer(view, dtype=spec.dtype).reshape(span, *spec.shape)
+            np.copyto(dst, src[:: run.step], casting="unsafe")
+            del src
+
+    def _remote_records(self, name: str, spec: Field, info: FileInfo, local: np.ndarray) -> np.ndarray:
+        """Records ``local`` (sorted) of a remote raw file, for a gather."""
+        from .remote import read_records
+
+        raw = read_records(
+            info.path, spec.storage_options, spec.header_bytes, spec.record_bytes, local, size=info.size, field=name
+        )
+        return raw.view(spec.dtype).reshape(len(local), *spec.shape)
 
     def _read_error(
         self, name: str, info: FileInfo, spec: Field, run: Run, offset: int, e: OSError
@@ -494,7 +532,13 @@ class Assembler:
         if stream.inflater is not None:
             stream.inflater.close()
         assert info.compression is not None
-        inf = Inflater(info.path, info.compression, field=name, start=seek[1:] if seek else (0, 0))
+        inf = Inflater(
+            info.path,
+            info.compression,
+            field=name,
+            start=seek[1:] if seek else (0, 0),
+            storage_options=spec.storage_options,
+        )
         stream.inflater, stream.pos = inf, 0
         if seek is not None:
             target = spec.header_bytes + seek[0] * spec.record_bytes

@@ -14,12 +14,14 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import CorruptDataError, PairingError, ReadError, SpecError
 from .index import IndexLookup, apply_index
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
+from .remote import Probe, is_remote
 from .spec import Field
 
 __all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
@@ -58,7 +60,11 @@ def expand_files(name: str, spec: Field) -> list[str]:
     patterns = [spec.files] if isinstance(spec.files, str) else list(spec.files)
     out: list[str] = []
     for pattern in patterns:
-        if _has_magic(pattern):
+        if is_remote(pattern):
+            from .remote import expand
+
+            out.extend(expand(name, pattern, spec.storage_options))
+        elif _has_magic(pattern):
             matches = sorted(glob.glob(pattern, recursive=True))
             if not matches:
                 raise SpecError(f"field {name!r}: glob {pattern!r} matched no file", field=name, path=pattern)
@@ -90,7 +96,12 @@ def _check_zlib_header(head: bytes) -> bool:
     return len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] * 256 + head[1]) % 31 == 0
 
 
-def _inspect(name: str, spec: Field, path: str, index: IndexLookup | None = None) -> FileInfo:
+def _inspect(
+    name: str, spec: Field, path: str, index: IndexLookup | None = None, probe: Probe | None = None
+) -> FileInfo:
+    if probe is not None:  # a remote file, stat'ed and its head/tail fetched in bulk by stoker.remote
+        trailer = int.from_bytes(probe.tail, "little") if len(probe.tail) == 4 else None
+        return _classify(name, spec, path, probe.size, probe.mtime_ns, probe.head, lambda: trailer)
     st = _stat(name, path)
     if index is not None:
         # A matching persistent index entry vouches for the file (checked when indexed):
@@ -104,57 +115,76 @@ def _inspect(name: str, spec: Field, path: str, index: IndexLookup | None = None
         raise ReadError(f"field {name!r}: cannot open {path!r}: {e.strerror}", field=name, path=path) from e
     try:
         head = os.pread(fd, 3, 0) if st.st_size else b""
-        kind: str | None
-        if spec.compression == "auto":
-            kind = _by_suffix(path)
-            # A gzip member announces itself; trust the bytes over a missing suffix.
-            if kind is None and head[:3] == GZIP_MAGIC + b"\x08":
-                kind = "gzip"
-        else:
-            kind = spec.compression
-        if kind == "gzip" and st.st_size and head[:2] != GZIP_MAGIC:
-            raise CorruptDataError(
-                f"field {name!r}: {path!r} should be gzip but does not start with the gzip magic bytes "
-                f"1f 8b (found {head[:2].hex(' ')})",
-                field=name, path=path, offset=0,
-            )  # fmt: skip
-        if kind == "zlib" and st.st_size and not _check_zlib_header(head):
-            raise CorruptDataError(
-                f"field {name!r}: {path!r} should be zlib but has no valid zlib header (found {head[:2].hex(' ')})",
-                field=name, path=path, offset=0,
-            )  # fmt: skip
-        hint: int | None = None
-        if kind is None:
-            body = st.st_size - spec.header_bytes - spec.footer_bytes
-            if body < 0:
-                raise CorruptDataError(
-                    f"field {name!r}: {path!r} has {st.st_size} bytes, fewer than "
-                    f"header_bytes={spec.header_bytes} + footer_bytes={spec.footer_bytes}",
-                    field=name, path=path,
-                )  # fmt: skip
-            if body % spec.record_bytes:
-                raise CorruptDataError(
-                    f"field {name!r}: {path!r} body is {body} bytes (file {st.st_size} - header "
-                    f"{spec.header_bytes} - footer {spec.footer_bytes}), not a whole number of "
-                    f"{spec.record_bytes}-byte records; the last {body % spec.record_bytes} bytes "
-                    f"start at offset {spec.header_bytes + body - body % spec.record_bytes}",
-                    field=name, path=path, index=body // spec.record_bytes,
-                    offset=spec.header_bytes + body - body % spec.record_bytes,
-                )  # fmt: skip
-            hint = body // spec.record_bytes
-        elif kind == "gzip":
-            isize = gzip_trailer_size(fd, st.st_size)
-            if isize is not None:
-                body = isize - spec.header_bytes - spec.footer_bytes
-                if body >= 0 and body % spec.record_bytes == 0:
-                    hint = body // spec.record_bytes
-        elif st.st_size == 0:
-            raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a zlib stream", field=name, path=path)
+        return _classify(
+            name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size)
+        )
     finally:
         os.close(fd)
-    if kind == "gzip" and st.st_size == 0:
+
+
+def _classify(
+    name: str, spec: Field, path: str, size: int, mtime_ns: int, head: bytes, trailer: Callable[[], int | None]
+) -> FileInfo:
+    """Compression, and the record count or its estimate, from a file's size and first/last bytes."""
+    kind: str | None
+    if spec.compression == "auto":
+        kind = _by_suffix(path)
+        # A gzip member announces itself; trust the bytes over a missing suffix.
+        if kind is None and head[:3] == GZIP_MAGIC + b"\x08":
+            kind = "gzip"
+    else:
+        kind = spec.compression
+    if kind == "gzip" and size and head[:2] != GZIP_MAGIC:
+        raise CorruptDataError(
+            f"field {name!r}: {path!r} should be gzip but does not start with the gzip magic bytes "
+            f"1f 8b (found {head[:2].hex(' ')})",
+            field=name, path=path, offset=0,
+        )  # fmt: skip
+    if kind == "zlib" and size and not _check_zlib_header(head):
+        raise CorruptDataError(
+            f"field {name!r}: {path!r} should be zlib but has no valid zlib header (found {head[:2].hex(' ')})",
+            field=name, path=path, offset=0,
+        )  # fmt: skip
+    hint: int | None = None
+    if kind is None:
+        body = size - spec.header_bytes - spec.footer_bytes
+        if body < 0:
+            raise CorruptDataError(
+                f"field {name!r}: {path!r} has {size} bytes, fewer than "
+                f"header_bytes={spec.header_bytes} + footer_bytes={spec.footer_bytes}",
+                field=name, path=path,
+            )  # fmt: skip
+        if body % spec.record_bytes:
+            raise CorruptDataError(
+                f"field {name!r}: {path!r} body is {body} bytes (file {size} - header "
+                f"{spec.header_bytes} - footer {spec.footer_bytes}), not a whole number of "
+                f"{spec.record_bytes}-byte records; the last {body % spec.record_bytes} bytes "
+                f"start at offset {spec.header_bytes + body - body % spec.record_bytes}",
+                field=name, path=path, index=body // spec.record_bytes,
+                offset=spec.header_bytes + body - body % spec.record_bytes,
+            )  # fmt: skip
+        hint = body // spec.record_bytes
+    elif kind == "gzip":
+        isize = trailer()
+        if isize is not None:
+            body = isize - spec.header_bytes - spec.footer_bytes
+            if body >= 0 and body % spec.record_bytes == 0:
+                hint = body // spec.record_bytes
+    elif size == 0:
+        raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a zlib stream", field=name, path=path)
+    if kind == "gzip" and size == 0:
         raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a gzip stream", field=name, path=path)
-    return FileInfo(path, st.st_size, st.st_mtime_ns, kind, hint)
+    return FileInfo(path, size, mtime_ns, kind, hint)
+
+
+def _probe_remote(name: str, spec: Field, paths: Sequence[str]) -> dict[str, Probe]:
+    """Sizes and head/tail bytes of the field's remote files, fetched concurrently (none: {})."""
+    urls = [p for p in paths if is_remote(p)]
+    if not urls:
+        return {}
+    from .remote import probe
+
+    return probe(name, urls, spec.storage_options)
 
 
 def _numbers(path: str) -> tuple[int, ...]:
@@ -209,8 +239,9 @@ class Catalog:
                         field=other, path=paths[other][g],
                     )  # fmt: skip
         lookup = IndexLookup(index)
+        probes = {name: _probe_remote(name, self.fields[name], paths[name]) for name in names}
         self.files: list[dict[str, FileInfo]] = [
-            {name: _inspect(name, self.fields[name], paths[name][g], lookup) for name in names}
+            {n: _inspect(n, self.fields[n], paths[n][g], lookup, probes[n].get(paths[n][g])) for n in names}
             for g in range(self.num_groups)
         ]
         self._counts: list[int | None] = [None] * self.num_groups
@@ -230,6 +261,16 @@ class Catalog:
                 raise self._mismatch(g, raw)
             if len(raw) == len(infos):
                 self._counts[g] = next(iter(raw.values()))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable for process and Ray workers: the lock is per process.
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def _mismatch(self, g: int, counts: Mapping[str, int | None]) -> PairingError:
         infos = self.files[g]
@@ -293,7 +334,7 @@ class Catalog:
     def _count_by_decompressing(self, name: str, info: FileInfo) -> int:
         spec = self.fields[name]
         assert info.compression is not None
-        total = decompressed_size(info.path, info.compression, field=name)
+        total = decompressed_size(info.path, info.compression, field=name, storage_options=spec.storage_options)
         body = total - spec.header_bytes - spec.footer_bytes
         if body < 0 or body % spec.record_bytes:
             raise CorruptDataError(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import CorruptDataError, SpecError, StaleIndexError
 from .inflate import Inflater
+from .remote import is_remote
 
 if TYPE_CHECKING:
     from .dataset import Dataset
@@ -234,6 +235,8 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
         for name, info in infos.items():
             if info.compression is None:
                 continue  # raw counts come from the size: nothing to gain, nothing to trust
+            if is_remote(info.path):
+                continue  # no index files beside remote objects (nothing is written to a bucket)
             directory, base = os.path.split(info.path)
             path, files = lookup.directory(directory)
             doc = files.get(base) if files is not None else None

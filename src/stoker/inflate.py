@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import threading
 import zlib
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 from .errors import CorruptDataError, ReadError
+from .remote import RemoteReader, is_remote
 
 _zlib: ModuleType
 try:  # pragma: no cover - which branch runs depends on the install
@@ -49,15 +51,23 @@ class Inflater:
     """Sequential reader of the decompressed bytes of one gzip or zlib file."""
 
     def __init__(
-        self, path: str, kind: str, *, field: str | None = None, start: tuple[int, int] = (0, 0)
+        self,
+        path: str,
+        kind: str,
+        *,
+        field: str | None = None,
+        start: tuple[int, int] = (0, 0),
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         # ``start``: (compressed, decompressed) offset of a gzip member start or of the
         # stream start, from which decoding may begin (a persistent index's seek point).
         self.path = path
         self.kind = kind
         self.field = field
+        # A URL is read through stoker.remote (ranged, retried); a path through its descriptor.
+        self._remote = RemoteReader(path, storage_options, field=field) if is_remote(path) else None
         try:
-            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self._fd = -1 if self._remote else os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
         self._close_lock = threading.Lock()
@@ -78,6 +88,8 @@ class Inflater:
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> Inflater:
         return self
@@ -99,6 +111,10 @@ class Inflater:
         return err
 
     def _read_input(self) -> bytes:
+        if self._remote is not None:
+            data = self._remote.pread(_CHUNK, self._in_offset)
+            self._in_offset += len(data)
+            return data
         try:
             data = os.pread(self._fd, _CHUNK, self._in_offset)
         except OSError as e:
@@ -188,9 +204,11 @@ class Inflater:
         return not self._refill(1)
 
 
-def decompressed_size(path: str, kind: str, *, field: str | None = None) -> int:
+def decompressed_size(
+    path: str, kind: str, *, field: str | None = None, storage_options: Mapping[str, Any] | None = None
+) -> int:
     """Decompress a whole file to count its bytes (validating CRCs and the end of stream)."""
-    with Inflater(path, kind, field=field) as inf:
+    with Inflater(path, kind, field=field, storage_options=storage_options) as inf:
         while inf.skip(1 << 30) == 1 << 30:
             pass
         return inf.produced

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from dataclasses import field as _field
+from typing import Any, Literal
 
 import numpy as np
 
@@ -68,6 +69,8 @@ class Field:
             decompressed stream for compressed files), as tf.data.FixedLengthRecordDataset does.
         compression: ``"auto"`` (by suffix and magic bytes), ``None``, ``"gzip"``, ``"zlib"``.
         byte_order: ``"little"`` or ``"big"``: how multi-byte elements are stored.
+        storage_options: keyword arguments for the fsspec filesystem of URL files
+            (``s3://...``; e.g. ``{"endpoint_url": ..., "anon": True}``); see stoker.remote.
 
     Example:
         >>> Field("data/img_*.bin", "int8", (128, 128, 1)).record_bytes
@@ -81,6 +84,8 @@ class Field:
     footer_bytes: int = 0
     compression: Compression = "auto"
     byte_order: Literal["little", "big"] = "little"
+    # A dict is unhashable, so it takes part in == but not in hash(); not in repr (may hold keys).
+    storage_options: Mapping[str, Any] = _field(default_factory=dict, hash=False, repr=False)
 
     def __init__(
         self,
@@ -92,6 +97,7 @@ class Field:
         footer_bytes: int = 0,
         compression: Compression = "auto",
         byte_order: Literal["little", "big"] = "little",
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(files, str):
             patterns: str | tuple[str, ...] = files
@@ -115,6 +121,10 @@ class Field:
                 raise SpecError(f"{name}={value!r} must be a non-negative integer")
         if compression not in _COMPRESSIONS:
             raise SpecError(f"compression={compression!r} must be one of 'auto', None, 'gzip', 'zlib'")
+        if storage_options is not None and (
+            not isinstance(storage_options, Mapping) or not all(isinstance(k, str) for k in storage_options)
+        ):
+            raise SpecError(f"storage_options={storage_options!r} must be a mapping of str -> value")
         object.__setattr__(self, "files", patterns)
         object.__setattr__(self, "dtype", _as_dtype(dtype, byte_order))
         object.__setattr__(self, "shape", dims)
@@ -122,6 +132,7 @@ class Field:
         object.__setattr__(self, "footer_bytes", footer_bytes)
         object.__setattr__(self, "compression", compression)
         object.__setattr__(self, "byte_order", byte_order)
+        object.__setattr__(self, "storage_options", dict(storage_options or {}))
 
     @property
     def record_bytes(self) -> int:

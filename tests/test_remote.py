@@ -1,0 +1,409 @@
+"""Remote files through fsspec: memory:// and a real S3 API (moto's server on localhost).
+
+Faults are injected by a small HTTP proxy in front of moto that cuts responses mid-body,
+answers 503 before passing a request on, or denies access to one object; stoker's own
+retries must deliver every record exactly once and correct, and permanent errors must
+name the URL.
+"""
+
+from __future__ import annotations
+
+import http.client
+import pickle
+import socket
+import threading
+from collections.abc import Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import boto3
+import fsspec
+import numpy as np
+import pytest
+import s3fs
+from moto.server import ThreadedMotoServer
+
+import stoker
+from conftest import IMG, LAB_GZ, FieldPlan, check_batches, consume, field_for, write_dataset
+from stoker import remote
+
+LAB_ZZ = FieldPlan("lab", "int16", (2,), kind="zlib", header=3, footer=2)
+WIDE = FieldPlan("img", "uint8", (64, 64), header=7)
+
+
+# -- a real S3 API on localhost ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def _s3_options(endpoint: str) -> dict[str, Any]:
+    return {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": endpoint,
+        "use_listings_cache": False,
+        "client_kwargs": {"region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"total_max_attempts": 1}},
+    }
+
+
+@pytest.fixture(autouse=True)
+def _s3fs_tries_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """s3fs (and botocore, by config_kwargs) try once: the retries under test are stoker's own."""
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+
+
+_buckets = iter(range(1_000_000))
+
+
+def _upload(moto: str, local: Path) -> str:
+    """Every file under ``local`` into a new bucket (straight to moto); returns ``s3://bucket``."""
+    bucket = f"stoker-{next(_buckets)}"
+    client = boto3.client(
+        "s3", endpoint_url=moto, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    )
+    client.create_bucket(Bucket=bucket)
+    for p in sorted(local.iterdir()):
+        client.put_object(Bucket=bucket, Key=f"data/{p.name}", Body=p.read_bytes())
+    return f"s3://{bucket}"
+
+
+def _remote_ds(local_ds: stoker.Dataset, tmp: Path, base: str, options: Mapping[str, Any]) -> stoker.Dataset:
+    """The same fields as ``local_ds``, their files named by URLs under ``base``."""
+    fields = {}
+    for name, f in local_ds.fields.items():
+        pattern = f.files if isinstance(f.files, str) else f.files[0]
+        url = base + "/data/" + Path(pattern).name
+        fields[name] = stoker.Field(
+            url, f.dtype, f.shape, header_bytes=f.header_bytes, footer_bytes=f.footer_bytes,
+            compression=f.compression, byte_order=f.byte_order, storage_options=options,
+        )  # fmt: skip
+    return stoker.Dataset(fields)
+
+
+def _local(tmp: Path, counts: list[int], plans: Mapping[str, FieldPlan]) -> stoker.Dataset:
+    write_dataset(tmp, counts, plans)
+    return stoker.Dataset({n: field_for(tmp, p) for n, p in plans.items()})
+
+
+# -- the fault-injecting proxy -----------------------------------------------------------------
+class Faults:
+    """What the proxy does to object GETs; counts what it did."""
+
+    def __init__(self) -> None:
+        self.cut_first = False  # the first response to each distinct (object, range) is cut mid-body
+        self.busy_first = 0  # ... or this many first responses are 503 SlowDown
+        self.deny: str | None = None  # object keys containing this get 403 AccessDenied
+        self.seen: dict[tuple[str, str], int] = {}
+        self.cuts = 0
+        self.busy = 0
+        self.lock = threading.Lock()
+
+    def decide(self, method: str, path: str, range_: str) -> str:
+        key_part = path.split("?", 1)[0].strip("/")
+        if method != "GET" or "/" not in key_part:  # only object reads (not listings, not HEAD)
+            return "pass"
+        if self.deny is not None and self.deny in key_part:
+            return "deny"
+        with self.lock:
+            tries = self.seen.get((path, range_), 0)
+            self.seen[(path, range_)] = tries + 1
+            if tries < self.busy_first:
+                self.busy += 1
+                return "busy"
+            if tries == 0 and self.cut_first:
+                self.cuts += 1
+                return "cut"
+        return "pass"
+
+
+def _error_xml(code: str, message: str) -> bytes:
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message></Error>'.encode()
+    )
+
+
+def _handler(upstream: tuple[str, int], faults: Faults) -> type[BaseHTTPRequestHandler]:
+    class Proxy(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _reply(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def forward(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            action = faults.decide(self.command, self.path, self.headers.get("Range", ""))
+            if action == "deny":
+                return self._reply(403, _error_xml("AccessDenied", "Access Denied"))
+            if action == "busy":
+                return self._reply(503, _error_xml("SlowDown", "Please reduce your request rate."))
+            conn = http.client.HTTPConnection(*upstream, timeout=30)
+            try:
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                status, resp_headers = resp.status, resp.getheaders()
+            finally:
+                conn.close()
+            self.send_response(status)
+            for k, v in resp_headers:
+                if k.lower() not in (
+                    "connection",
+                    "transfer-encoding",
+                    "keep-alive",
+                    "content-length",
+                    "date",
+                    "server",
+                ):
+                    self.send_header(k, v)
+            if self.command == "HEAD":
+                self.send_header("Content-Length", dict((k.lower(), v) for k, v in resp_headers)["content-length"])
+                self.end_headers()
+                return None
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if action == "cut" and len(data) >= 2:
+                # Half the promised body, then the connection drops.
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return None
+            self.wfile.write(data)
+            return None
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = forward
+
+    return Proxy
+
+
+@pytest.fixture
+def proxy(moto_url: str) -> Iterator[tuple[str, Faults]]:
+    """An HTTP proxy on 127.0.0.1 in front of moto; set its Faults' attributes to inject faults."""
+    faults = Faults()
+    host, port = moto_url.removeprefix("http://").split(":")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler((host, int(port)), faults))
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, name="test-s3-proxy", daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", faults
+    finally:
+        server.shutdown()
+        server.server_close()
+        t.join()
+
+
+@pytest.fixture
+def small_parts(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Ranged reads of 4 KiB, so the small test files take many parallel parts."""
+    monkeypatch.setattr(remote, "PART_BYTES", 4096)
+    return 4096
+
+
+def _batches(ds: stoker.Dataset, **kw: Any) -> list[dict[str, np.ndarray]]:
+    with ds.loader(kw.pop("batch_size", 16), with_index=True, **kw) as loader:
+        return list(loader)
+
+
+# -- memory:// (any fsspec filesystem) -----------------------------------------------------------
+def test_memory_filesystem_raw_gzip_zlib_with_header_and_footer_equal_local(tmp_path: Path, small_parts: int) -> None:
+    plans = {"image": WIDE, "label": LAB_GZ, "extra": LAB_ZZ}
+    local = _local(tmp_path, [9, 0, 31, 4], plans)
+    mem = fsspec.filesystem("memory")
+    base = f"memory:///stoker-{tmp_path.name}"
+    for p in tmp_path.iterdir():
+        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
+    try:
+        ds = _remote_ds(local, tmp_path, base, {})
+        assert ds.groups[0].paths["image"] == f"{base}/data/img_0000.bin"
+        assert [g.records for g in ds.groups] == [9, 0, 31, 4]
+        for kw in (
+            {},
+            {"cast": "float32", "threads": 3},
+            {"shuffle": "global", "seed": 3},
+            {"shuffle": "files", "seed": 5},
+        ):
+            check_batches(local, _batches(ds, **kw), cast={n: "float32" for n in plans} if "cast" in kw else None)
+    finally:
+        mem.rm(base, recursive=True)
+
+
+def test_remote_raw_file_of_wrong_size_is_an_error_naming_the_url(tmp_path: Path) -> None:
+    mem = fsspec.filesystem("memory")
+    url = f"memory:///stoker-{tmp_path.name}/img_0000.bin"
+    mem.pipe(url, bytes(10))
+    try:
+        with pytest.raises(stoker.CorruptDataError, match=f"{url}.*not a whole number of 4-byte records") as e:
+            stoker.Dataset(x=stoker.Field(url, "int32"))
+        assert e.value.path == url and e.value.offset == 8
+    finally:
+        mem.rm(url)
+
+
+def test_unknown_protocol_is_a_spec_error_naming_the_url() -> None:
+    with pytest.raises(stoker.SpecError, match="nosuchfs://b/x.bin"):
+        stoker.Dataset(x=stoker.Field("nosuchfs://b/x.bin", "int8"))
+
+
+def test_a_dataset_of_urls_pickles_with_its_settled_counts(tmp_path: Path) -> None:
+    local = _local(tmp_path, [5, 6], {"image": IMG, "label": LAB_GZ})
+    mem = fsspec.filesystem("memory")
+    base = f"memory:///stoker-{tmp_path.name}"
+    for p in tmp_path.iterdir():
+        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
+    try:
+        ds = _remote_ds(local, tmp_path, base, {})
+        len(ds)
+        again = pickle.loads(pickle.dumps(ds))
+        assert [g.records for g in again.groups] == [5, 6]
+        check_batches(local, _batches(again))
+    finally:
+        mem.rm(base, recursive=True)
+
+
+# -- S3 (moto's server) --------------------------------------------------------------------------
+def test_s3_every_record_once_and_correct_in_every_mode(tmp_path: Path, moto_url: str, small_parts: int) -> None:
+    plans = {"image": WIDE, "label": LAB_GZ}
+    local = _local(tmp_path, [13, 40, 0, 7], plans)
+    ds = _remote_ds(local, tmp_path, _upload(moto_url, tmp_path), _s3_options(moto_url))
+    assert ds.groups[1].paths["label"].startswith("s3://") and ds.groups[1].records == 40
+    check_batches(local, _batches(ds, threads=4))
+    check_batches(local, _batches(ds, cast={"image": "float32"}, epochs=2), cast={"image": "float32"}, epochs=2)
+    check_batches(local, _batches(ds, shuffle="global", seed=1))
+    check_batches(local, _batches(ds, shuffle="files", seed=2, shard=(1, 2), even=False), complete=False)
+
+
+def test_s3_connections_cut_mid_body_lose_and_duplicate_nothing(
+    tmp_path: Path, proxy: tuple[str, Faults], small_parts: int
+) -> None:
+    endpoint, faults = proxy
+    plans = {"image": WIDE, "label": LAB_GZ, "extra": LAB_ZZ}
+    local = _local(tmp_path, [23, 5, 30], plans)
+    base = _upload(endpoint, tmp_path)  # uploads pass through untouched
+    faults.cut_first = True
+    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    seq = check_batches(local, _batches(ds, threads=3))
+    assert len(seq) == len(set(seq)) == 58
+    check_batches(local, _batches(ds, shuffle="global", seed=7))
+    assert faults.cuts > 20  # every part, head, tail and gather was cut once and fetched again
+
+
+def test_s3_busy_answers_are_retried(tmp_path: Path, proxy: tuple[str, Faults]) -> None:
+    endpoint, faults = proxy
+    local = _local(tmp_path, [6, 9], {"image": IMG, "label": LAB_GZ})
+    base = _upload(endpoint, tmp_path)
+    faults.busy_first = 2
+    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    check_batches(local, _batches(ds))
+    assert faults.busy >= 12
+
+
+def test_cut_connections_without_retries_are_a_read_error_naming_url_and_offset(
+    tmp_path: Path, proxy: tuple[str, Faults], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint, faults = proxy
+    local = _local(tmp_path, [6, 9], {"image": IMG})
+    base = _upload(endpoint, tmp_path)
+    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    faults.cut_first = True
+    monkeypatch.setattr(remote, "RETRY", remote.Retry(attempts=1))
+    got, err = consume(ds.loader(4, threads=1, with_index=True, block_length=2))
+    assert isinstance(err, stoker.ReadError)
+    url = f"{base}/data/img_0000.bin"
+    assert err.path == url and err.field == "image" and err.offset == 0 and err.index == 0
+    assert f"{url!r} at byte offset 0 failed" in str(err)
+    assert got == []  # the first batch holds the first failed read: nothing before it, nothing wrong
+
+
+def test_exhausted_retries_say_how_many_attempts(
+    tmp_path: Path, proxy: tuple[str, Faults], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint, faults = proxy
+    local = _local(tmp_path, [6], {"label": LAB_GZ})
+    base = _upload(endpoint, tmp_path)
+    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    faults.busy_first = 3
+    faults.seen.clear()
+    monkeypatch.setattr(remote, "RETRY", remote.Retry(attempts=2, initial_s=0.01))
+    with pytest.raises(stoker.ReadError, match=r"out_0000.bin.gz' at byte offset 0 failed after 2 attempts: ") as e:
+        _batches(ds)
+    assert e.value.path == f"{base}/data/out_0000.bin.gz" and e.value.field == "label"
+
+
+def test_access_denied_is_a_read_error_naming_the_url(tmp_path: Path, proxy: tuple[str, Faults]) -> None:
+    endpoint, faults = proxy
+    local = _local(tmp_path, [6, 9], {"image": IMG, "label": LAB_GZ})
+    base = _upload(endpoint, tmp_path)
+    faults.deny = "out_0001"
+    with pytest.raises(stoker.ReadError, match=r"'label'.*out_0001.bin.gz.*access denied") as e:
+        _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    assert e.value.path == f"{base}/data/out_0001.bin.gz"
+
+
+def test_object_deleted_after_the_dataset_was_built_is_a_read_error_naming_it(tmp_path: Path, moto_url: str) -> None:
+    local = _local(tmp_path, [6, 9], {"image": IMG, "label": LAB_GZ})
+    base = _upload(moto_url, tmp_path)
+    ds = _remote_ds(local, tmp_path, base, _s3_options(moto_url))
+    boto3.client(
+        "s3",
+        endpoint_url=moto_url,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).delete_object(Bucket=base.removeprefix("s3://"), Key="data/img_0001.bin")
+    got, err = consume(ds.loader(6, with_index=True, cycle_length=1))
+    assert isinstance(err, stoker.ReadError) and "no such object" in str(err)
+    assert err.path == f"{base}/data/img_0001.bin" and err.field == "image" and err.index == 0
+    check_batches(local, got, complete=False)  # group 0 came whole and right before the error
+    assert len(got) == 1
+
+
+def test_s3_glob_matching_nothing_and_missing_object_are_spec_errors(tmp_path: Path, moto_url: str) -> None:
+    local = _local(tmp_path, [3], {"image": IMG})
+    base = _upload(moto_url, tmp_path)
+    opts = _s3_options(moto_url)
+    with pytest.raises(stoker.SpecError, match=f"glob '{base}/data/nope_\\*.bin' matched no file"):
+        stoker.Dataset(x=stoker.Field(f"{base}/data/nope_*.bin", "int8", storage_options=opts))
+    with pytest.raises(stoker.SpecError, match=f"file '{base}/data/img_9.bin' does not exist") as e:
+        stoker.Dataset(x=stoker.Field([f"{base}/data/img_9.bin"], "int8", storage_options=opts))
+    assert e.value.path == f"{base}/data/img_9.bin"
+    del local
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (ConnectionResetError(), True),
+        (TimeoutError(), True),
+        (OSError(5, "I/O error"), True),
+        (OSError(16, "SlowDown"), True),
+        (FileNotFoundError(2, "no such key"), False),
+        (PermissionError(13, "denied"), False),
+        (ValueError("bad range"), False),
+    ],
+)
+def test_transient_errors_are_told_from_permanent_ones(error: BaseException, expected: bool) -> None:
+    assert remote.transient(error) is expected
+
+
+def test_remote_and_local_paths() -> None:
+    assert remote.is_remote("s3://b/k") and remote.is_remote("gs://b/k") and remote.is_remote("memory://x")
+    assert not remote.is_remote("/data/img_0.bin") and not remote.is_remote("data/img_*.bin")
