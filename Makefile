@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,tf,torch,jax]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,tf,torch,jax,ray,remote]'
 	touch $(STAMP)
 
 venv: $(STAMP)

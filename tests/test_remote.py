@@ -28,6 +28,8 @@ import stoker
 from conftest import IMG, LAB_GZ, FieldPlan, check_batches, consume, field_for, write_dataset
 from stoker import remote
 
+pytestmark = pytest.mark.remote
+
 LAB_ZZ = FieldPlan("lab", "int16", (2,), kind="zlib", header=3, footer=2)
 WIDE = FieldPlan("img", "uint8", (64, 64), header=7)
 
