@@ -100,7 +100,7 @@ def is_remote(path: str) -> bool:
     return "://" in path
 
 
-def transient(error: BaseException) -> bool:
+def transient(error: BaseException, _depth: int = 0) -> bool:
     """Whether ``error`` is worth another try: dropped connections, timeouts, 5xx, short bodies."""
     if isinstance(error, _PERMANENT):
         return False
@@ -120,7 +120,7 @@ def transient(error: BaseException) -> bool:
         if isinstance(status, int) and (status >= 500 or status == 429):
             return True
     cause = error.__cause__ or error.__context__
-    return cause is not None and cause is not error and transient(cause)
+    return cause is not None and cause is not error and _depth < 8 and transient(cause, _depth + 1)
 
 
 def _describe(error: BaseException) -> str:
@@ -173,8 +173,8 @@ def expand(name: str, pattern: str, options: Mapping[str, Any] | None) -> list[s
     fs, path = filesystem(pattern, options)
     if not any(c in path for c in "*?["):
         return [pattern]
-    found = _call(pattern, "listing", lambda: fs.glob(path), field=name)
-    urls = sorted(fs.unstrip_protocol(p) for p in found if not fs.isdir(p)) if found else []
+    found = _call(pattern, "listing", lambda: fs.glob(path, detail=True), field=name)
+    urls = sorted(fs.unstrip_protocol(p) for p, info in (found or {}).items() if info.get("type") != "directory")
     if not urls:
         raise SpecError(f"field {name!r}: glob {pattern!r} matched no file", field=name, path=pattern)
     return urls
@@ -226,9 +226,17 @@ def _each(fs: Any, paths: Sequence[str], method: str) -> list[Any]:
 
 def probe(name: str, urls: Sequence[str], options: Mapping[str, Any] | None) -> dict[str, Probe]:
     """Size, mtime and head/tail bytes of every URL, fetched concurrently, retried per file."""
-    if not urls:
-        return {}
-    fs, _ = filesystem(urls[0], options)
+    by_fs: dict[int, tuple[Any, list[str]]] = {}
+    for url in urls:
+        fs, _ = filesystem(url, options)
+        by_fs.setdefault(id(fs), (fs, []))[1].append(url)
+    out: dict[str, Probe] = {}
+    for fs, same in by_fs.values():
+        out.update(_probe(name, fs, same, options))
+    return out
+
+
+def _probe(name: str, fs: Any, urls: Sequence[str], options: Mapping[str, Any] | None) -> dict[str, Probe]:
     paths = [filesystem(u, options)[1] for u in urls]
     infos: list[Any] = [None] * len(urls)
     pending = list(range(len(urls)))
