@@ -6,8 +6,8 @@ moto stays short. moto serves from its own process. Contenders, alternated round
 round in this one process (Ray is started once, 2 CPUs, outside the timings):
 
 - ``local``: ``ds.loader`` over the files on disk (warm page cache);
-- ``s3``: the same loader over ``s3://`` URLs of the same files on the local moto server,
-  with ``block_length=512`` (8 MiB ranged reads; ``--s3-block-length``);
+- ``s3``: the same loader over ``s3://`` URLs of the same files on the local moto server
+  (the default 4 MiB blocks: one 4 MiB ranged read of images per batch of 256);
 - ``s3 ceiling``: the server's own pace, every image file fetched as concurrent 8 MiB
   ranged GETs by fsspec with nothing decoded (moto reads a whole object for every ranged
   GET, so it, not the client, limits this figure);
@@ -103,9 +103,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--out", default="benchmarks/results/remote.md")
-    # Records per ranged read from S3: 512 x 16 KiB = 8 MiB requests (the loader's default
-    # block_length is 64 records, 1 MiB reads, sized for local disks).
-    ap.add_argument("--s3-block-length", type=int, default=512)
     args = ap.parse_args()
     cache = os.environ.get("STOKER_CACHE", ".stoker-cache")
     data = cached_sample(f"{cache}/sample-{args.pairs}x4096x128", pairs=args.pairs)
@@ -155,7 +152,7 @@ def main() -> int:
         rds = stoker.ray.read(local, cast={"image": "float32"})
         contenders: dict[str, Callable[[], Iterator[dict[str, Any]]]] = {
             "local": loader(local),
-            "s3": loader(s3, block_length=args.s3_block_length),
+            "s3": loader(s3),
             "s3 ceiling": s3_ceiling,
             "ray": lambda: rds.iter_batches(batch_size=256, batch_format="numpy"),
         }
@@ -179,7 +176,7 @@ def main() -> int:
         f"# Remote and Ray results ({time.strftime('%Y-%m-%d', time.gmtime())}, "
         f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores shared with other "
         f"work, {args.rounds} alternated rounds of {args.seconds:g}s; W1 layout with {args.pairs} pairs x 4096 "
-        f"records, float32 output, batch 256; s3 with block_length={args.s3_block_length})",
+        "records, float32 output, batch 256)",
         "",
         "| contender | records/s median | min | max | MB/s (stored bytes) |",
         "|---|---:|---:|---:|---:|",
