@@ -12,6 +12,7 @@ import ray
 
 import stoker
 import stoker.ray
+import test_remote as s3_helpers
 from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches
 
 pytestmark = pytest.mark.ray
@@ -88,3 +89,19 @@ def test_a_corrupt_file_fails_the_read_naming_it(tmp_path: Path, cluster: None) 
     with pytest.raises(stoker.CorruptDataError, match=bad) as e:
         stoker.ray.read(ds).take_all()
     assert e.value.path == bad and e.value.field == "label"
+
+
+def test_ray_workers_read_s3_urls_with_the_fields_storage_options(tmp_path: Path, cluster: None) -> None:
+    server = s3_helpers.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        local = s3_helpers._local(tmp_path, [12, 30], {"image": IMG, "label": LAB_GZ, "extra": LAB_ZZ})
+        ds = s3_helpers._remote_ds(
+            local, tmp_path, s3_helpers._upload(endpoint, tmp_path), s3_helpers._s3_options(endpoint)
+        )
+        got = _numpy(stoker.ray.read(ds, records_per_task=10, with_index=True).iter_batches(batch_format="numpy"))
+        check_batches(local, got)
+    finally:
+        server.stop()
