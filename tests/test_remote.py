@@ -413,3 +413,16 @@ def test_transient_errors_are_told_from_permanent_ones(error: BaseException, exp
 def test_remote_and_local_paths() -> None:
     assert remote.is_remote("s3://b/k") and remote.is_remote("gs://b/k") and remote.is_remote("memory://x")
     assert not remote.is_remote("/data/img_0.bin") and not remote.is_remote("data/img_*.bin")
+
+
+@pytest.mark.parametrize("bad", [["anon"], {1: True}, "anon=true"])
+def test_storage_options_must_be_a_mapping_of_names(bad: object) -> None:
+    with pytest.raises(stoker.SpecError, match="storage_options=.* must be a mapping of str -> value"):
+        stoker.Field("s3://bucket/img_*.bin", "int8", storage_options=bad)  # type: ignore[arg-type]
+
+
+def test_storage_options_stay_out_of_repr_and_hash() -> None:
+    a = stoker.Field("s3://b/x.bin", "int8", storage_options={"secret": "hunter2"})
+    assert "hunter2" not in repr(a)
+    assert hash(a) == hash(stoker.Field("s3://b/x.bin", "int8", storage_options={"secret": "other"}))
+    assert a != stoker.Field("s3://b/x.bin", "int8", storage_options={"secret": "other"})
