@@ -249,6 +249,29 @@ def test_memory_filesystem_raw_gzip_zlib_with_header_and_footer_equal_local(tmp_
         mem.rm(base, recursive=True)
 
 
+def test_random_access_and_record_subsets_read_urls(tmp_path: Path) -> None:
+    plans = {"image": WIDE, "label": LAB_GZ, "big": BIG_GZ}
+    local = _local(tmp_path, [9, 31, 4], plans)
+    mem = fsspec.filesystem("memory")
+    base = f"memory:///stoker-{tmp_path.name}"
+    for p in tmp_path.iterdir():
+        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
+    try:
+        ds = _remote_ds(local, tmp_path, base, {})
+        picks = [40, 3, 3, 17, 0, 39, 9]  # unsorted, repeated, across groups
+        got, want = ds.read(picks), local.read(picks)
+        for name in plans:
+            assert np.array_equal(got[name], want[name]), name
+        assert np.array_equal(ds[12]["image"], local[12]["image"])
+        sub = ds.select(records=[1, 5, 20, 33, 36])
+        check_batches(local, _batches(sub), complete=False)
+        assert sorted(g * 100 + i for b in _batches(sub) for g, i in zip(b["__group__"], b["__index__"])) == [
+            1, 5, 111, 124, 127,
+        ]  # fmt: skip
+    finally:
+        mem.rm(base, recursive=True)
+
+
 def test_remote_raw_file_of_wrong_size_is_an_error_naming_the_url(tmp_path: Path) -> None:
     mem = fsspec.filesystem("memory")
     url = f"memory:///stoker-{tmp_path.name}/img_0000.bin"
