@@ -86,7 +86,7 @@ def dataset_from_fields(
             header_bytes=int(s.get("header_bytes", 0)),
             footer_bytes=int(s.get("footer_bytes", 0)),
             compression=compression,
-            byte_order=s.get("byte_order", "little"),
+            byte_order=s.get("byte_order"),
         )
     return Dataset(fields, pair_key=pair_key, index=index)
 

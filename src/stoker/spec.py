@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as _field
@@ -46,14 +47,36 @@ def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:
     return nbytes
 
 
-def _as_dtype(value: object, byte_order: str) -> np.dtype:
+def _stated_order(value: object, dtype: np.dtype) -> str | None:
+    """The byte order a dtype states itself ('>u2', '<f4', a non-native np.dtype), else None."""
+    if dtype.itemsize == 1:
+        return None  # one byte has no order
+    if isinstance(value, str):
+        mark = value.strip()[:1]
+        if mark in ("<", ">", "!", "="):
+            return {"<": "little", ">": "big", "!": "big", "=": sys.byteorder}[mark]
+        return None
+    if isinstance(value, np.dtype) and value.byteorder in ("<", ">"):
+        # numpy writes the native order as '=', so only a non-native order is visible here.
+        return "little" if value.byteorder == "<" else "big"
+    return None
+
+
+def _as_dtype(value: object, byte_order: str | None) -> tuple[np.dtype, Literal["little", "big"]]:
     try:
         dtype = np.dtype(value)  # type: ignore[call-overload]
     except TypeError as e:
         raise SpecError(f"dtype={value!r} is not a numpy dtype") from e
     if dtype.kind not in "biuf" or dtype.itemsize == 0:
         raise SpecError(f"dtype={value!r} must be a fixed-size bool, integer or float dtype")
-    return dtype.newbyteorder("<" if byte_order == "little" else ">")
+    stated = _stated_order(value, dtype)
+    if byte_order is not None and stated is not None and stated != byte_order:
+        raise SpecError(
+            f"dtype={value!r} says {stated}-endian but byte_order={byte_order!r}; give the order once "
+            f"(dtype={dtype.name!r} with byte_order={byte_order!r}, or dtype={value!r} alone)"
+        )
+    order: Literal["little", "big"] = "big" if (byte_order or stated) == "big" else "little"
+    return dtype.newbyteorder("<" if order == "little" else ">"), order
 
 
 @dataclass(frozen=True, init=False)
@@ -68,7 +91,9 @@ class Field:
         header_bytes, footer_bytes: skipped at the start/end of every file (of the
             decompressed stream for compressed files), as tf.data.FixedLengthRecordDataset does.
         compression: ``"auto"`` (by suffix and magic bytes), ``None``, ``"gzip"``, ``"zlib"``.
-        byte_order: ``"little"`` or ``"big"``: how multi-byte elements are stored.
+        byte_order: ``"little"`` or ``"big"``: how multi-byte elements are stored. None
+            (default): the order the dtype states (``">u2"`` is big-endian), else little.
+            A byte_order that contradicts the dtype's stated order is a SpecError.
         storage_options: keyword arguments for the fsspec filesystem of URL files
             (``s3://...``; e.g. ``{"endpoint_url": ..., "anon": True}``); see stoker.remote.
 
@@ -96,7 +121,7 @@ class Field:
         header_bytes: int = 0,
         footer_bytes: int = 0,
         compression: Compression = "auto",
-        byte_order: Literal["little", "big"] = "little",
+        byte_order: Literal["little", "big"] | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(files, str):
@@ -105,8 +130,8 @@ class Field:
             patterns = tuple(files)
         else:
             raise SpecError(f"files={files!r} must be a glob pattern or a non-empty list of paths")
-        if byte_order not in ("little", "big"):
-            raise SpecError(f"byte_order={byte_order!r} must be 'little' or 'big'")
+        if byte_order not in ("little", "big", None):
+            raise SpecError(f"byte_order={byte_order!r} must be 'little', 'big' or None (the dtype's own order)")
         given: object = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
         if not isinstance(given, Sequence) or isinstance(given, str):
             raise SpecError(f"shape={shape!r} must be a tuple of positive integers")
@@ -125,13 +150,14 @@ class Field:
             not isinstance(storage_options, Mapping) or not all(isinstance(k, str) for k in storage_options)
         ):
             raise SpecError(f"storage_options={storage_options!r} must be a mapping of str -> value")
+        stored, order = _as_dtype(dtype, byte_order)
         object.__setattr__(self, "files", patterns)
-        object.__setattr__(self, "dtype", _as_dtype(dtype, byte_order))
+        object.__setattr__(self, "dtype", stored)
         object.__setattr__(self, "shape", dims)
         object.__setattr__(self, "header_bytes", header_bytes)
         object.__setattr__(self, "footer_bytes", footer_bytes)
         object.__setattr__(self, "compression", compression)
-        object.__setattr__(self, "byte_order", byte_order)
+        object.__setattr__(self, "byte_order", order)
         object.__setattr__(self, "storage_options", dict(storage_options or {}))
 
     @property
