@@ -461,7 +461,9 @@ def test_raw_file_truncated_after_dataset_fails_naming_the_file(tmp_path: Path, 
     got, err = _deliver(ds.loader(bs, cycle_length=2, block_length=4, cast=cast, with_index=True, threads=3))
     assert isinstance(err, stoker.CorruptDataError)
     assert str(bad) in str(err) and err.path == str(bad)
-    assert len(got) == _position_of(tf_interleave(COUNTS_E, 2, 4), 3) // bs
+    # Its first 10 records are still there: the error comes at the batch holding record 10.
+    assert len(got) == _position_of(tf_interleave(COUNTS_E, 2, 4), 3, 10) // bs
+    assert err.index == 10
     check_batches(ds, got, cast={"image": cast, "label": cast} if cast else None, complete=False)
 
 

@@ -256,11 +256,14 @@ class Assembler:
                 elif info.compression is None:
                     f = self._acquire(plan.epoch, name, info)
                     try:
-                        needed = spec.header_bytes + (int(local[-1]) + 1) * spec.record_bytes
-                        if os.fstat(f.fd).st_size < needed or f.map is None:
-                            run = Run(g, int(local[0]), len(local), 0, False)
-                            raise self._truncated(name, info, spec, run, os.fstat(f.fd).st_size)
-                        n = self.catalog.count(g)
+                        # Rows are sorted by record: local[-1] is the last record this batch needs.
+                        n = int(local[-1]) + 1
+                        needed = spec.header_bytes + n * spec.record_bytes
+                        if f.map is None or f.size < needed or os.fstat(f.fd).st_size < needed:
+                            size = min(f.size, os.fstat(f.fd).st_size)
+                            held = max(0, size - spec.header_bytes) // spec.record_bytes
+                            first = int(local[min(len(local) - 1, int(np.searchsorted(local, held)))])
+                            raise self._truncated(name, info, spec, Run(g, first, len(local), 0, False), size)
                         elems = n * (spec.record_bytes // spec.dtype.itemsize)
                         src = np.frombuffer(f.map, dtype=spec.dtype, count=elems, offset=spec.header_bytes)
                         src = src.reshape(n, *spec.shape)
@@ -315,13 +318,9 @@ class Assembler:
                 f"field {name!r}: cannot open {info.path!r}: {e.strerror}", field=name, path=info.path
             ) from e
         try:
-            size = os.fstat(fd).st_size
-            if size != info.size:
-                raise CorruptDataError(
-                    f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the "
-                    "Dataset was built; rebuild the Dataset after changing its files",
-                    field=name, path=info.path,
-                )  # fmt: skip
+            # The geometry is the one the Dataset saw: a file grown since is read only up to its
+            # old size; one cut short fails at the first record it no longer holds (in _read_raw).
+            size = min(os.fstat(fd).st_size, info.size)
             # Mapped for cast copies, strided runs and gathers; plain runs use preadv.
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
         except BaseException:
@@ -400,8 +399,8 @@ class Assembler:
                 # A file cut short under a memory map would kill the process (SIGBUS) on
                 # access; check its size right before the copy so it becomes an error.
                 span = run.stop - run.start
-                if os.fstat(f.fd).st_size < offset + span * rb or f.map is None:
-                    raise self._truncated(name, info, spec, run, os.fstat(f.fd).st_size)
+                if f.map is None or f.size < offset + span * rb or os.fstat(f.fd).st_size < offset + span * rb:
+                    raise self._truncated(name, info, spec, run, min(f.size, os.fstat(f.fd).st_size))
                 src = np.frombuffer(f.map, dtype=spec.dtype, count=span * (rb // spec.dtype.itemsize),
                                     offset=offset).reshape(span, *spec.shape)  # fmt: skip
                 np.copyto(dst, src[:: run.step], casting="unsafe")
