@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .engine import Allocator, Stopped
-from .errors import CorruptDataError, ReadError
+from .errors import CorruptDataError, ReadError, StokerError
 from .files import Catalog, FileInfo
 from .inflate import Inflater, TruncatedStreamError
 from .plan import BatchPlan, Run
@@ -39,6 +40,10 @@ _MAX_OPEN = 64
 # reaches the caller. Labels (4 bytes a record) are far below it; larger files stream and
 # are verified at their end.
 VERIFY_WHOLE_BYTES = 64 << 20
+
+
+def _reading(name: str, info: FileInfo, group: int, start: int, stop: int) -> str:
+    return f"stoker: while reading field {name!r} from {info.path!r} (group {group}, records {start}..{stop - 1})"
 
 
 class _RawFile:
@@ -78,7 +83,9 @@ class _Stream:
         self.whole: _Whole | None = None
         self.inflater: Inflater | None = None
         self.pos = 0  # records consumed so far
-        self.error: BaseException | None = None
+        # The first ticket whose batch failed: batches after it are never delivered, batches
+        # before it still are (a later batch can fail first, before its turn comes).
+        self.failed_at: int | None = None
         self.abandoned: set[int] = set()  # tickets of failed batches, skipped when their turn comes
 
     def advance(self) -> None:
@@ -89,11 +96,18 @@ class _Stream:
             self.serving += 1
         self.cond.notify_all()
 
-    def abandon(self, ticket: int, error: BaseException) -> None:
+    def fail(self, ticket: int) -> None:
+        if self.failed_at is None or ticket < self.failed_at:
+            self.failed_at = ticket
+
+    def failed_before(self, ticket: int) -> bool:
+        """True when a batch planned before ``ticket``'s (or its own) failed on this stream."""
+        return self.failed_at is not None and self.failed_at <= ticket
+
+    def abandon(self, ticket: int) -> None:
         """A batch failed before its turn: later batches must not wait for it forever."""
         with self.cond:
-            if self.error is None:
-                self.error = error
+            self.fail(ticket)
             if self.unordered:
                 self.serving += 1
             elif ticket == self.serving:
@@ -208,11 +222,11 @@ class Assembler:
                 self._read_run(task, i, run, out, taken)
         except Stopped:
             raise
-        except BaseException as e:
+        except BaseException:
             # Give up this batch's remaining stream turns, or later batches wait forever.
             for key, (stream, ticket) in task.tickets.items():
                 if key not in taken:
-                    stream.abandon(ticket, e)
+                    stream.abandon(ticket)
             raise
         return out, plan
 
@@ -224,14 +238,20 @@ class Assembler:
         for name, spec in self.fields.items():
             dst = out[name][run.row : run.row + run.count]
             info = infos[name]
-            if info.compression is None:
-                self._read_raw(plan.epoch, name, spec, info, run, dst)
-            else:
-                stream, ticket = task.tickets[(i, name)]
-                try:
-                    self._read_stream(plan.epoch, name, spec, info, run, dst, stream, ticket)
-                finally:
-                    taken.add((i, name))
+            try:
+                if info.compression is None:
+                    self._read_raw(plan.epoch, name, spec, info, run, dst)
+                else:
+                    stream, ticket = task.tickets[(i, name)]
+                    try:
+                        self._read_stream(plan.epoch, name, spec, info, run, dst, stream, ticket)
+                    finally:
+                        taken.add((i, name))
+            except (StokerError, Stopped):
+                raise
+            except BaseException as e:  # not one of ours: still say which file the worker was on
+                e.add_note(_reading(name, info, run.group, run.start, run.stop))
+                raise
         if self.with_index:
             out[GROUP_KEY][run.row : run.row + run.count] = run.group
             out[INDEX_KEY][run.row : run.row + run.count] = np.arange(run.start, run.stop, run.step)
@@ -269,6 +289,11 @@ class Assembler:
                         src = src.reshape(n, *spec.shape)
                         out[name][rows] = src[local]
                         del src
+                    except (StokerError, Stopped):
+                        raise
+                    except BaseException as e:
+                        e.add_note(_reading(name, info, g, int(local[0]), int(local[-1]) + 1))
+                        raise
                     finally:
                         self._release(plan.epoch, info, f, False)
                 else:
@@ -318,11 +343,22 @@ class Assembler:
                 f"field {name!r}: cannot open {info.path!r}: {e.strerror}", field=name, path=info.path
             ) from e
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ReadError(
+                    f"field {name!r}: {info.path!r} is no longer a regular file (replaced since the Dataset was built)",
+                    field=name, path=info.path,
+                )  # fmt: skip
             # The geometry is the one the Dataset saw: a file grown since is read only up to its
             # old size; one cut short fails at the first record it no longer holds (in _read_raw).
-            size = min(os.fstat(fd).st_size, info.size)
+            size = min(st.st_size, info.size)
             # Mapped for cast copies, strided runs and gathers; plain runs use preadv.
-            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+            try:
+                mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+            except OSError as e:
+                raise ReadError(
+                    f"field {name!r}: cannot map {info.path!r}: {e.strerror}", field=name, path=info.path
+                ) from e
         except BaseException:
             os.close(fd)
             raise
@@ -485,22 +521,22 @@ class Assembler:
                     raise Stopped
                 stream.cond.wait(0.1)
         try:
-            if stream.error is not None:
+            if stream.failed_before(ticket):
                 # An earlier batch failed on this stream and is raised first; this batch comes
                 # after it, so it is never delivered: just stop.
                 raise Stopped
             try:
                 self._stream_run(name, spec, info, run, dst, stream, epoch)
-            except BaseException as e:
-                stream.error = e
+            except BaseException:
+                stream.fail(ticket)
                 raise
             if run.final:
                 self._finish_stream(name, spec, info, run, stream)
         finally:
             with stream.cond:
                 stream.advance()
-            if run.final or stream.error is not None:
-                self._drop_stream(epoch, run.group, name, stream)
+            if run.final or stream.failed_before(ticket):
+                self._drop_stream(epoch, run.group, name, stream, ticket)
 
     def _retire_streams(self, epoch: int) -> None:
         """Close streams of earlier epochs that no batch still waits on (trimmed tails)."""
@@ -512,12 +548,12 @@ class Assembler:
             if stream.inflater is not None:
                 stream.inflater.close()
 
-    def _drop_stream(self, epoch: int, group: int, name: str, stream: _Stream) -> None:
+    def _drop_stream(self, epoch: int, group: int, name: str, stream: _Stream, ticket: int) -> None:
         # Only the thread that takes the stream out of the table closes it: the dispatcher
         # may be retiring the same stream at an epoch boundary.
         with self._lock:
             mine = self._streams.get((epoch, group, name)) is stream and (
-                stream.serving >= stream.issued or stream.error is not None
+                stream.serving >= stream.issued or stream.failed_before(ticket)
             )
             if mine:
                 del self._streams[(epoch, group, name)]
@@ -727,3 +763,4 @@ class Assembler:
             if s.inflater is not None:
                 s.inflater.close()
                 s.inflater = None
+        self._resident.clear()  # "global" shuffle's decoded fields: the pass is over

@@ -52,9 +52,9 @@ def _stated_order(value: object, dtype: np.dtype) -> str | None:
     if dtype.itemsize == 1:
         return None  # one byte has no order
     if isinstance(value, str):
-        mark = value.strip()[:1]
-        if mark in ("<", ">", "!", "="):
-            return {"<": "little", ">": "big", "!": "big", "=": sys.byteorder}[mark]
+        mark = value[:1]
+        if mark in ("<", ">", "="):
+            return {"<": "little", ">": "big", "=": sys.byteorder}[mark]
         return None
     if isinstance(value, np.dtype) and value.byteorder in ("<", ">"):
         # numpy writes the native order as '=', so only a non-native order is visible here.
