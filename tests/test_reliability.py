@@ -1,0 +1,616 @@
+"""Reliability: every bad input a clear StokerError, files changing under the reader, faults in workers.
+
+Each error test checks the message names the file (and field, record, offset where they apply).
+The outcomes for files that change while a loader reads them are the ones the README's "Errors"
+section promises; these tests are what holds it to them.
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import traceback
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stoker
+from conftest import (
+    IMG,
+    LAB_GZ,
+    FieldPlan,
+    build,
+    consume,
+    encode,
+    make_values,
+    reference,
+    stoker_threads,
+    tf_interleave,
+    wait_no_stoker_threads,
+    write_dataset,
+)
+
+PAIR = {"image": IMG, "label": LAB_GZ}
+
+
+def _pair_ds(tmp: Path) -> stoker.Dataset:
+    return stoker.Dataset(
+        image=stoker.Field(str(tmp / "img_*.bin"), "int8", (6, 6, 1)),
+        label=stoker.Field(str(tmp / "out_*.bin.gz"), "float32"),
+    )
+
+
+def _assert_rows(batches: list[dict[str, np.ndarray]], ref: list[dict[str, np.ndarray]]) -> None:
+    """Every delivered row equals ``ref[group][field][index]`` (a reading taken beforehand)."""
+    for k, b in enumerate(batches):
+        for name in ref[0]:
+            want = np.stack([ref[g][name][i] for g, i in zip(b["__group__"].tolist(), b["__index__"].tolist())])
+            assert np.array_equal(b[name], want.astype(b[name].dtype)), f"batch {k}, field {name!r} is wrong"
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# -- bad inputs -------------------------------------------------------------------------------
+
+
+def test_a_directory_matched_by_the_glob_is_a_spec_error_naming_it(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [3, 3], {"image": IMG})
+    (tmp_path / "img_0002.bin").mkdir()
+    with pytest.raises(stoker.SpecError, match="directory") as info:
+        stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)))
+    assert info.value.path == str(tmp_path / "img_0002.bin") and str(tmp_path / "img_0002.bin") in str(info.value)
+    assert info.value.field == "image"
+
+
+def test_a_symlink_loop_matched_by_the_glob_is_a_read_error_naming_it(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [3], {"image": IMG})
+    os.symlink(tmp_path / "img_0002.bin", tmp_path / "img_0001.bin")
+    os.symlink(tmp_path / "img_0001.bin", tmp_path / "img_0002.bin")
+    with pytest.raises(stoker.ReadError) as info:
+        stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)))
+    assert info.value.path == str(tmp_path / "img_0001.bin")
+    assert "img_0001.bin" in str(info.value) and "symbolic links" in str(info.value)
+    assert isinstance(info.value, OSError) and info.value.field == "image"
+
+
+def test_a_dangling_symlink_is_a_spec_error_naming_it(tmp_path: Path) -> None:
+    os.symlink(tmp_path / "gone.bin", tmp_path / "img_0000.bin")
+    with pytest.raises(stoker.SpecError, match="does not exist") as info:
+        stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8"))
+    assert info.value.path == str(tmp_path / "img_0000.bin")
+
+
+def test_zero_byte_raw_files_are_an_empty_group(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [4, 0, 5], {"image": IMG, "x": FieldPlan("x", "float64")})
+    assert (tmp_path / "img_0001.bin").stat().st_size == 0
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+        x=stoker.Field(str(tmp_path / "x_*.bin"), "float64"),
+    )
+    assert [g.records for g in ds.groups] == [4, 0, 5]
+    batches = list(ds.loader(3, with_index=True))
+    _assert_rows(batches, reference(ds))
+    assert sum(len(b["x"]) for b in batches) == 9
+
+
+def test_a_zero_byte_raw_file_with_a_header_is_corrupt_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "a_0.bin").write_bytes(b"")
+    with pytest.raises(stoker.CorruptDataError, match="header_bytes=8") as info:
+        stoker.Dataset(a=stoker.Field(str(tmp_path / "a_*.bin"), "int8", header_bytes=8))
+    assert info.value.path == str(tmp_path / "a_0.bin") and "a_0.bin" in str(info.value)
+
+
+def test_a_zero_byte_file_beside_a_full_one_is_a_pairing_error(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [4, 6], {"image": IMG, "x": FieldPlan("x", "float64")})
+    os.truncate(tmp_path / "x_0001.bin", 0)
+    with pytest.raises(stoker.PairingError) as info:
+        stoker.Dataset(
+            image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+            x=stoker.Field(str(tmp_path / "x_*.bin"), "float64"),
+        )
+    assert "x_0001.bin" in str(info.value) and "0 records" in str(info.value) and "6 records" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zlib"])
+@pytest.mark.parametrize("where", ["header", "footer"])
+def test_compressed_header_or_footer_larger_than_the_stream_fails_at_its_group(
+    tmp_path: Path, kind: str, where: str
+) -> None:
+    label = FieldPlan("out", "float32", kind=kind, **{where: 64})  # type: ignore[arg-type]
+    paths = write_dataset(tmp_path, [10, 10], {"image": IMG, "label": label})
+    bad = paths["label"][1]
+    bad.write_bytes((gzip.compress if kind == "gzip" else zlib.compress)(b"\x07" * 30))  # 30 bytes < 64
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+        label=stoker.Field([str(p) for p in paths["label"]], "float32", **{f"{where}_bytes": 64}),  # type: ignore[arg-type]
+    )
+    ref = reference(stoker.Dataset(image=ds.fields["image"]))
+    got, err = consume(ds.loader(5, cycle_length=1, with_index=True))
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert err.path == str(bad) and str(bad) in str(err) and err.field == "label"
+    assert f"{where}_bytes=64" in str(err) and "30 bytes" in str(err)
+    assert len(got) == 2  # group 0, whole and right; nothing of group 1
+    _assert_rows([{k: v for k, v in b.items() if k != "label"} for b in got], ref)
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zlib"])
+def test_a_bit_flip_in_a_compressed_file_yields_nothing_wrong_and_names_the_file(tmp_path: Path, kind: str) -> None:
+    label = FieldPlan("out", "float32", kind=kind)
+    paths = write_dataset(tmp_path, [300, 300, 300], {"image": IMG, "label": label})
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+        label=stoker.Field([str(p) for p in paths["label"]], "float32"),
+    )
+    ref = reference(ds)
+    bad = paths["label"][1]
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    bad.write_bytes(bytes(data))
+    got, err = consume(ds.loader(20, cycle_length=1, threads=2, with_index=True))
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert err.path == str(bad) and str(bad) in str(err) and err.field == "label"
+    assert len(got) == 300 // 20  # all of group 0; nothing of group 1 (decoded and verified whole first)
+    _assert_rows(got, ref)
+
+
+def test_a_corrupt_gzip_crc_yields_no_record_of_its_group(tmp_path: Path) -> None:
+    paths = write_dataset(tmp_path, [30, 30, 30], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    bad = paths["label"][1]
+    data = bytearray(bad.read_bytes())
+    data[-8] ^= 0xFF  # the CRC32 of the trailer; every data byte intact
+    bad.write_bytes(bytes(data))
+    got, err = consume(ds.loader(7, cycle_length=2, block_length=4, threads=2, with_index=True))
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert err.path == str(bad) and "out_0001.bin.gz" in str(err) and "crc" in str(err).lower()
+    _assert_rows(got, ref)
+    assert not any((b["__group__"] == 1).any() for b in got)
+    assert len(got) == tf_interleave([30, 30, 30], 2, 4).index((1, 0)) // 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"dtype": "int7"}, "dtype='int7'"),
+        ({"dtype": "complex64"}, "dtype='complex64'"),
+        ({"shape": (3, 0)}, "shape=(3, 0)"),
+        ({"shape": (2.5,)}, "shape=(2.5,)"),
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"batch_size": "8"}, "batch_size='8'"),
+        ({"threads": -1}, "threads=-1"),
+        ({"threads": 1.5}, "threads=1.5"),
+        ({"memory_budget": "-5MiB"}, "memory_budget='-5MiB'"),
+        ({"memory_budget": "12 parsecs"}, "memory_budget='12 parsecs'"),
+        ({"memory_budget": 0}, "memory_budget=0"),
+        ({"memory_budget": True}, "memory_budget=True"),
+    ],
+)
+def test_an_invalid_value_is_a_spec_error_quoting_it(tmp_path: Path, kwargs: dict[str, object], needle: str) -> None:
+    write_dataset(tmp_path, [4], {"image": IMG})
+    field_kw = {k: kwargs[k] for k in ("dtype", "shape") if k in kwargs}
+    loader_kw = {k: v for k, v in kwargs.items() if k not in field_kw}
+    with pytest.raises(stoker.SpecError) as info:
+        spec = {"dtype": "int8", "shape": (6, 6, 1), **field_kw}
+        ds = stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), spec["dtype"], spec["shape"]))
+        ds.loader(loader_kw.pop("batch_size", 2), **loader_kw)  # type: ignore[arg-type]
+    assert needle in str(info.value)
+
+
+# -- byte order stated by the dtype -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [">u2", np.dtype(">u2"), ">H"])
+def test_a_dtype_stating_big_endian_is_read_big_endian(tmp_path: Path, dtype: object) -> None:
+    values = np.array([1, 258, 65535, 4096], dtype=np.uint16)
+    (tmp_path / "a.bin").write_bytes(values.astype(">u2").tobytes())
+    field = stoker.Field([str(tmp_path / "a.bin")], dtype)
+    assert field.byte_order == "big" and field.dtype == np.dtype(">u2")
+    (batch,) = stoker.Dataset(a=field).loader(4)
+    assert batch["a"].tolist() == values.tolist() and batch["a"].dtype == np.dtype("=u2")
+
+
+def test_byte_order_applies_to_a_dtype_that_states_none() -> None:
+    assert stoker.Field("a", "u2").byte_order == "little"
+    assert stoker.Field("a", "u2", byte_order="big").dtype == np.dtype(">u2")
+    assert stoker.Field("a", np.float32, byte_order="big").dtype == np.dtype(">f4")
+    assert stoker.Field("a", ">i1", byte_order="little").dtype == np.dtype("i1")  # one byte has no order
+    assert stoker.Field("a", ">f8", byte_order="big").byte_order == "big"
+    assert stoker.Field("a", "<f8", byte_order="little").dtype == np.dtype("<f8")
+
+
+@pytest.mark.parametrize(("dtype", "order"), [(">u2", "little"), ("<f4", "big"), (np.dtype(">i8"), "little")])
+def test_a_byte_order_contradicting_the_dtype_is_a_spec_error(dtype: object, order: str) -> None:
+    with pytest.raises(stoker.SpecError, match="byte_order") as info:
+        stoker.Field("a.bin", dtype, byte_order=order)  # type: ignore[arg-type]
+    assert f"byte_order={order!r}" in str(info.value) and "endian" in str(info.value)
+
+
+# -- unreadable files (tests run as root: drop privileges in a child) -----------------------------
+
+_UNREADABLE = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import stoker
+
+    d = sys.argv[1]
+    if os.geteuid() == 0:  # root reads anything: become nobody
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    fields = dict(
+        image=stoker.Field(d + "/img_*.bin", "int8", (6, 6, 1)),
+        label=stoker.Field(d + "/out_*.bin.gz", "float32"),
+    )
+    out = {}
+    os.chmod(d + "/img_0001.bin", 0)
+    try:
+        stoker.Dataset(**fields)
+    except stoker.StokerError as e:
+        out["build"] = [type(e).__name__, str(e), e.path, e.field]
+    os.chmod(d + "/img_0001.bin", 0o644)
+    ds = stoker.Dataset(**fields)
+    expect = {g: np.fromfile(d + f"/img_{g:04d}.bin", np.int8).reshape(-1, 6, 6, 1) for g in range(3)}
+    os.chmod(d + "/out_0002.bin.gz", 0)  # readable when the Dataset was built, not when its group is read
+    groups, wrong = [], 0
+    try:
+        for b in ds.loader(5, cycle_length=1, with_index=True):
+            groups.extend(b["__group__"].tolist())
+            wrong += sum(not np.array_equal(r, expect[g][i])
+                         for g, i, r in zip(b["__group__"], b["__index__"], b["image"]))
+    except stoker.StokerError as e:
+        out["read"] = [type(e).__name__, str(e), e.path, e.field]
+    out["groups"], out["wrong"] = groups, wrong
+    print(json.dumps(out))
+    """
+)
+
+
+def test_an_unreadable_file_is_a_read_error_naming_it_at_build_and_at_its_batch() -> None:
+    # pytest's tmp dirs are private to root; the child (nobody) needs a directory it can enter.
+    d = Path(tempfile.mkdtemp(prefix="stoker-unreadable-"))
+    try:
+        d.chmod(0o755)
+        write_dataset(d, [10, 10, 10], PAIR)
+        for p in d.iterdir():
+            os.chown(p, 65534, 65534)
+            p.chmod(0o644)
+        proc = subprocess.run([sys.executable, "-c", _UNREADABLE, str(d)], capture_output=True, text=True,
+                              timeout=120, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(d)
+    kind, msg, path, field = out["build"]
+    assert (kind, path, field) == ("ReadError", str(d / "img_0001.bin"), "image")
+    assert "img_0001.bin" in msg and "Permission denied" in msg
+    kind, msg, path, field = out["read"]
+    assert (kind, path, field) == ("ReadError", str(d / "out_0002.bin.gz"), "label")
+    assert "out_0002.bin.gz" in msg and "Permission denied" in msg
+    assert out["groups"] == [0] * 10 + [1] * 10 and out["wrong"] == 0
+
+
+# -- files changing under the reader --------------------------------------------------------------
+
+
+def _open_everything(tmp: Path, epochs: int = 2) -> tuple[stoker.Dataset, Iterator[dict[str, np.ndarray]], list]:
+    """A pass whose first batch has opened every group (so every file is open), that first batch."""
+    write_dataset(tmp, [60, 60, 60], PAIR)
+    ds = _pair_ds(tmp)
+    it = iter(ds.loader(6, epochs=epochs, cycle_length=3, block_length=2, threads=2, prefetch=2, with_index=True))
+    first = next(it)
+    assert sorted(set(first["__group__"].tolist())) == [0, 1, 2]
+    return ds, it, [first]
+
+
+def test_a_file_deleted_while_open_is_read_to_its_end_and_its_next_open_names_it(tmp_path: Path) -> None:
+    ds, it, got = _open_everything(tmp_path)
+    ref = reference(ds)
+    for g in range(3):
+        os.unlink(tmp_path / f"img_{g:04d}.bin")
+        os.unlink(tmp_path / f"out_{g:04d}.bin.gz")
+    more, err = consume(it)
+    got += more
+    assert len(got) == 30  # the whole first epoch: Linux keeps the inodes of open files
+    _assert_rows(got, ref)
+    assert isinstance(err, stoker.ReadError), err  # the second epoch opens the files again
+    assert "img_0000.bin" in str(err) and "No such file" in str(err) and err.path == str(tmp_path / "img_0000.bin")
+
+
+def test_a_file_replaced_by_rename_is_read_to_its_end_and_the_new_one_from_the_next_epoch(tmp_path: Path) -> None:
+    ds, it, got = _open_everything(tmp_path)
+    old = reference(ds)
+    for g in range(3):
+        for plan in PAIR.values():
+            path = tmp_path / f"{plan.prefix}_{g:04d}{'.bin' if plan.kind == 'raw' else '.bin.gz'}"
+            new = tmp_path / "incoming"
+            new.write_bytes(encode(plan, make_values(plan, 60, 1000 + 60 * g, salt=5)))
+            os.replace(new, path)
+    new_ref = reference(ds)
+    assert not np.array_equal(new_ref[0]["image"], old[0]["image"])
+    more, err = consume(it)
+    assert err is None
+    got += more
+    assert len(got) == 60
+    _assert_rows(got[:30], old)
+    _assert_rows(got[30:], new_ref)
+
+
+@pytest.mark.parametrize("cast", [None, "float32"])
+def test_a_file_truncated_in_place_fails_at_the_batch_holding_its_first_missing_record(
+    tmp_path: Path, cast: str | None
+) -> None:
+    write_dataset(tmp_path, [400], {"image": IMG})
+    ds = stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)))
+    ref = reference(ds)
+    it = iter(ds.loader(10, threads=2, prefetch=2, cast=cast, with_index=True))
+    got = [next(it)]
+    # Cut inside record 123: records 0..122 remain. Batch 12 holds record 123, well past the
+    # batches already read ahead (at most prefetch + threads), so it is read after the cut.
+    os.truncate(tmp_path / "img_0000.bin", 36 * 123 + 17)
+    more, err = consume(it)
+    got += more
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert err.path == str(tmp_path / "img_0000.bin") and "img_0000.bin" in str(err)
+    assert err.index == 123 and err.offset == 36 * 123 + 17 and "record 123" in str(err)
+    assert len(got) == 12
+    _assert_rows(got, ref)
+
+
+@pytest.mark.parametrize("shuffle", [False, "files", "global"])
+def test_a_file_cut_before_the_pass_fails_at_the_first_batch_missing_a_record(tmp_path: Path, shuffle: object) -> None:
+    write_dataset(tmp_path, [50, 50, 50], {"image": IMG, "x": FieldPlan("x", "int16", (2,))})
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+        x=stoker.Field(str(tmp_path / "x_*.bin"), "int16", (2,)),
+    )
+    ref = reference(ds)
+    kw = {"shuffle": shuffle, "seed": 3, "block_length": 4, "threads": 2, "with_index": True}
+    order = [(b["__group__"].tolist(), b["__index__"].tolist()) for b in ds.loader(8, **kw)]  # type: ignore[arg-type]
+    os.truncate(tmp_path / "x_0001.bin", 4 * 30)  # group 1 keeps records 0..29 of field x
+    expected = next(k for k, (g, i) in enumerate(order) if any(a == 1 and b >= 30 for a, b in zip(g, i)))
+    got, err = consume(ds.loader(8, **kw))  # type: ignore[arg-type]
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert err.path == str(tmp_path / "x_0001.bin") and err.field == "x" and "x_0001.bin" in str(err)
+    g, i = order[expected]
+    assert err.index is not None and err.index >= 30 and (1, err.index) in set(zip(g, i))
+    assert len(got) == expected
+    _assert_rows(got, ref)
+
+
+@pytest.mark.parametrize("when", ["before the pass", "during the pass"])
+def test_a_grown_file_keeps_the_geometry_the_dataset_saw(tmp_path: Path, when: str) -> None:
+    write_dataset(tmp_path, [40, 40], {"image": IMG, "x": FieldPlan("x", "float64")})
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+        x=stoker.Field(str(tmp_path / "x_*.bin"), "float64"),
+    )
+    ref = reference(ds)
+
+    def grow() -> None:
+        for g in range(2):
+            with open(tmp_path / f"img_{g:04d}.bin", "ab") as f:
+                f.write(b"\x55" * 36 * 7)
+
+    if when == "before the pass":
+        grow()
+    it = iter(ds.loader(6, epochs=2, cycle_length=1, cast={"image": "float32"}, with_index=True, threads=2))
+    got = [next(it)]
+    if when == "during the pass":
+        grow()
+    more, err = consume(it)
+    assert err is None
+    got += more
+    assert len(ds) == 80 and len(got) == 2 * 14
+    _assert_rows(got, ref)
+    assert sorted(zip(np.concatenate([b["__group__"] for b in got]).tolist(),
+                      np.concatenate([b["__index__"] for b in got]).tolist())) == sorted(
+        [(g, i) for g in range(2) for i in range(40)] * 2)  # fmt: skip
+
+
+def test_a_gzip_file_grown_by_a_member_fails_at_its_group_end_after_its_records(tmp_path: Path) -> None:
+    paths = write_dataset(tmp_path, [20, 20], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    with open(paths["label"][0], "ab") as f:
+        f.write(gzip.compress(np.arange(5, dtype="<f4").tobytes()))
+    got, err = consume(ds.loader(5, cycle_length=1, with_index=True))
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert err.path == str(paths["label"][0]) and "holds more than the 20 records" in str(err)
+    # Group 0's 20 records are intact and delivered; the error comes at its last batch.
+    assert len(got) == 3
+    _assert_rows(got, ref)
+
+
+# -- faults in workers -----------------------------------------------------------------------------
+
+
+def test_an_os_error_in_a_worker_keeps_its_worker_traceback_and_names_the_file(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [30, 30], PAIR)
+    ds = _pair_ds(tmp_path)
+    victim = tmp_path / "img_0001.bin"
+    os.unlink(victim)
+    victim.mkdir()  # a directory where the file was: open() succeeds, reading fails
+    got, err = consume(ds.loader(10, cycle_length=1, threads=2))
+    assert isinstance(err, stoker.ReadError), err
+    assert err.path == str(victim) and str(victim) in str(err) and err.field == "image"
+    assert len(got) == 3
+    frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
+    assert "_acquire" in frames and "work" in frames  # raised in the worker, traceback kept
+    assert any("stoker-worker" in note and "batch 3 of epoch 0" in note for note in err.__notes__)
+
+
+def test_an_unexpected_worker_exception_keeps_type_and_traceback_and_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_dataset(tmp_path, [30, 30], {"image": IMG})
+    ds = stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)))
+    target = str(tmp_path / "img_0001.bin")
+    real_preadv = os.preadv
+
+    def flaky_preadv(fd: int, buffers: list, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == target and offset >= 36 * 12:
+            raise RuntimeError("injected fault in the disk driver")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", flaky_preadv)
+    got, err = consume(ds.loader(6, cycle_length=1, threads=2, prefetch=3))
+    assert type(err) is RuntimeError and str(err) == "injected fault in the disk driver"
+    assert len(got) == 5 + 2  # group 0 (30 records), then group 1's records 0..11
+    frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
+    assert frames[-1] == "flaky_preadv" and "_read_raw" in frames and "work" in frames
+    notes = "\n".join(err.__notes__)
+    assert target in notes and "field 'image'" in notes and "records 12..17" in notes
+    assert "stoker-worker" in notes and "batch 7 of epoch 0" in notes
+
+
+def test_a_later_batch_failing_first_neither_hangs_nor_drops_an_earlier_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batches 2 and 3 both take a turn on group 0's label stream. Batch 3 fails on its image
+    # while batch 2 is still reading its own: batch 2 must still be delivered, then batch 3's error.
+    write_dataset(tmp_path, [30, 30], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    target = str(tmp_path / "img_0000.bin")
+    real_preadv = os.preadv
+    failed = threading.Event()
+
+    def preadv(fd: int, buffers: list, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == target:
+            if offset == 36 * 10:
+                failed.wait(5)  # batch 2 reads its image only after batch 3 has failed
+            elif offset == 36 * 15:
+                failed.set()
+                raise RuntimeError("batch 3 fails first")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    got, err = consume(ds.loader(5, cycle_length=1, threads=2, prefetch=2, with_index=True), timeout=15)
+    assert type(err) is RuntimeError and str(err) == "batch 3 fails first"
+    assert len(got) == 3
+    _assert_rows(got, ref)
+
+
+_INTERRUPT = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading, time
+    import stoker
+
+    d = sys.argv[1]
+    ds = stoker.Dataset(image=stoker.Field(d + "/img_*.bin", "int8", (6, 6, 1)),
+                        label=stoker.Field(d + "/out_*.bin.gz", "float32"))
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+    before = (threading.active_count(), fds())
+    results = {}
+    for where in ("in the loop body", "inside next()"):
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        batches = 0
+        try:
+            for b in ds.loader(4, epochs=None, threads=3, shuffle="files", seed=1):
+                batches += 1
+                if where == "in the loop body":
+                    time.sleep(0.01)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise SystemExit("the loop ended without KeyboardInterrupt")
+        time.sleep(0.05)  # the Timer thread ends
+        alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        results[where] = {"batches": batches, "threads": alive, "fds": fds()}
+    print(json.dumps({"before": before, "results": results}))
+    """
+)
+
+
+def test_keyboard_interrupt_during_iteration_stops_every_thread(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [200, 150, 90], PAIR)
+    # A child process: a stray SIGINT must never reach the test runner itself.
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    threads_before, fds_before = out["before"]
+    assert threads_before == 1
+    for where, r in out["results"].items():
+        assert r["batches"] > 0, where
+        assert r["threads"] == [], f"{where}: threads left {r['threads']}"
+        assert r["fds"] == fds_before, where
+
+
+def _ends(how: str, loader: stoker.Loader) -> None:
+    """Leave a pass unfinished in one of the ways a user can."""
+    if how == "close":
+        it = iter(loader)
+        next(it)
+        next(it)
+        loader.close()
+    elif how == "break":
+        for k, _ in enumerate(loader):
+            if k == 3:
+                break
+    elif how == "gc of the iterator":
+        it = iter(loader)
+        next(it)
+        del it
+    elif how == "gc of the loader":
+        it = iter(loader)
+        next(it)
+        del it, loader
+    elif how == "exception in the body":
+        with pytest.raises(ZeroDivisionError), loader:
+            for _ in loader:
+                _ = 1 / 0
+    elif how == "iter again":
+        it = iter(loader)
+        next(it)
+        it2 = iter(loader)
+        next(it2)
+        loader.close()
+    gc.collect()
+
+
+@pytest.mark.parametrize("shuffle", [False, "files", "global"])
+@pytest.mark.parametrize(
+    "how", ["close", "break", "gc of the iterator", "gc of the loader", "exception in the body", "iter again"]
+)
+def test_unfinished_passes_leave_no_thread_and_no_file_descriptor(tmp_path: Path, how: str, shuffle: object) -> None:
+    fields = {"image": IMG, "label": LAB_GZ, "z": FieldPlan("zz", "int16", (2,), kind="zlib")}
+    ds = build(tmp_path, [300, 200, 250, 100], fields)
+    len(ds)  # settle counts now: nothing of the Dataset itself is open afterwards
+    fds, threads = _fd_count(), threading.active_count()
+    loader = ds.loader(5, epochs=None, threads=3, prefetch=4, shuffle=shuffle, seed=7)  # type: ignore[arg-type]
+    _ends(how, loader)
+    del loader
+    assert wait_no_stoker_threads() == []
+    assert threading.active_count() == threads
+    assert _fd_count() == fds, os.listdir("/proc/self/fd")
+
+
+def test_a_finished_error_leaves_no_thread_and_no_file_descriptor(tmp_path: Path) -> None:
+    paths = write_dataset(tmp_path, [100, 100, 100], PAIR)
+    data = bytearray(paths["label"][2].read_bytes())
+    data[len(data) // 2] ^= 0x10
+    paths["label"][2].write_bytes(bytes(data))
+    ds = _pair_ds(tmp_path)
+    fds = _fd_count()
+    with pytest.raises(stoker.CorruptDataError):
+        for _ in ds.loader(4, threads=3, cycle_length=2):
+            pass
+    assert stoker_threads() == [] or wait_no_stoker_threads() == []
+    assert _fd_count() == fds
