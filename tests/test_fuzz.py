@@ -1,0 +1,180 @@
+"""Fuzz: random Field specs, file contents and damage never raise anything but a StokerError,
+never hang, and never yield a record that is not in the files.
+
+"Not in the files" is judged independently of stoker: a raw field's truth is its file as it is
+now (numpy reading the bytes); a compressed field's truth is what was written before the
+damage, because a damaged stream must fail its checks, never decode into other values.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import stoker
+from conftest import FieldPlan, consume, field_for, make_values, read_records, write_dataset
+
+DTYPES = ["int8", "uint8", "bool", "int16", "uint16", "int32", "float32", "float64", "int64"]
+KINDS = {"raw": None, "gzip": "gzip", "zlib": "zlib", "multi": "gzip"}  # kind -> compression given to the Field
+DAMAGE = ["truncate", "flip", "append", "empty", "zeros"]
+
+
+@st.composite
+def field_plans(draw: st.DrawFn, name: str) -> FieldPlan:
+    kind = draw(st.sampled_from(list(KINDS)))
+    return FieldPlan(
+        name,
+        draw(st.sampled_from(DTYPES)),
+        tuple(draw(st.lists(st.integers(1, 4), max_size=2))),
+        kind=kind,
+        header=draw(st.sampled_from([0, 0, 1, 7, 64])),
+        footer=draw(st.sampled_from([0, 0, 3, 16])),
+        byte_order=draw(st.sampled_from(["little", "big"])),
+        pad=draw(st.sampled_from([0, 0, 5])) if kind in ("gzip", "multi") else 0,
+        compression=KINDS[kind],
+    )
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict[str, Any]:
+    names = ["fa", "fb", "fc"][: draw(st.integers(1, 3))]  # no digits: basenames pair by their numbers
+    counts = draw(st.lists(st.integers(0, 30), min_size=1, max_size=4))
+    damage = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(names),
+                st.integers(0, len(counts) - 1),
+                st.sampled_from(DAMAGE),
+                st.floats(0, 1),  # where in the file
+                st.integers(1, 255),  # flip mask / appended byte
+            ),
+            max_size=2,
+        )
+    )
+    shuffle = draw(st.sampled_from([False, "files", "global"]))
+    return {
+        "plans": {n: draw(field_plans(n)) for n in names},
+        "counts": counts,
+        "damage": damage,
+        "batch_size": draw(st.integers(1, 12)),
+        "shuffle": shuffle,
+        "threads": draw(st.integers(1, 3)),
+        "cycle_length": draw(st.none() | st.integers(1, 3)),
+        "block_length": draw(st.none() | st.integers(1, 5)),
+    }
+
+
+def _damage(path: Path, how: str, where: float, byte: int) -> None:
+    data = bytearray(path.read_bytes())
+    at = min(len(data) - 1, int(where * len(data))) if data else 0
+    if how == "truncate":
+        data = data[:at]
+    elif how == "flip" and data:
+        data[at] ^= byte
+    elif how == "append":
+        data += bytes([byte]) * (1 + at % 9)
+    elif how == "empty":
+        data = bytearray()
+    elif how == "zeros" and data:
+        data[at : at + 8] = bytes(len(data[at : at + 8]))
+    path.write_bytes(bytes(data))
+
+
+def _truth(case: dict[str, Any], paths: dict[str, list[Path]], ds: stoker.Dataset, name: str, g: int) -> np.ndarray:
+    plan: FieldPlan = case["plans"][name]
+    if plan.kind == "raw":
+        return read_records(paths[name][g], ds.fields[name])
+    base = sum(case["counts"][:g])
+    return make_values(plan, case["counts"][g], base, salt=list(case["plans"]).index(name))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_random_specs_contents_and_damage_give_right_data_or_a_stoker_error(
+    tmp_path_factory: pytest.TempPathFactory, case: dict[str, Any]
+) -> None:
+    base = tmp_path_factory.getbasetemp() / "fuzz"
+    base.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=base))
+    paths = write_dataset(tmp, case["counts"], case["plans"])
+    for name, g, how, where, byte in case["damage"]:
+        _damage(paths[name][g], how, where, byte)
+    try:
+        ds = stoker.Dataset({n: field_for(tmp, p) for n, p in case["plans"].items()})
+        loader = ds.loader(
+            case["batch_size"], shuffle=case["shuffle"], seed=11, threads=case["threads"],
+            cycle_length=case["cycle_length"], block_length=case["block_length"], with_index=True,
+        )  # fmt: skip
+    except stoker.StokerError as e:
+        event(f"Dataset/loader refused: {type(e).__name__}")
+        assert e.path is not None or isinstance(e, stoker.SpecError), f"{type(e).__name__} names no file: {e}"
+        return
+    got, err = consume(loader, timeout=30)
+    event(
+        f"pass ended by {type(err).__name__}"
+        if err
+        else "pass complete" + (" despite damage" if case["damage"] else "")
+    )
+    assert err is None or isinstance(err, stoker.StokerError), repr(err)
+    if err is not None:
+        assert err.path is not None and err.path in str(err), f"{type(err).__name__} names no file: {err}"
+    truths: dict[tuple[str, int], np.ndarray] = {}
+    seen: list[tuple[int, int]] = []
+    for b in got:
+        pairs = list(zip(b["__group__"].tolist(), b["__index__"].tolist()))
+        seen.extend(pairs)
+        for name in case["plans"]:
+            out = b[name]
+            for row, (g, i) in enumerate(pairs):
+                if (name, g) not in truths:
+                    truths[(name, g)] = _truth(case, paths, ds, name, g)
+                truth = truths[(name, g)]
+                assert i < len(truth), f"field {name!r}: record {i} of group {g} is not in the file"
+                want = truth[i].astype(out.dtype)
+                assert out[row].tobytes() == want.tobytes(), f"field {name!r}: wrong record {i} of group {g}"
+    assert len(seen) == len(set(seen)), "a record was yielded twice"
+    if err is None:
+        assert sorted(seen) == [(g, i) for g in range(ds.num_groups) for i in range(ds.records_in(g))]
+        if not case["damage"]:
+            assert [ds.records_in(g) for g in range(ds.num_groups)] == case["counts"]
+
+
+_JUNK = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 5), st.floats(allow_nan=True), st.text(max_size=6),
+    st.sampled_from(["int8", ">u2", "<f4", "=i2", "float16", "U3", "O", "V8", "complex64", "512MiB", "-1"]),
+    st.lists(st.integers(-2, 3), max_size=3), st.tuples(st.integers(0, 3), st.floats(0, 2)),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=_JUNK, shape=_JUNK, header=_JUNK, order=_JUNK, compression=_JUNK)
+def test_any_field_arguments_give_a_field_or_a_spec_error(
+    dtype: object, shape: object, header: object, order: object, compression: object
+) -> None:
+    try:
+        f = stoker.Field("x_*.bin", dtype, shape, header_bytes=header, byte_order=order, compression=compression)  # type: ignore[arg-type]
+    except stoker.SpecError:
+        return
+    assert f.record_bytes > 0 and f.byte_order in ("little", "big")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch_size=_JUNK, threads=_JUNK, prefetch=_JUNK, memory_budget=_JUNK, epochs=_JUNK)
+def test_any_loader_arguments_give_a_loader_or_a_spec_error(
+    tmp_path: Path, batch_size: object, threads: object, prefetch: object, memory_budget: object, epochs: object
+) -> None:
+    if not list(tmp_path.glob("x_*.bin")):
+        write_dataset(tmp_path, [5, 3], {"x": FieldPlan("x", "int16", (2,))})
+    ds = stoker.Dataset(x=stoker.Field(str(tmp_path / "x_*.bin"), "int16", (2,)))
+    try:
+        loader = ds.loader(batch_size, threads=threads, prefetch=prefetch, memory_budget=memory_budget, epochs=epochs)  # type: ignore[arg-type]
+    except stoker.SpecError:
+        return
+    with loader:
+        assert len(loader) >= 1
