@@ -614,3 +614,44 @@ def test_a_finished_error_leaves_no_thread_and_no_file_descriptor(tmp_path: Path
             pass
     assert stoker_threads() == [] or wait_no_stoker_threads() == []
     assert _fd_count() == fds
+
+
+# -- the README's examples are real ----------------------------------------------------------------
+
+
+def _readme_examples() -> list[str]:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("One real message of each", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    return block.strip().splitlines()
+
+
+def test_the_readme_error_examples_are_what_stoker_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_dataset(Path("data"), [64] * 4, {"image": FieldPlan("img", "int8", (128, 128, 1)), "label": LAB_GZ})
+
+    def dataset() -> stoker.Dataset:
+        return stoker.Dataset(
+            image=stoker.Field("data/img_*.bin", "int8", (128, 128, 1)),
+            label=stoker.Field("data/out_*.bin.gz", "float32"),
+        )
+
+    said: list[str] = []
+
+    def say(action) -> None:
+        with pytest.raises(stoker.StokerError) as info:
+            action()
+        said.append(f"{type(info.value).__name__}: {info.value}")
+
+    say(lambda: stoker.Field("data/img_*.bin", ">i2", byte_order="little"))
+    os.rename("data/out_0002.bin.gz", "data/out_0007.bin.gz")
+    say(dataset)
+    os.rename("data/out_0007.bin.gz", "data/out_0002.bin.gz")
+    ds = dataset()
+    os.truncate("data/img_0003.bin", 128 * 128 * 40 + 100)
+    say(lambda: list(ds.loader(32)))
+    os.unlink("data/img_0001.bin")
+    os.symlink("img_0001.bin", "data/img_0001.bin")
+    say(dataset)
+    loader = ds.loader(32, epochs=None, shuffle="global", seed=1)
+    say(lambda: ds.loader(32, epochs=None, shuffle="global", seed=2, state=loader.state_dict()))
+    assert said == _readme_examples()
