@@ -86,6 +86,14 @@ def test_a_symlink_loop_matched_by_the_glob_is_a_read_error_naming_it(tmp_path: 
     assert isinstance(info.value, OSError) and info.value.field == "image"
 
 
+def test_a_fifo_matched_by_the_glob_is_a_spec_error_naming_it(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [3], {"image": IMG})
+    os.mkfifo(tmp_path / "img_0001.bin")  # reading it would block forever
+    with pytest.raises(stoker.SpecError, match="not a regular file") as info:
+        stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)))
+    assert info.value.path == str(tmp_path / "img_0001.bin") and "img_0001.bin" in str(info.value)
+
+
 def test_a_dangling_symlink_is_a_spec_error_naming_it(tmp_path: Path) -> None:
     os.symlink(tmp_path / "gone.bin", tmp_path / "img_0000.bin")
     with pytest.raises(stoker.SpecError, match="does not exist") as info:
