@@ -295,7 +295,8 @@ def test_an_unreadable_file_is_a_read_error_naming_it_at_build_and_at_its_batch(
         d.chmod(0o755)
         write_dataset(d, [10, 10, 10], PAIR)
         for p in d.iterdir():
-            os.chown(p, 65534, 65534)
+            if os.geteuid() == 0:  # the child runs as nobody and must own what it chmods
+                os.chown(p, 65534, 65534)
             p.chmod(0o644)
         proc = subprocess.run([sys.executable, "-c", _UNREADABLE, str(d)], capture_output=True, text=True,
                               timeout=120, check=False)  # fmt: skip
@@ -527,7 +528,8 @@ _INTERRUPT = textwrap.dedent(
     before = (threading.active_count(), fds())
     results = {}
     for where in ("in the loop body", "inside next()"):
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
         batches = 0
         try:
             for b in ds.loader(4, epochs=None, threads=3, shuffle="files", seed=1):
@@ -538,7 +540,7 @@ _INTERRUPT = textwrap.dedent(
             pass
         else:
             raise SystemExit("the loop ended without KeyboardInterrupt")
-        time.sleep(0.05)  # the Timer thread ends
+        timer.join()
         alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         results[where] = {"batches": batches, "threads": alive, "fds": fds()}
     print(json.dumps({"before": before, "results": results}))
