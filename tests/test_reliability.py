@@ -359,6 +359,26 @@ def test_a_file_replaced_by_rename_is_read_to_its_end_and_the_new_one_from_the_n
     _assert_rows(got[30:], new_ref)
 
 
+def test_global_shuffle_sees_a_renamed_compressed_file_from_the_next_pass(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    old = reference(ds)
+    loader = ds.loader(8, epochs=2, shuffle="global", seed=5, threads=2, with_index=True)
+    it = iter(loader)
+    got = [next(it)]
+    for g in range(2):
+        incoming = tmp_path / "incoming"
+        incoming.write_bytes(encode(LAB_GZ, make_values(LAB_GZ, 40, 500 + 40 * g, salt=3)))
+        os.replace(incoming, tmp_path / f"out_{g:04d}.bin.gz")
+    more, err = consume(it)
+    assert err is None
+    _assert_rows(got + more, old)  # both epochs of this pass: the labels decoded at its start
+    new, err = consume(loader)
+    assert err is None
+    _assert_rows(new, reference(ds))
+    assert not np.array_equal(reference(ds)[0]["label"], old[0]["label"])
+
+
 @pytest.mark.parametrize("cast", [None, "float32"])
 def test_a_file_truncated_in_place_fails_at_the_batch_holding_its_first_missing_record(
     tmp_path: Path, cast: str | None
