@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import stoker
+import stoker.batch
 from conftest import (
     IMG,
     LAB_GZ,
@@ -507,11 +508,14 @@ def test_an_unexpected_worker_exception_keeps_type_and_traceback_and_names_the_f
     assert "stoker-worker" in notes and "batch 7 of epoch 0" in notes
 
 
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed-in-turns", "decoded-whole"])
 def test_a_later_batch_failing_first_neither_hangs_nor_drops_an_earlier_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streamed: bool
 ) -> None:
-    # Batches 2 and 3 both take a turn on group 0's label stream. Batch 3 fails on its image
-    # while batch 2 is still reading its own: batch 2 must still be delivered, then batch 3's error.
+    # Batches 2 and 3 both read group 0's labels. Batch 3 fails on its image while batch 2 is
+    # still reading its own: batch 2 must still be delivered, then batch 3's error.
+    if streamed:  # files above this size are read in turns by ticket; make these labels one
+        monkeypatch.setattr(stoker.batch, "VERIFY_WHOLE_BYTES", 0)
     write_dataset(tmp_path, [30, 30], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
