@@ -87,6 +87,16 @@ def test_a_symlink_loop_matched_by_the_glob_is_a_read_error_naming_it(tmp_path: 
     assert isinstance(info.value, OSError) and info.value.field == "image"
 
 
+def test_different_file_counts_name_the_first_file_without_a_partner(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [2, 2, 2], {"image": IMG})
+    write_dataset(tmp_path, [2, 2], {"label": LAB_GZ})
+    with pytest.raises(stoker.PairingError) as info:
+        _pair_ds(tmp_path)
+    assert info.value.field == "image" and info.value.path == str(tmp_path / "img_0002.bin")
+    assert "'image': 3 files" in str(info.value) and "'label': 2 files" in str(info.value)
+    assert "img_0002.bin' of field 'image' has no partner" in str(info.value)
+
+
 def test_a_fifo_matched_by_the_glob_is_a_spec_error_naming_it(tmp_path: Path) -> None:
     write_dataset(tmp_path, [3], {"image": IMG})
     os.mkfifo(tmp_path / "img_0001.bin")  # reading it would block forever

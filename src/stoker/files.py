@@ -223,7 +223,12 @@ class Catalog:
         lengths = {name: len(p) for name, p in paths.items()}
         if len(set(lengths.values())) > 1:
             detail = ", ".join(f"{n!r}: {c} files (first {paths[n][0]!r})" for n, c in lengths.items())
-            raise PairingError(f"fields have different numbers of files: {detail}", path=next(iter(paths.values()))[0])
+            longest = max(lengths, key=lengths.__getitem__)
+            lone = paths[longest][min(lengths.values())]  # the first file left without a partner
+            raise PairingError(
+                f"fields have different numbers of files: {detail}; {lone!r} of field {longest!r} has no partner",
+                field=longest, path=lone,
+            )  # fmt: skip
         self.num_groups = next(iter(lengths.values()))
         names = list(self.fields)
         keys = {name: _keys(paths[name], pair_key, name) for name in names}
