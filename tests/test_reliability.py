@@ -563,11 +563,12 @@ _INTERRUPT = textwrap.dedent(
     results = {}
     for where in ("in the loop body", "inside next()"):
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
         batches = 0
         try:
             for b in ds.loader(4, epochs=None, threads=3, shuffle="files", seed=1):
                 batches += 1
+                if batches == 1:  # the threads are running: interrupt them a little later
+                    timer.start()
                 if where == "in the loop body":
                     time.sleep(0.01)
         except KeyboardInterrupt:
