@@ -7,6 +7,7 @@ section promises; these tests are what holds it to them.
 
 from __future__ import annotations
 
+import errno
 import gc
 import gzip
 import json
@@ -546,6 +547,41 @@ def test_a_later_batch_failing_first_neither_hangs_nor_drops_an_earlier_one(
     got, err = consume(ds.loader(5, cycle_length=1, threads=2, prefetch=2, with_index=True), timeout=15)
     assert type(err) is RuntimeError and str(err) == "batch 3 fails first"
     assert len(got) == 3
+    _assert_rows(got, ref)
+
+
+def test_an_io_error_is_a_read_error_naming_file_field_record_and_offset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_dataset(tmp_path, [30, 30], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    image, label = str(tmp_path / "img_0001.bin"), str(tmp_path / "out_0001.bin.gz")
+    real_preadv, real_pread = os.preadv, os.pread
+
+    def preadv(fd: int, buffers: list, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == image and offset >= 36 * 10:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))  # what a failing disk returns
+        return real_preadv(fd, buffers, offset)
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        if os.readlink(f"/proc/self/fd/{fd}") == label:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    got, err = consume(ds.loader(5, cycle_length=1, threads=2, with_index=True))
+    assert isinstance(err, stoker.ReadError) and isinstance(err.__cause__, OSError), err
+    assert (err.path, err.field, err.index, err.offset) == (image, "image", 10, 360)
+    assert image in str(err) and "record 10" in str(err) and "offset 360" in str(err) and "Input/output" in str(err)
+    assert len(got) == 8  # group 0, then group 1's records 0..9
+    _assert_rows(got, ref)
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    monkeypatch.setattr(os, "pread", pread)
+    got, err = consume(ds.loader(5, cycle_length=1, threads=2, with_index=True))
+    assert isinstance(err, stoker.ReadError), err
+    assert (err.path, err.field, err.offset) == (label, "label", 0) and label in str(err)
+    assert len(got) == 6
     _assert_rows(got, ref)
 
 
