@@ -64,6 +64,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         "damage": damage,
         "damage_after_build": draw(st.booleans()),  # files changed under a built Dataset
         "batch_size": draw(st.integers(1, 12)),
+        "cast": draw(st.sampled_from([None, None, "float64", "int32"])),
         "shuffle": shuffle,
         "threads": draw(st.integers(1, 3)),
         "cycle_length": draw(st.none() | st.integers(1, 3)),
@@ -122,6 +123,7 @@ def test_random_specs_contents_and_damage_give_right_data_or_a_stoker_error(
         loader = ds.loader(
             case["batch_size"], shuffle=case["shuffle"], seed=11, threads=case["threads"],
             cycle_length=case["cycle_length"], block_length=case["block_length"], with_index=True,
+            cast=case["cast"],
         )  # fmt: skip
     except stoker.StokerError as e:
         event(f"Dataset/loader refused: {type(e).__name__}")
@@ -150,7 +152,7 @@ def test_random_specs_contents_and_damage_give_right_data_or_a_stoker_error(
                     truths[(name, g)] = _truth(case, paths, ds, name, g)
                 truth = truths[(name, g)]
                 assert i < len(truth), f"field {name!r}: record {i} of group {g} is not in the file"
-                want = truth[i].astype(out.dtype)
+                want = truth[i].astype(out.dtype)  # a cast done by numpy, as stoker's is
                 assert out[row].tobytes() == want.tobytes(), f"field {name!r}: wrong record {i} of group {g}"
     assert len(seen) == len(set(seen)), "a record was yielded twice"
     if err is None:
