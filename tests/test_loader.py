@@ -395,7 +395,7 @@ def _check_good_rows(tmp: Path, got, *, bad_group: int, bad_labels: np.ndarray) 
                 assert lab == want
 
 
-def test_truncated_gzip_with_a_trusted_count_fails_at_the_batch_holding_the_first_missing_record(
+def test_truncated_gzip_with_a_trusted_count_yields_none_of_its_group(
     tmp_path: Path,
 ) -> None:
     # The truncated file's last 4 bytes happen to read as the right ISIZE: the count is trusted.
@@ -410,9 +410,11 @@ def test_truncated_gzip_with_a_trusted_count_fails_at_the_batch_holding_the_firs
     bs = 5
     got, err = _deliver(ds.loader(bs, cycle_length=2, block_length=3, with_index=True, threads=2))
     assert isinstance(err, stoker.CorruptDataError) and str(bad) in str(err)
-    available = len(zlib.decompressobj(31).decompress(cut)) // 4
-    assert len(got) == _position_of(tf_interleave([30, 40], 2, 3), 1, available) // bs
-    _check_good_rows(tmp_path, got, bad_group=1, bad_labels=np.arange(40, dtype="<f4")[:available])
+    # A stream cut before its end cannot be verified (bytes after the cut decode as data no CRC
+    # covers: here the fake trailer becomes a label), so none of its records is yielded.
+    assert len(got) == _position_of(tf_interleave([30, 40], 2, 3), 1) // bs
+    assert err.index == len(zlib.decompressobj(31).decompress(cut)) // 4
+    _check_good_rows(tmp_path, got, bad_group=1, bad_labels=np.arange(0, dtype="<f4"))
 
 
 @pytest.mark.parametrize("threads", [1, 4])

@@ -186,6 +186,25 @@ def test_a_bit_flip_in_a_compressed_file_yields_nothing_wrong_and_names_the_file
     _assert_rows(got, ref)
 
 
+def test_a_truncated_gzip_yields_none_of_its_records_even_when_its_count_is_trusted(tmp_path: Path) -> None:
+    paths = write_dataset(tmp_path, [40, 40], PAIR)
+    ref = reference(_pair_ds(tmp_path))
+    whole = gzip.compress(np.arange(40, 80, dtype="<f4").tobytes(), compresslevel=0)  # stored: a prefix decodes
+    # Cut, then 4 bytes that read as the right ISIZE: the count is trusted, and those 4 bytes
+    # decode as a label no CRC covers (2.2e-43, not 59.0). Nothing of this stream may be yielded.
+    cut = whole[: len(whole) // 2] + (160).to_bytes(4, "little")
+    paths["label"][1].write_bytes(cut)
+    decodable = len(zlib.decompressobj(31).decompress(cut)) // 4
+    ds = _pair_ds(tmp_path)
+    assert ds.records_in(1) == 40 and 0 < decodable < 40  # counted from the trailer, nothing decoded
+    got, err = consume(ds.loader(5, cycle_length=1, threads=2, with_index=True))
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert err.path == str(paths["label"][1]) and err.field == "label" and err.index == decodable
+    assert f"record {decodable} of group 1" in "\n".join(err.__notes__)
+    assert len(got) == 8  # group 0; nothing of group 1
+    _assert_rows(got, ref)
+
+
 def test_a_corrupt_gzip_crc_yields_no_record_of_its_group(tmp_path: Path) -> None:
     paths = write_dataset(tmp_path, [30, 30, 30], PAIR)
     ds = _pair_ds(tmp_path)

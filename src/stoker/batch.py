@@ -171,6 +171,11 @@ class Assembler:
         }
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
+        # Runs planned but not yet done, per (epoch, raw file): a file closes only when its
+        # final run is done and no earlier run is still to come (workers finish out of order;
+        # a file closed early would be opened again, and fail if it was deleted meanwhile).
+        self._raw = [n for n in self.fields if any(infos[n].compression is None for infos in catalog.files)]
+        self._pending: dict[tuple[int, str], int] = {}
         self._streams: dict[tuple[int, int, str], _Stream] = {}
         self._local = threading.local()
         self._epoch = -1
@@ -188,6 +193,12 @@ class Assembler:
             self._retire_streams(plan.epoch)
         for i, run in enumerate(plan.runs):
             infos = self.catalog.files[run.group]
+            if self._raw:
+                with self._lock:
+                    for name in self._raw:
+                        if infos[name].compression is None:
+                            key_ = (plan.epoch, infos[name].path)
+                            self._pending[key_] = self._pending.get(key_, 0) + 1
             for name in self._compressed:
                 if infos[name].compression is None:
                     continue
@@ -295,7 +306,7 @@ class Assembler:
                         e.add_note(_reading(name, info, g, int(local[0]), int(local[-1]) + 1))
                         raise
                     finally:
-                        self._release(plan.epoch, info, f, False)
+                        self._release(plan.epoch, info, f, False, counted=False)
                 else:
                     out[name][rows] = self._resident_array(name, spec, info, g)[local]
         if self.with_index:
@@ -386,18 +397,29 @@ class Assembler:
                 f.close()
                 excess -= 1
 
-    def _release(self, epoch: int, info: FileInfo, f: _RawFile, final: bool) -> None:
+    def _run_done(self, epoch: int, path: str) -> None:
+        """One planned run of ``path`` is done (caller holds ``_lock``)."""
+        key = (epoch, path)
+        left = self._pending.get(key, 0) - 1
+        if left > 0:
+            self._pending[key] = left
+        else:
+            self._pending.pop(key, None)
+
+    def _release(self, epoch: int, info: FileInfo, f: _RawFile, final: bool, *, counted: bool = True) -> None:
         with self._lock:  # one lock round per run: this is on the hot path
             f.refs -= 1
             f.done = f.done or final
-            if f.done and f.refs == 0:
+            if counted:
+                self._run_done(epoch, info.path)
+            if f.done and f.refs == 0 and (epoch, info.path) not in self._pending:
                 if self._files.get((epoch, info.path)) is f:
                     del self._files[(epoch, info.path)]
                 f.close()
 
     def _release_if_done(self, epoch: int, info: FileInfo, f: _RawFile) -> None:
         with self._lock:
-            if f.done and f.refs == 0:
+            if f.done and f.refs == 0 and (epoch, info.path) not in self._pending:
                 if self._files.get((epoch, info.path)) is f:
                     del self._files[(epoch, info.path)]
                 f.close()
@@ -410,13 +432,13 @@ class Assembler:
             self._read_remote_raw(name, spec, info, run, dst, offset)
             return
         if run.count == 0:
-            if run.final:
-                with self._lock:
-                    f0 = self._files.get((epoch, info.path))
-                    if f0 is not None:
-                        f0.done = True
-                if f0 is not None:
-                    self._release_if_done(epoch, info, f0)
+            with self._lock:
+                self._run_done(epoch, info.path)
+                f0 = self._files.get((epoch, info.path))
+                if f0 is not None and run.final:
+                    f0.done = True
+            if f0 is not None:
+                self._release_if_done(epoch, info, f0)
             return
         f = self._acquire(epoch, name, info)
         try:
@@ -674,7 +696,16 @@ class Assembler:
                             raise
                         final_err = e  # whole records, then more data: raised at the group's end
             except TruncatedStreamError as e:
-                valid, err = (inf.produced - spec.header_bytes) // rb, e
+                # A stream cut before its end marker cannot be checked: bytes that follow the cut
+                # (a copy gone wrong, a partial write) decode as data no CRC ever covers. So none
+                # of its records is yielded; the error still says where the stream stops.
+                valid, err = 0, e
+                if e.index is None:
+                    e.index = max(0, (inf.produced - spec.header_bytes) // rb)
+                    e.add_note(
+                        f"stoker: record {e.index} of group {group} is the first one the stream does not hold; "
+                        "none of the group's records is yielded, since a stream without its end cannot be verified"
+                    )
         except CorruptDataError as e:
             valid, err = 0, e  # a stream that fails its checks: none of its records is trusted
         finally:
