@@ -130,6 +130,8 @@ class Dataset:
         even: bool = True,
         state: Mapping[str, Any] | None = None,
         pad_last: bool = False,
+        transform: Any = None,
+        workers: Literal["thread", "process"] = "thread",
     ) -> Loader:
         """An iterable of batches: dicts of field name -> numpy array of ``(n, *shape)``.
 
@@ -158,6 +160,11 @@ class Dataset:
             pad_last: evaluation mode: every record exactly once over all shards, every batch
                 full size, the same number of batches on every shard; padding rows are
                 zeros, marked False in a bool ``__valid__`` array (``even`` is not applied).
+            transform: ``fn(batch, rng) -> batch`` or a list of them, applied in order on the
+                workers; built-ins in :mod:`stoker.transforms`. ``rng`` comes from (seed, epoch,
+                position of the batch's first record); seed None means seed 0.
+            workers: "thread" (default) or "process": transforms run in worker processes
+                (``threads`` of them) on batches in shared memory; for GIL-bound transforms.
         """
         from .loader import Loader
 
@@ -180,6 +187,8 @@ class Dataset:
             even=even,
             state=state,
             pad_last=pad_last,
+            transform=transform,
+            workers=workers,
         )
 
     # -- random access and subsets (see stoker.access) --------------------------------

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler
+from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task
 from .dataset import resolve_cast
 from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor
 from .errors import SpecError, StateError
 from .order import even_length, fingerprint, shard_length, validate_shard
 from .plan import BatchPlan, Plan, PlanConfig, Shuffle, default_block_length, default_cycle_length
 from .spec import parse_bytes
+from .transforms import Stage
 
 if TYPE_CHECKING:
     from .dataset import Dataset
@@ -81,6 +82,8 @@ class Loader:
         state: Mapping[str, Any] | None = None,
         executor: Executor | None = None,
         pad_last: bool = False,
+        transform: Any = None,
+        workers: str = "thread",
     ) -> None:
         self.dataset = dataset
         self.batch_size = _positive("batch_size", batch_size, allow_none=False) or 1
@@ -111,6 +114,7 @@ class Loader:
             self.shapes[VALID_KEY] = ()
         self.memory_budget = parse_bytes(memory_budget)
         self.threads = _positive("threads", threads) or default_threads()
+        self._stage = self._transform_stage(transform, seed, shard, workers, executor)
         self.batch_bytes = sum(
             self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize for n in self.dtypes
         )
@@ -134,6 +138,11 @@ class Loader:
                     f"({self.memory_budget} bytes); at most {fits} fit"
                 )
         self._executor: Executor = executor or ThreadExecutor(self.threads)
+        if workers == "process":
+            from .workers import ProcessExecutor
+
+            assert self._stage is not None
+            self._executor = ProcessExecutor(self.threads, self._stage, dataset._catalog)
         if shuffle is None:
             shuffle = False
         if shuffle not in (False, "global", "files"):
@@ -165,10 +174,43 @@ class Loader:
         # Builds the batch buffer allocator of each pass from the bytes it may keep pooled;
         # adapters swap in pinned or shared memory here (one buffer path, not two).
         self.allocator_factory: Callable[[int], Allocator] = lambda pooled: AlignedPool(max_pooled_bytes=pooled)
+        if workers == "process":
+            from .workers import SharedPool
+
+            self.allocator_factory = lambda pooled: SharedPool(max_pooled_bytes=pooled)
         self._resume: tuple[int, int] = (0, 0)
         self._delivered: tuple[int, int] = (0, 0)
         if state is not None:
             self.load_state_dict(state)
+
+    def _transform_stage(
+        self, transform: Any, seed: object, shard: object, workers: str, executor: Executor | None
+    ) -> Stage | None:
+        """The transforms bound to seed and shard; what batches look like after them (see transforms)."""
+        if workers not in ("thread", "process"):
+            raise SpecError(f"workers={workers!r} must be 'thread' or 'process'")
+        self.workers = workers
+        self._assembly_dtypes = dict(self.dtypes)
+        if transform is None:
+            if workers == "process":
+                raise SpecError("workers='process' runs transform= functions in worker processes; none was given")
+            return None
+        if workers == "process" and executor is not None:
+            raise SpecError("workers='process' brings its own executor; pass executor= or workers=, not both")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0):
+            raise SpecError(f"seed={seed!r} must be a non-negative integer or None (transforms then use seed 0)")
+        stage = Stage(
+            transform,
+            seed=None if seed is None else int(seed),
+            shard=validate_shard(shard),
+            records={n: (self.shapes[n], self.dtypes[n]) for n in self.dtypes},
+            stored={n: f.native_dtype for n, f in self.dataset.fields.items()},
+        )
+        self._assembly_dtypes.update(stage.assembly)
+        if stage.exact:  # only built-ins: what is delivered is known
+            self.dtypes = {n: d for n, (_, d) in stage.records.items()}
+            self.shapes = {n: s for n, (s, _) in stage.records.items()}
+        return stage
 
     def _check_resident(self, fields: Mapping[str, Any]) -> None:
         """Global shuffle reads compressed fields from memory: they must fit the budget."""
@@ -352,7 +394,7 @@ class _Pass:
         self._pool = loader.allocator_factory(pooled)
         ds = loader.dataset
         self._assembler = ds._assembler(
-            {n: loader.dtypes[n] for n in ds.fields},
+            {n: loader._assembly_dtypes[n] for n in ds.fields},
             self._pool,
             batch_size=loader.batch_size,
             with_index=loader.with_index,
@@ -360,7 +402,10 @@ class _Pass:
         first_epoch, start = loader._resume
         tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start))
         self._loader = weakref.ref(loader)
-        self._batches = loader._executor.map_ordered(self._assembler, tasks, window=loader.prefetch)
+        work: Callable[[Task], tuple[Batch, BatchPlan]] = self._assembler
+        if loader._stage is not None and loader.workers == "thread":
+            work = loader._stage.bind(self._assembler, self._pool.array, ds._catalog)
+        self._batches = loader._executor.map_ordered(work, tasks, window=loader.prefetch)
         # One stop event: a worker waiting for its turn on a stream wakes when the map closes.
         self._assembler.stop = self._batches.stop
         self._finalizer = weakref.finalize(self, _shutdown, self._batches, self._assembler, self._pool)

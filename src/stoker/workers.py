@@ -1,0 +1,405 @@
+"""Worker processes for transforms that hold the GIL (``workers="process"``).
+
+Reading and assembly stay on threads of the loader's process (they release the GIL); the
+transform stage runs in worker processes. Batches travel in shared memory, never pickled:
+
+- the loader's buffers are memfd regions (:class:`SharedPool`): anonymous shared memory
+  that never appears in ``/dev/shm`` and that the kernel frees when the last mapping and
+  descriptor are gone, so nothing can leak there, whatever way the loader ends;
+- a batch is sent as descriptors (``SCM_RIGHTS`` over a Unix socket) plus a few bytes of
+  layout; the worker maps them, runs the stage, writes outputs into memfd regions of its
+  own and sends their descriptors back; an output that is an input unchanged is not copied;
+- workers hold only the pickled transforms: no dataset, no file, no copy of anything that
+  grows with the data (the per-worker duplication of pytorch#13246 cannot happen).
+
+Workers are started with ``spawn`` (never ``fork``: the loader's process has threads, and a
+forked child could inherit a lock held by one of them), at the first batch, and stopped when
+the pass ends, is closed, broken out of or dropped; a worker ignores SIGINT so that Ctrl-C
+is handled once, by the loader's process, which then stops them. Transforms must therefore
+be picklable: built-ins, or functions defined at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import socket
+import threading
+import traceback
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from .engine import AlignedPool, OrderedMap, Stopped
+from .errors import SpecError, StokerError
+
+if TYPE_CHECKING:
+    from .files import Catalog
+    from .plan import BatchPlan
+    from .transforms import Stage
+
+__all__ = ["ProcessExecutor", "SharedPool", "WorkerError"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+Batch = dict[str, np.ndarray]
+
+# Messages are layouts and tracebacks, never array data; one datagram each.
+_MAX_MESSAGE = 1 << 20
+# An exception whose pickle is larger than this (one holding an array, say) comes back as text.
+_MAX_PICKLED_ERROR = 64 << 10
+# How long close() waits for a worker to exit by itself before terminating it.
+_JOIN_SECONDS = 5.0
+
+# Live memfd regions of this process: start address -> (descriptor, bytes).
+_REGIONS: dict[int, tuple[int, int]] = {}
+_REGIONS_LOCK = threading.Lock()
+
+
+class WorkerError(StokerError, RuntimeError):
+    """A transform worker process died, or raised something that cannot be rebuilt here."""
+
+
+class _RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process (its ``__cause__``)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _forget(address: int, fd: int) -> None:
+    with _REGIONS_LOCK:
+        _REGIONS.pop(address, None)
+    os.close(fd)
+
+
+def _memfd_region(nbytes: int) -> mmap.mmap:
+    """A fresh shared region; its descriptor is kept (for sending) until the region is unmapped."""
+    fd = os.memfd_create("stoker-batch", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        region = mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    address = np.frombuffer(region, np.uint8, count=1).ctypes.data
+    with _REGIONS_LOCK:
+        _REGIONS[address] = (fd, nbytes)
+    weakref.finalize(region, _forget, address, fd)
+    return region
+
+
+def _region_of(arr: np.ndarray) -> tuple[int, int] | None:
+    """``(fd, bytes)`` of the memfd region ``arr`` fills from its start, if it is one."""
+    if not arr.flags.c_contiguous or arr.nbytes == 0:
+        return None
+    with _REGIONS_LOCK:
+        found = _REGIONS.get(arr.ctypes.data)
+    return found if found is not None and found[1] >= arr.nbytes else None
+
+
+def _shared_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    return np.frombuffer(_memfd_region(nbytes), dtype=dtype, count=math.prod(shape)).reshape(shape)
+
+
+class SharedPool(AlignedPool):
+    """:class:`AlignedPool` over memfd regions, which worker processes map by descriptor."""
+
+    def _new_region(self, nbytes: int) -> object:
+        return _memfd_region(nbytes)
+
+
+def _describe_arrays(batch: Mapping[str, np.ndarray], keep: list[np.ndarray]) -> tuple[list[Any], list[int]]:
+    """Layout and descriptors of a batch; arrays not already shared are copied into shared memory."""
+    layout: list[Any] = []
+    fds: list[int] = []
+    for name, arr in batch.items():
+        region = _region_of(arr)
+        if region is None and arr.nbytes:
+            copy = _shared_array(arr.shape, arr.dtype)
+            np.copyto(copy, arr)
+            keep.append(copy)
+            region = _region_of(copy)
+        if region is None:  # empty
+            layout.append((name, -1, arr.shape, arr.dtype))
+        else:
+            layout.append((name, len(fds), arr.shape, arr.dtype))
+            fds.append(region[0])
+    return layout, fds
+
+
+def _map_arrays(layout: list[Any], fds: list[int]) -> Batch:
+    out: Batch = {}
+    for name, i, shape, dtype in layout:
+        if i < 0:
+            out[name] = np.empty(shape, dtype)
+            continue
+        count = math.prod(shape)
+        region = mmap.mmap(fds[i], count * dtype.itemsize)
+        out[name] = np.frombuffer(region, dtype=dtype, count=count).reshape(shape)
+    return out
+
+
+def _serve(sock: socket.socket, stage_bytes: bytes) -> None:
+    """A worker process: batches in, transformed batches out, until the socket closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the loader's to handle
+    stage: Stage = pickle.loads(stage_bytes)
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 256)
+        except OSError:
+            return
+        if not msg:
+            return
+        reply: bytes
+        out_fds: list[int] = []
+        keep: list[np.ndarray] = []
+        try:
+            plan, layout = pickle.loads(msg)
+            batch = _map_arrays(layout, fds)
+            for fd in fds:
+                os.close(fd)
+            fds = []
+            out = stage.run(batch, plan, _shared_array)
+            same = [k for k, v in out.items() if batch.get(k) is v]
+            produced = {k: v for k, v in out.items() if k not in same}
+            out_layout, out_fds = _describe_arrays(produced, keep)
+            keep.extend(produced.values())  # their descriptors must stay open until sent
+            reply = pickle.dumps(("ok", same, out_layout))
+            del batch, out, produced
+        except BaseException as e:
+            text = "".join(traceback.format_exception(e))
+            pickled: bytes | None = None
+            with contextlib.suppress(Exception):
+                pickled = pickle.dumps(e)
+            if pickled is not None and len(pickled) > _MAX_PICKLED_ERROR:
+                pickled = None
+            reply = pickle.dumps(("error", pickled, f"{type(e).__qualname__}: {e}", text))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            socket.send_fds(sock, [reply], out_fds)
+        except OSError:
+            return
+        finally:
+            del keep  # the regions' descriptors close once their arrays are gone
+
+
+class _Worker:
+    def __init__(self, ctx: Any, stage_bytes: bytes, name: str) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.process = ctx.Process(target=_serve, args=(child, stage_bytes), name=name, daemon=True)
+            self.process.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.sock = parent
+        self.dead = False
+
+    def call(self, batch: Batch, plan: BatchPlan, closing: threading.Event) -> Batch:
+        keep: list[np.ndarray] = []
+        layout, fds = _describe_arrays(batch, keep)
+        try:
+            socket.send_fds(self.sock, [pickle.dumps((plan, layout))], fds)
+            msg, rfds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 256)
+        except OSError as e:
+            if closing.is_set():
+                raise Stopped from e
+            msg, rfds = b"", []
+        del keep
+        if not msg:
+            if closing.is_set():
+                raise Stopped
+            self.dead = True
+            self.process.join(1.0)
+            raise WorkerError(
+                f"transform worker process {self.process.pid} exited with code {self.process.exitcode} "
+                f"while transforming batch {plan.index} of epoch {plan.epoch}"
+            )
+        try:
+            reply = pickle.loads(msg)
+            if reply[0] == "error":
+                _, pickled, summary, text = reply
+                error: BaseException | None = None
+                if pickled is not None:
+                    with contextlib.suppress(Exception):
+                        error = pickle.loads(pickled)
+                if error is None:
+                    error = WorkerError(f"{summary} (raised in transform worker process {self.process.pid})")
+                error.__cause__ = _RemoteTraceback(text)
+                error.add_note(f"stoker: raised in transform worker process {self.process.pid}")
+                raise error
+            _, same, out_layout = reply
+            out = _map_arrays(out_layout, rfds)
+        finally:
+            for fd in rfds:
+                os.close(fd)
+        return {**{k: batch[k] for k in same}, **out}
+
+    def interrupt(self) -> None:
+        """Wake a thread waiting on this worker; the worker sees the end of its input and exits."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.interrupt()
+        self.process.join(_JOIN_SECONDS)
+        if self.process.is_alive():  # a transform that does not return: stop it
+            self.process.terminate()
+            self.process.join(_JOIN_SECONDS)
+        if self.process.is_alive():  # pragma: no cover - ignores SIGTERM
+            self.process.kill()
+            self.process.join()
+        self.process.close()
+        self.sock.close()
+
+
+class _Pool:
+    """Worker processes, started at the first batch; each runs one batch at a time."""
+
+    def __init__(self, processes: int, stage_bytes: bytes, context: str) -> None:
+        self.processes = processes
+        self.stage_bytes = stage_bytes
+        self.context = context
+        self.workers: list[_Worker] = []
+        self.idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self.closing = threading.Event()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started or self.closing.is_set():
+                return
+            self._started = True
+            ctx = multiprocessing.get_context(self.context)
+            for i in range(self.processes):
+                w = _Worker(ctx, self.stage_bytes, f"stoker-transform-{i}")
+                self.workers.append(w)
+                self.idle.put(w)
+
+    def run(self, batch: Batch, plan: BatchPlan) -> Batch:
+        if not self._started:
+            self._start()
+        while True:
+            if self.closing.is_set():
+                raise Stopped
+            try:
+                worker = self.idle.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if not worker.dead:
+                break
+        try:
+            return worker.call(batch, plan, self.closing)
+        finally:
+            if not worker.dead:
+                self.idle.put(worker)
+            elif not any(not w.dead for w in self.workers):
+                self.closing.set()
+
+    def interrupt(self) -> None:
+        self.closing.set()
+        with self._lock:
+            workers = list(self.workers)
+        for w in workers:
+            w.interrupt()
+
+    def close(self) -> None:
+        self.interrupt()
+        with self._lock:
+            workers, self.workers = self.workers, []
+        for w in workers:
+            w.close()
+
+
+def _shutdown(state: Any, pool: _Pool) -> None:
+    # Wake threads waiting on workers first, then join the threads, then reap the workers.
+    state.stop.set()
+    pool.interrupt()
+    state.shutdown()
+    pool.close()
+
+
+class _ProcessMap(OrderedMap[R]):
+    """An OrderedMap whose close (or garbage collection) also stops the worker processes."""
+
+    def __init__(
+        self, fn: Callable[[T], R], tasks: Iterable[T], *, threads: int, window: int, name: str, pool: _Pool
+    ) -> None:
+        super().__init__(fn, tasks, threads=threads, window=window, name=name)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _shutdown, self._state, pool)  # type: ignore[call-arg, arg-type]
+
+
+class ProcessExecutor:
+    """Assembly on threads of this process; the transform stage in ``processes`` worker processes.
+
+    ``map_ordered(fn, ...)`` expects ``fn(task) -> (batch, plan)`` (the loader's assembler
+    writing into a :class:`SharedPool`) and yields ``(transformed batch, plan)`` in task order.
+    """
+
+    def __init__(self, processes: int, stage: Stage, catalog: Catalog, *, context: str = "spawn") -> None:
+        if processes < 1:
+            raise SpecError(f"{processes=} must be a positive integer")
+        self.processes = processes
+        self.stage = stage
+        self.catalog = catalog
+        self.context = context
+        try:
+            self._stage_bytes = pickle.dumps(stage)
+        except Exception as e:
+            bad = [fn for fn in stage.transforms if not _picklable(fn)]
+            raise SpecError(
+                f"workers='process' sends the transforms to worker processes by pickling, and "
+                f"{bad or stage.transforms} cannot be pickled ({type(e).__name__}: {e}); define them at "
+                "module level (not lambdas or nested functions), or use workers='thread'"
+            ) from e
+
+    def map_ordered(self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int) -> OrderedMap[R]:
+        from .transforms import note_records
+
+        pool = _Pool(self.processes, self._stage_bytes, self.context)
+        stage, catalog = self.stage, self.catalog
+
+        def work(task: T) -> Any:
+            batch: Batch
+            plan: BatchPlan
+            batch, plan = fn(task)  # type: ignore[misc]
+            try:
+                return pool.run(batch, stage.light(plan)), plan
+            except Stopped:
+                raise
+            except BaseException as e:
+                note_records(e, plan, catalog)
+                raise
+
+        # One more thread than workers: a batch is being read while every worker transforms.
+        return _ProcessMap(work, tasks, threads=self.processes + 1, window=window, name="stoker-worker-p", pool=pool)
+
+
+def _picklable(obj: object) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
