@@ -283,6 +283,7 @@ class _Pool:
         self.workers: list[_Worker] = []
         self.idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self.closing = threading.Event()
+        self.broken: WorkerError | None = None  # every worker died: the first death
         self._lock = threading.Lock()
         self._started = False
 
@@ -303,6 +304,9 @@ class _Pool:
         while True:
             if self.closing.is_set():
                 raise Stopped
+            if self.broken is not None:
+                # This batch comes after the one a worker died on: fail it too, in its turn.
+                raise WorkerError(f"no transform worker process is left ({self.broken})")
             try:
                 worker = self.idle.get(timeout=0.1)
             except queue.Empty:
@@ -311,11 +315,13 @@ class _Pool:
                 break
         try:
             return worker.call(batch, plan, self.closing)
+        except WorkerError as e:
+            if worker.dead and not any(not w.dead for w in self.workers):
+                self.broken = e
+            raise
         finally:
             if not worker.dead:
                 self.idle.put(worker)
-            elif not any(not w.dead for w in self.workers):
-                self.closing.set()
 
     def interrupt(self) -> None:
         self.closing.set()
