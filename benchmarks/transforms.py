@@ -1,0 +1,135 @@
+"""Transforms on W1: their cost against no transform, and process workers for GIL-bound ones.
+
+W1 is the seed's layout (16 pairs x 4096 records of 128x128 int8 + gzip float32 labels,
+batch 256). Contenders, each in a fresh process, alternated round by round:
+
+- ``none``: float32 images (``cast={"image": "float32"}``), no transform: the baseline;
+- ``normalize+flip``: ``Normalize(mean=-0.5, std=127.5)`` (int8 -> float32 in [-1, 1]) and
+  ``RandomFlip`` left-right, fused into assembly;
+- ``python thread xN`` / ``python process xN``: a GIL-bound pure-Python transform (a loop
+  over 1,024 values of each frame) on N worker threads or N worker processes.
+
+Timing starts at the first batch (worker processes take a moment to spawn). Prints the
+medians and the per-round ratios (normalize+flip / none, process x2 / process x1, ...).
+
+    python benchmarks/transforms.py [--rounds 5] [--seconds 3] [--out benchmarks/results/transforms.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import stoker
+from stoker.sample import cached_sample
+from stoker.transforms import Normalize, RandomFlip
+
+PYTHON_VALUES = 1024  # values of each frame the GIL-bound transform loops over
+
+
+def python_checksum(batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Pure Python per record: holds the GIL the whole time (what process workers are for)."""
+    flat = batch["image"].reshape(len(batch["image"]), -1)
+    sums = np.empty(len(flat), np.int64)
+    for i, rec in enumerate(flat):
+        acc = 0
+        for v in rec[:PYTHON_VALUES].tolist():
+            acc = (acc * 31 + v) & 0xFFFF
+        sums[i] = acc
+    return {**batch, "checksum": sums}
+
+
+CONTENDERS: dict[str, dict[str, Any]] = {
+    "none": {"cast": {"image": "float32"}},
+    "normalize+flip": {"transform": "normalize+flip"},
+    "python thread x2": {"transform": "python", "workers": "thread", "threads": 2},
+    "python process x1": {"transform": "python", "workers": "process", "threads": 1},
+    "python process x2": {"transform": "python", "workers": "process", "threads": 2},
+}
+
+
+def child(name: str, data: str, seconds: float) -> dict[str, float]:
+    cfg = CONTENDERS[name]
+    ds = stoker.Dataset(
+        image=stoker.Field(f"{data}/img_*.bin", "int8", (128, 128, 1)),
+        label=stoker.Field(f"{data}/out_*.bin.gz", "float32", compression="gzip"),
+    )
+    transform: Any = None
+    if cfg.get("transform") == "normalize+flip":
+        transform = [Normalize(mean=-0.5, std=127.5, fields="image"), RandomFlip(fields="image", axis=1)]
+    elif cfg.get("transform") == "python":
+        transform = [python_checksum]
+    kw = {k: v for k, v in cfg.items() if k in ("cast", "workers", "threads")}
+    n = 0
+    with ds.loader(256, epochs=None, seed=0, transform=transform, **kw) as loader:
+        it = iter(loader)
+        next(it)  # spawn and warm up outside the timing
+        start = time.perf_counter()
+        for batch in it:
+            n += len(batch["label"])
+            if time.perf_counter() - start >= seconds:
+                break
+        elapsed = time.perf_counter() - start
+    return {"records": n, "seconds": elapsed}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
+    ap.add_argument("--out", default="benchmarks/results/transforms.md")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.data, args.seconds)))
+        return 0
+    data = cached_sample(args.data)
+    rates: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    for r in range(args.rounds):
+        order = list(CONTENDERS) if r % 2 == 0 else list(reversed(CONTENDERS))
+        for name in order:
+            cmd = [sys.executable, __file__, "--child", name, "--data", str(data), "--seconds", str(args.seconds)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode:
+                raise RuntimeError(f"contender {name!r} failed:\n{proc.stderr[-2000:]}")
+            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            rates[name].append(out["records"] / out["seconds"])
+            print(f"  round {r + 1}: {name:<20} {rates[name][-1]:>10,.0f} records/s", file=sys.stderr)
+    cores = len(os.sched_getaffinity(0))
+    lines = [
+        f"# Transforms on W1 ({time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()}, {cores} cores, "
+        f"{args.rounds} alternated rounds of {args.seconds:g}s, warm page cache, batch 256)",
+        "",
+        "| contender | records/s median | min | max |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, rs in rates.items():
+        lines.append(f"| {name} | {statistics.median(rs):,.0f} | {min(rs):,.0f} | {max(rs):,.0f} |")
+    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
+    for a, b in (
+        ("normalize+flip", "none"),
+        ("python process x2", "python process x1"),
+        ("python process x2", "python thread x2"),
+    ):
+        ratios = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
+        lines.append(f"| {a} / {b} | {statistics.median(ratios):.2f} | {min(ratios):.2f} | {max(ratios):.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
