@@ -504,8 +504,8 @@ class Stage:
                     elif isinstance(op, RandomFlip) and draws[k][j]:
                         dst = dst[op.reverse[1:]]
                 np.copyto(dst, src, casting="unsafe")
-            for op in norms:
-                op.inplace(y[a:b])
+            for norm in norms:
+                norm.inplace(y[a:b])
 
     def _runs(
         self,
