@@ -10,15 +10,20 @@ batch 256). Contenders, each in a fresh process, alternated round by round:
   over 1,024 values of each frame) on N worker threads or N worker processes.
 
 Timing starts at the first batch (worker processes take a moment to spawn). Prints the
-medians and the per-round ratios (normalize+flip / none, process x2 / process x1, ...).
+medians and the per-round ratios (normalize+flip / none, process x2 / process x1, ...), and
+records per CPU-second of the loader's process and its workers (from /proc): on a machine
+whose cores are taken by other work, throughput cannot grow with workers, but this shows
+whether a worker's share of the work costs the same.
 
-    python benchmarks/transforms.py [--rounds 5] [--seconds 3] [--out benchmarks/results/transforms.md]
+    python benchmarks/transforms.py [--rounds 5] [--seconds 3] [--only "python process x1,python process x2"]
+                                    [--out benchmarks/results/transforms.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -74,13 +79,26 @@ def child(name: str, data: str, seconds: float) -> dict[str, float]:
     with ds.loader(256, epochs=None, seed=0, transform=transform, **kw) as loader:
         it = iter(loader)
         next(it)  # spawn and warm up outside the timing
+        cpu0 = cpu_seconds()
         start = time.perf_counter()
         for batch in it:
             n += len(batch["label"])
             if time.perf_counter() - start >= seconds:
                 break
         elapsed = time.perf_counter() - start
-    return {"records": n, "seconds": elapsed}
+        cpu = cpu_seconds() - cpu0
+    return {"records": n, "seconds": elapsed, "cpu": cpu}
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its live worker processes (from /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in ["self", *(str(p.pid) for p in multiprocessing.active_children())]:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
 
 
 def main() -> int:
@@ -89,15 +107,18 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
     ap.add_argument("--out", default="benchmarks/results/transforms.md")
+    ap.add_argument("--only", help="comma-separated contenders to run (default: all)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.data, args.seconds)))
         return 0
     data = cached_sample(args.data)
-    rates: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    names = args.only.split(",") if args.only else list(CONTENDERS)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    per_cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
-        order = list(CONTENDERS) if r % 2 == 0 else list(reversed(CONTENDERS))
+        order = names if r % 2 == 0 else names[::-1]
         for name in order:
             cmd = [sys.executable, __file__, "--child", name, "--data", str(data), "--seconds", str(args.seconds)]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -105,23 +126,29 @@ def main() -> int:
                 raise RuntimeError(f"contender {name!r} failed:\n{proc.stderr[-2000:]}")
             out = json.loads(proc.stdout.strip().splitlines()[-1])
             rates[name].append(out["records"] / out["seconds"])
+            per_cpu[name].append(out["records"] / max(out["cpu"], 1e-9))
             print(f"  round {r + 1}: {name:<20} {rates[name][-1]:>10,.0f} records/s", file=sys.stderr)
     cores = len(os.sched_getaffinity(0))
     lines = [
         f"# Transforms on W1 ({time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()}, {cores} cores, "
         f"{args.rounds} alternated rounds of {args.seconds:g}s, warm page cache, batch 256)",
         "",
-        "| contender | records/s median | min | max |",
-        "|---|---:|---:|---:|",
+        "| contender | records/s median | min | max | records per CPU-second |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name, rs in rates.items():
-        lines.append(f"| {name} | {statistics.median(rs):,.0f} | {min(rs):,.0f} | {max(rs):,.0f} |")
+        lines.append(
+            f"| {name} | {statistics.median(rs):,.0f} | {min(rs):,.0f} | {max(rs):,.0f} "
+            f"| {statistics.median(per_cpu[name]):,.0f} |"
+        )
     lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
     for a, b in (
         ("normalize+flip", "none"),
         ("python process x2", "python process x1"),
         ("python process x2", "python thread x2"),
     ):
+        if a not in rates or b not in rates:
+            continue
         ratios = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
         lines.append(f"| {a} / {b} | {statistics.median(ratios):.2f} | {min(ratios):.2f} | {max(ratios):.2f} |")
     text = "\n".join(lines) + "\n"
