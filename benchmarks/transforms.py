@@ -7,7 +7,8 @@ batch 256). Contenders, each in a fresh process, alternated round by round:
 - ``normalize+flip``: ``Normalize(mean=-0.5, std=127.5)`` (int8 -> float32 in [-1, 1]) and
   ``RandomFlip`` left-right, fused into assembly;
 - ``python thread xN`` / ``python process xN``: a GIL-bound pure-Python transform (a loop
-  over 1,024 values of each frame) on N worker threads or N worker processes.
+  over 1,024 values of each frame) on N worker threads or N worker processes;
+- ``wait process xN``: a transform that sleeps 20 ms (no CPU): whether N workers overlap.
 
 Timing starts at the first batch (worker processes take a moment to spawn). Prints the
 medians and the per-round ratios (normalize+flip / none, process x2 / process x1, ...), and
@@ -54,12 +55,20 @@ def python_checksum(batch: dict[str, np.ndarray], rng: np.random.Generator) -> d
     return {**batch, "checksum": sums}
 
 
+def wait_20ms(batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Needs no CPU: shows whether the workers overlap at all, whatever the machine's load."""
+    time.sleep(0.02)
+    return batch
+
+
 CONTENDERS: dict[str, dict[str, Any]] = {
     "none": {"cast": {"image": "float32"}},
     "normalize+flip": {"transform": "normalize+flip"},
     "python thread x2": {"transform": "python", "workers": "thread", "threads": 2},
     "python process x1": {"transform": "python", "workers": "process", "threads": 1},
     "python process x2": {"transform": "python", "workers": "process", "threads": 2},
+    "wait process x1": {"transform": "wait", "workers": "process", "threads": 1},
+    "wait process x2": {"transform": "wait", "workers": "process", "threads": 2},
 }
 
 
@@ -74,6 +83,8 @@ def child(name: str, data: str, seconds: float) -> dict[str, float]:
         transform = [Normalize(mean=-0.5, std=127.5, fields="image"), RandomFlip(fields="image", axis=1)]
     elif cfg.get("transform") == "python":
         transform = [python_checksum]
+    elif cfg.get("transform") == "wait":
+        transform = [wait_20ms]
     kw = {k: v for k, v in cfg.items() if k in ("cast", "workers", "threads")}
     n = 0
     with ds.loader(256, epochs=None, seed=0, transform=transform, **kw) as loader:
@@ -146,6 +157,7 @@ def main() -> int:
         ("normalize+flip", "none"),
         ("python process x2", "python process x1"),
         ("python process x2", "python thread x2"),
+        ("wait process x2", "wait process x1"),
     ):
         if a not in rates or b not in rates:
             continue
