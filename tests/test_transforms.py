@@ -307,3 +307,25 @@ def test_a_transform_that_returns_no_dict_is_an_error_naming_it(frames: stoker.D
 def test_loader_checks_transform_arguments(frames: stoker.Dataset, kw: dict[str, Any], match: str) -> None:
     with pytest.raises(stoker.SpecError, match=match):
         frames.loader(8, **kw)
+
+
+@pytest.mark.parametrize("shuffle", [False, "global"])
+def test_pad_last_batches_draw_reproducibly_and_resume(frames: stoker.Dataset, shuffle: Any) -> None:
+    def make(shard: tuple[int, int] = (1, 3)) -> stoker.Loader:
+        return frames.loader(6, epochs=2, pad_last=True, shard=shard, shuffle=shuffle, seed=8, transform=augment())
+
+    assert_resumable(make, steps=4)
+    with make() as a, frames.loader(6, epochs=2, pad_last=True, shard=(1, 3), shuffle=shuffle, seed=8,
+                                    transform=augment(), threads=1) as b:  # fmt: skip
+        assert_same_batches(list(a), list(b))
+    for batch in make():
+        assert batch["image"].shape == (6, 4, 3, 2) and "__valid__" in batch
+
+
+def test_subset_loaders_take_transforms(frames: stoker.Dataset) -> None:
+    sub = frames.select(groups=[3, 4])
+    with sub.loader(8, transform=[Normalize(mean=-0.5, std=127.5, fields="image")], seed=1) as loader:
+        got = [dict(b) for b in loader]
+    with sub.loader(8) as loader:
+        plain = [dict(b) for b in loader]
+    assert_same_batches(by_hand(plain, [Normalize(mean=-0.5, std=127.5, fields="image")], 1), got)

@@ -356,10 +356,13 @@ def first_position(plan: BatchPlan, shard: tuple[int, int]) -> int:
 
     ``plan.position`` is where this shard resumes after the batch: the shard takes positions
     ``start + i, start + i + c, ...``, so the batch began ``c * rows`` positions earlier, at
-    this shard's offset ``i``.
+    this shard's offset ``i``. With ``pad_last`` only ``valid`` rows are records, and the last
+    batches of an epoch resume at its end: their number is then derived from that end, still
+    the same on every run and resume.
     """
     i, c = shard
-    return plan.position - c * plan.rows + i
+    real = plan.rows if plan.valid is None else plan.valid
+    return plan.position - c * real + i
 
 
 class Stage:
