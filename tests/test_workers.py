@@ -146,7 +146,7 @@ def test_a_worker_that_dies_is_an_error_naming_its_exit_code_and_batch(frames: s
     got, err = consume(loader, timeout=60)
     assert len(got) == 2
     assert isinstance(err, WorkerError)
-    assert "exited with code 3 while transforming batch" in str(err)  # this batch, or one run before it
+    assert "exited with code 3 while transforming batch 2 of epoch 0" in str(err)
     assert frames.files[3]["image"].path in "\n".join(err.__notes__)
     loader.close()
     assert not multiprocessing.active_children()

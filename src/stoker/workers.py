@@ -15,8 +15,10 @@ transform stage runs in worker processes. Batches travel in shared memory, never
 Workers are started with ``spawn`` (never ``fork``: the loader's process has threads, and a
 forked child could inherit a lock held by one of them), at the first batch, and stopped when
 the pass ends, is closed, broken out of or dropped; a worker ignores SIGINT so that Ctrl-C
-is handled once, by the loader's process, which then stops them. Transforms must therefore
-be picklable: built-ins, or functions defined at module level.
+is handled once, by the loader's process, which then stops them. A worker that dies fails the
+batch it held (:class:`WorkerError`, raised in that batch's turn) and is replaced, so batches
+before it are still delivered. Transforms must be picklable: built-ins, or functions defined
+at module level.
 """
 
 from __future__ import annotations
@@ -283,7 +285,6 @@ class _Pool:
         self.workers: list[_Worker] = []
         self.idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self.closing = threading.Event()
-        self.broken: WorkerError | None = None  # every worker died: the first death
         self._lock = threading.Lock()
         self._started = False
 
@@ -304,9 +305,6 @@ class _Pool:
         while True:
             if self.closing.is_set():
                 raise Stopped
-            if self.broken is not None:
-                # This batch comes after the one a worker died on: fail it too, in its turn.
-                raise WorkerError(f"no transform worker process is left ({self.broken})")
             try:
                 worker = self.idle.get(timeout=0.1)
             except queue.Empty:
@@ -315,13 +313,22 @@ class _Pool:
                 break
         try:
             return worker.call(batch, plan, self.closing)
-        except WorkerError as e:
-            if worker.dead and not any(not w.dead for w in self.workers):
-                self.broken = e
-            raise
         finally:
-            if not worker.dead:
+            if worker.dead:
+                self._replace(worker)
+            else:
                 self.idle.put(worker)
+
+    def _replace(self, dead: _Worker) -> None:
+        """A fresh worker for the batches after (or before) the one a worker died on."""
+        with self._lock:
+            if self.closing.is_set() or dead not in self.workers:
+                return
+            i = self.workers.index(dead)
+            fresh = _Worker(multiprocessing.get_context(self.context), self.stage_bytes, f"stoker-transform-{i}")
+            self.workers[i] = fresh
+        dead.close()
+        self.idle.put(fresh)
 
     def interrupt(self) -> None:
         self.closing.set()
