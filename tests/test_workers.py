@@ -189,3 +189,21 @@ def test_processes_and_shared_memory_are_released_however_the_pass_ends(frames: 
     assert not multiprocessing.active_children()
     assert memfds() <= before_fds  # (an earlier test's batch may be collected meanwhile)
     assert not shm_mapped()
+
+
+def test_workers_hold_no_dataset_file_only_shared_batches(frames: stoker.Dataset, tmp_path: Path) -> None:
+    with frames.loader(8, transform=augment(), workers="process", threads=2, shuffle="global", seed=1) as loader:
+        it = iter(loader)
+        next(it)
+        next(it)
+        for child in multiprocessing.active_children():
+            links = []
+            for fd in os.listdir(f"/proc/{child.pid}/fd"):
+                try:
+                    links.append(os.readlink(f"/proc/{child.pid}/fd/{fd}"))
+                except OSError:
+                    continue
+            with open(f"/proc/{child.pid}/maps") as f:
+                maps = f.read()
+            assert not [p for p in links if p.startswith(str(tmp_path))]
+            assert str(tmp_path) not in maps  # no dataset file mapped: nothing to duplicate per worker
