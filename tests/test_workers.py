@@ -196,6 +196,7 @@ def test_workers_hold_no_dataset_file_only_shared_batches(frames: stoker.Dataset
         it = iter(loader)
         next(it)
         next(it)
+        assert len(multiprocessing.active_children()) == 2
         for child in multiprocessing.active_children():
             links = []
             for fd in os.listdir(f"/proc/{child.pid}/fd"):
