@@ -112,6 +112,28 @@ def cpu_seconds() -> float:
     return total
 
 
+def _spin(seconds: float, out: Any) -> None:
+    start, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - start < seconds:
+        pass
+    out.put(time.process_time() - cpu)
+
+
+def spin_check(seconds: float = 2.0) -> float:
+    """CPU-seconds two busy processes get, over what one gets: what a second worker can add here."""
+    ctx = multiprocessing.get_context("spawn")
+    got = []
+    for k in (1, 2):
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_spin, args=(seconds, q)) for _ in range(k)]
+        for p in procs:
+            p.start()
+        got.append(sum(q.get() for _ in procs))
+        for p in procs:
+            p.join()
+    return got[1] / got[0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -163,6 +185,8 @@ def main() -> int:
             continue
         ratios = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
         lines.append(f"| {a} / {b} | {statistics.median(ratios):.2f} | {min(ratios):.2f} | {max(ratios):.2f} |")
+    spare = spin_check()
+    lines += ["", f"Machine check after the rounds: two busy processes got {spare:.2f}x the CPU-seconds of one."]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
