@@ -1,0 +1,128 @@
+"""loader.stats(): counters from live loaders on real files, and the verdict read from them."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stoker
+from conftest import LAB_GZ, FieldPlan, build
+from stoker.doctor import verdict
+from stoker.stats import LoaderStats
+
+WIDE_GZ = FieldPlan("wide", "int16", (64, 64), kind="gzip")
+WIDE_RAW = FieldPlan("wide", "int16", (64, 64))
+
+
+def test_stats_before_any_batch_are_zero_and_say_so(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(4) as loader:
+        s = loader.stats()
+        assert (s.batches, s.records, s.seconds, s.records_per_s) == (0, 0, 0.0, 0.0)
+        assert "no batches" in verdict(s)
+
+
+def test_stats_count_batches_records_and_bytes_per_field(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(4, cast={"image": "float32"}, epochs=2) as loader:
+        batches = list(loader)
+        s = loader.stats()
+    assert s.batches == len(batches)
+    assert s.records == 2 * len(pair_ds)
+    assert s.bytes == {n: sum(b[n].nbytes for b in batches) for n in ("image", "label")}
+    assert s.bytes["image"] == 2 * len(pair_ds) * 36 * 4  # float32 out of int8 (6, 6, 1)
+    assert s.source_bytes == 2 * len(pair_ds) * (36 + 4)
+    assert (s.threads, s.prefetch, s.batch_size) == (loader.threads, loader.prefetch, 4)
+    assert s.dtypes == {"image": "float32", "label": "float32"}
+
+
+def test_stages_name_what_each_field_went_through(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(4, cast={"image": "float32"}) as loader:
+        list(loader)
+        cast = loader.stats().field_stage_seconds
+    with pair_ds.loader(4) as loader:
+        list(loader)
+        plain = loader.stats().field_stage_seconds
+    assert cast["image"]["read+cast"] > 0 and "read" not in cast["image"]
+    assert plain["image"]["read"] > 0 and "read+cast" not in plain["image"]
+    assert cast["label"]["decompress"] > 0
+    with pair_ds.loader(4, shuffle="global", seed=3) as loader:
+        list(loader)
+        shuffled = loader.stats().field_stage_seconds
+    assert shuffled["image"]["gather"] > 0 and shuffled["label"]["gather"] > 0
+
+
+def test_worker_stage_times_add_up_to_their_busy_time(tmp_path: Path) -> None:
+    ds = build(tmp_path, [300] * 4, {"wide": WIDE_GZ, "label": LAB_GZ})
+    with ds.loader(32, cast="float32") as loader:
+        list(loader)
+        s = loader.stats()
+    stages = s.stage_seconds
+    assert s.busy_seconds > 0
+    assert sum(stages.values()) == pytest.approx(s.busy_seconds, rel=1e-6)
+    assert s.stage_table()[0][2] == max(t for _, _, t, _ in s.stage_table())
+
+
+def test_a_sleeping_consumer_is_counted_as_consumer_time_and_diagnosed_consumer_bound(
+    pair_ds: stoker.Dataset,
+) -> None:
+    with pair_ds.loader(4) as loader:
+        n = 0
+        for _ in loader:
+            time.sleep(0.02)
+            n += 1
+        s = loader.stats()
+    assert s.consumer_seconds >= 0.02 * (n - 1)
+    assert s.consumer_fraction > 0.5
+    assert s.seconds == pytest.approx(s.wait_seconds + s.consumer_seconds)
+    v = verdict(s)
+    assert v.startswith("consumer-bound: the pipeline waits on you")
+    assert f"{s.consumer_fraction:.0%}" in v
+
+
+def test_a_compressed_wide_field_is_diagnosed_as_decompression_bound(tmp_path: Path) -> None:
+    ds = build(tmp_path, [400] * 4, {"wide": WIDE_GZ, "label": FieldPlan("lab", "float32")})
+    with ds.loader(64, threads=1) as loader:
+        for _ in loader:
+            pass
+        s = loader.stats()
+    stage, name, _, _ = s.stage_table()[0]
+    assert (stage, name) == ("decompress", "wide")
+    assert "install isal" in verdict(s, backend="zlib")
+    assert "decompression of field 'wide'" in verdict(s, backend="isal")
+    # One thread on a machine with more cores: the setting that moves it is threads=.
+    if s.cores > 1:
+        assert "raise threads= (now 1" in verdict(s, backend="isal")
+
+
+def test_near_the_ceiling_the_verdict_says_the_copy_is_the_limit(tmp_path: Path) -> None:
+    ds = build(tmp_path, [300] * 2, {"wide": WIDE_RAW})
+    with ds.loader(64, cast="float32") as loader:
+        list(loader)
+        s = loader.stats()
+    assert verdict(s, 0.93).startswith("at 93% of this machine's ceiling: the copy is the limit")
+    below = verdict(s, 0.5)
+    assert "at 50% of the ceiling" in below and "'wide'" in below
+
+
+def test_stats_survive_json_and_print_one_screen(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(4, epochs=1) as loader:
+        list(loader)
+        s = loader.stats()
+    again = LoaderStats.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert again == s
+    text = str(s)
+    assert "records/s" in text and f"threads={s.threads}" in text and "worker time by stage" in text
+    assert s.cpu_utilization >= 0 and s.cpu_seconds >= 0
+
+
+def test_stats_accumulate_over_passes_and_stay_readable_after_close(pair_ds: stoker.Dataset) -> None:
+    loader = pair_ds.loader(8)
+    list(loader)
+    list(loader)
+    loader.close()
+    s = loader.stats()
+    assert s.records == 2 * len(pair_ds)
+    assert np.isfinite(s.records_per_s)
