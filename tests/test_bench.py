@@ -1,0 +1,79 @@
+"""stoker.bench children and `stoker bench`: real child processes on real files."""
+
+from __future__ import annotations
+
+import gzip
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.bench import burn, run_child
+from stoker.cli import main
+from stoker.stats import LoaderStats
+
+
+@pytest.fixture
+def sample(tmp_path: Path) -> Path:
+    main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
+    return tmp_path
+
+
+def _fields(d: Path) -> list[dict[str, object]]:
+    return [
+        {"name": "image", "files": str(d / "img_*.bin"), "dtype": "int8", "shape": [16, 16, 1]},
+        {"name": "label", "files": str(d / "out_*.bin.gz"), "dtype": "float32", "compression": "gzip"},
+    ]
+
+
+def test_stoker_child_reports_the_loader_stats_of_its_run(sample: Path) -> None:
+    cfg = {"fields": _fields(sample), "batch": 16, "cast": "float32", "seconds": 0.2, "evict": True}
+    m = run_child("stoker", cfg)
+    assert m.records > 0 and m.stats is not None
+    s = LoaderStats.from_dict(m.stats)
+    assert s.records == m.records and s.batch_size == 16
+    assert s.field_stage_seconds["image"]["read+cast"] > 0
+
+
+def test_a_busy_consumer_child_is_consumer_bound(sample: Path) -> None:
+    cfg = {"fields": _fields(sample), "batch": 16, "cast": "float32", "seconds": 0.3, "busy_ms": 20}
+    s = LoaderStats.from_dict(run_child("stoker", cfg).stats or {})
+    assert s.consumer_fraction > 0.5
+
+
+def test_inflate_ceiling_decodes_every_record_of_compressed_files(tmp_path: Path) -> None:
+    for g in range(2):
+        (tmp_path / f"img_{g}.bin.gz").write_bytes(gzip.compress(np.arange(5 * 64, dtype=np.int8).tobytes()))
+    cfg = {"paths": sorted(str(p) for p in tmp_path.glob("*.gz")), "header": 0, "shape": [8, 8], "src_dtype": "|i1",
+           "out_dtype": "float32", "batch": 4, "loop": "inflate_cast", "threads": 1, "seconds": 0.05}  # fmt: skip
+    m = run_child("ceiling", cfg)
+    assert m.records > 0 and m.records % 5 == 0  # whole files, 5 records each
+    assert m.bytes_read == m.records * 64
+
+
+def test_burn_keeps_the_thread_on_the_cpu() -> None:
+    cpu = time.thread_time()
+    burn(0.05)
+    assert time.thread_time() - cpu >= 0.05
+
+
+def test_bench_prints_stages_cpu_threads_and_a_verdict(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--field", f"image={sample}/img_*.bin:int8:16x16x1",
+                 "--field", f"label={sample}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "% of ceiling" in out and "MB/s" in out
+    assert "worker time by stage: " in out and "read+cast[image]" in out
+    assert "CPU " in out and "threads=" in out and "prefetch=" in out
+    assert "verdict: " in out
+
+
+def test_bench_on_a_compressed_widest_field_measures_the_inflate_ceiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for g in range(2):
+        (tmp_path / f"img_{g}.bin.gz").write_bytes(gzip.compress(np.zeros(40 * 64, np.int8).tobytes()))
+    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin.gz:int8:8x8", "--rounds", "1", "--seconds", "0.2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "ceiling:inflate_cast" in out and "verdict: " in out
