@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import LAB_GZ, FieldPlan, build
+from conftest import LAB_GZ, FieldPlan, build, check_batches
 from stoker.doctor import verdict
+from stoker.readahead import drop_behind_for, physical_memory
 from stoker.stats import LoaderStats
 
 WIDE_GZ = FieldPlan("wide", "int16", (64, 64), kind="gzip")
@@ -83,8 +84,9 @@ def test_a_sleeping_consumer_is_counted_as_consumer_time_and_diagnosed_consumer_
 
 
 def test_a_compressed_wide_field_is_diagnosed_as_decompression_bound(tmp_path: Path) -> None:
-    ds = build(tmp_path, [400] * 4, {"wide": WIDE_GZ, "label": FieldPlan("lab", "float32")})
-    with ds.loader(64, threads=1) as loader:
+    # 16 MiB of int16 per file to inflate: far more work than anything else in the batch.
+    ds = build(tmp_path, [2048] * 3, {"wide": WIDE_GZ, "label": FieldPlan("lab", "float32")})
+    with ds.loader(256, threads=1) as loader:
         for _ in loader:
             pass
         s = loader.stats()
@@ -126,3 +128,38 @@ def test_stats_accumulate_over_passes_and_stay_readable_after_close(pair_ds: sto
     s = loader.stats()
     assert s.records == 2 * len(pair_ds)
     assert np.isfinite(s.records_per_s)
+
+
+@pytest.mark.parametrize("cast", [None, "float32"])
+def test_dropping_pages_behind_the_reader_changes_no_record(tmp_path: Path, cast: str | None) -> None:
+    ds = build(tmp_path, [700, 300, 900], {"wide": WIDE_RAW, "label": LAB_GZ})
+    loader = ds.loader(64, cast=cast, with_index=True, epochs=2)
+    loader.drop_behind = True  # as for a dataset larger than half the RAM
+    with loader:
+        check_batches(ds, loader, cast={"wide": cast} if cast else None, epochs=2)
+        assert "drop behind" in loader.stats().tuning["readahead"]
+
+
+def test_only_datasets_larger_than_half_the_ram_drop_pages_behind(pair_ds: stoker.Dataset) -> None:
+    ram = physical_memory()
+    assert drop_behind_for(ram // 2 + 1) and not drop_behind_for(ram // 2)
+    assert pair_ds.loader(4).drop_behind is False
+
+
+def test_a_small_gzip_file_is_inflated_once_per_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Files under VERIFY_WHOLE_BYTES are decoded and checked whole; the end check must not
+    # decompress them a second time (it did: stats showed the second pass as "assemble").
+    import stoker.batch
+
+    ds = build(tmp_path, [300, 200, 100], {"wide": WIDE_GZ, "label": LAB_GZ})
+    opened: list[str] = []
+
+    class Counting(stoker.batch.Inflater):
+        def __init__(self, path: str, *args: object, **kw: object) -> None:
+            opened.append(path)
+            super().__init__(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stoker.batch, "Inflater", Counting)
+    with ds.loader(64, with_index=True, epochs=2) as loader:
+        check_batches(ds, loader, epochs=2)
+    assert sorted(opened) == sorted(2 * [str(i[n].path) for i in ds.files for n in ("wide", "label")])

@@ -25,6 +25,7 @@ from .errors import CorruptDataError, ReadError, StokerError
 from .files import Catalog, FileInfo
 from .inflate import Inflater, TruncatedStreamError
 from .plan import BatchPlan, Run
+from .readahead import Readahead
 from .remote import is_remote
 from .spec import Field
 from .stats import Counters
@@ -187,6 +188,7 @@ class Assembler:
         self.stop = threading.Event()
         self._closed = False
         self.counters = Counters()  # the loader swaps in its own; see stoker.stats
+        self.readahead = Readahead(drop_behind=False)  # the loader sets drop_behind for big datasets
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
     def prepare(self, plan: BatchPlan) -> Task:
@@ -471,6 +473,7 @@ class Assembler:
                                     offset=offset).reshape(span, *spec.shape)  # fmt: skip
                 np.copyto(dst, src[:: run.step], casting="unsafe")
                 del src
+            self.readahead.after_read(f.fd, f.map, f.size, offset, (run.stop - run.start) * rb)
         finally:
             self.counters.add("read+cast" if self._cast[name] else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
@@ -669,7 +672,7 @@ class Assembler:
                     raise err
                 t = time.perf_counter()
                 np.copyto(dst, arr[run.start : run.stop : run.step], casting="unsafe")
-                self.counters.add("cast", name, time.perf_counter() - t)
+                self.counters.add("cast" if self._cast[name] else "copy", name, time.perf_counter() - t)
             if run.final and final_err is not None:
                 raise final_err
         finally:

@@ -39,8 +39,9 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
             f"(you wait on it {stats.wait_fraction:.0%}); a faster step, not stoker, would move it"
         )
     if ceiling_ratio is not None and ceiling_ratio >= AT_CEILING:
+        above = " (over 100%: noisy rounds, read the spread)" if ceiling_ratio > 1.05 else ""
         return (
-            f"at {ceiling_ratio:.0%} of this machine's ceiling: the copy is the limit "
+            f"at {ceiling_ratio:.0%} of this machine's ceiling: the copy is the limit{above} "
             "(less data per record, or faster memory/storage, would move it)"
         )
     where = "" if ceiling_ratio is None else f" at {ceiling_ratio:.0%} of the ceiling"
@@ -87,6 +88,11 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
                 "accelerator to move fewer bytes"
             )
         return f"the copy of field {name!r} limits you ({share:.0%} of worker time{where}, {busy})"
+    if stage == "copy":
+        return (
+            f"copying decompressed records of field {name!r} limits you ({share:.0%} of worker time{where}): "
+            + (more_threads or "store that field uncompressed so it is read straight into the batch")
+        )
     if stage == "cast":
         return (
             f"the cast of field {name!r} to {stats.dtypes.get(name, '?')} limits you ({share:.0%} of worker "

@@ -17,6 +17,7 @@ from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor
 from .errors import SpecError, StateError
 from .order import even_length, fingerprint, shard_length, validate_shard
 from .plan import BatchPlan, Plan, PlanConfig, Shuffle, default_block_length, default_cycle_length
+from .readahead import Readahead, drop_behind_for
 from .spec import parse_bytes
 from .stats import Counters, LoaderStats
 
@@ -170,6 +171,9 @@ class Loader:
         self._resume: tuple[int, int] = (0, 0)
         self._delivered: tuple[int, int] = (0, 0)
         self._counters = Counters()
+        # Larger than half the RAM: drop pages behind the reader (stoker.readahead); output unchanged.
+        raw_bytes = sum(i.size for infos in dataset.files for i in infos.values() if i.compression is None)
+        self.drop_behind = drop_behind_for(raw_bytes)
         if state is not None:
             self.load_state_dict(state)
 
@@ -294,6 +298,7 @@ class Loader:
             batch_size=self.batch_size,
             record_bytes={n: f.record_bytes for n, f in self.dataset.fields.items()},
             dtypes={n: self.dtypes[n].name for n in self.dataset.fields},
+            tuning={"readahead": "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else "")},
         )
 
     def to_torch(self, **kwargs: Any) -> Any:
@@ -375,6 +380,7 @@ class _Pass:
             with_index=loader.with_index,
         )
         self._assembler.counters = self._counters = loader._counters
+        self._assembler.readahead = Readahead(drop_behind=loader.drop_behind)
         self._last: float | None = None  # when __next__ last returned a batch
         first_epoch, start = loader._resume
         tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start))

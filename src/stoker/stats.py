@@ -12,6 +12,7 @@ Stages (worker-seconds, summed over worker threads):
   (one pass: the page-cache or disk read and the cast cannot be told apart);
 - ``decompress``: gzip/zlib inflate, skips included;
 - ``cast``: decompressed records cast into the batch;
+- ``copy``: decompressed records copied into the batch (a small file is decoded whole first);
 - ``gather``: random-access copies of ``shuffle="global"``;
 - ``turn``: waiting for another worker's turn on the same compressed stream;
 - ``assemble``: everything else in a worker's batch (buffer allocation, opening files, ...).
@@ -30,7 +31,7 @@ import numpy as np
 
 __all__ = ["STAGES", "Counters", "LoaderStats"]
 
-STAGES = ("read", "read+cast", "decompress", "cast", "gather", "turn", "assemble")
+STAGES = ("read", "read+cast", "decompress", "cast", "copy", "gather", "turn", "assemble")
 
 
 class Counters:
