@@ -191,7 +191,22 @@ def _bench_cache() -> Path:
     return Path(os.environ.get("STOKER_CACHE", ".stoker-cache"))
 
 
+def _run_compare(args: argparse.Namespace) -> int:
+    """``stoker bench --compare``: benchmarks/compare.py of the source checkout stoker runs from."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
+    if not script.is_file():
+        raise SpecError(f"--compare runs {script}, which is not there: run it from a source checkout of stoker")
+    argv = [sys.executable, str(script), "--rounds", str(args.rounds), "--seconds", str(args.seconds)]
+    if args.workloads:
+        argv += ["--workloads", args.workloads]
+    import subprocess
+
+    return subprocess.run(argv, check=False).returncode
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.compare:
+        return _run_compare(args)
     from .bench import measure, summarize
     from .doctor import verdict
     from .stats import LoaderStats
@@ -296,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--no-ceiling", action="store_true")
+    p.add_argument("--compare", action="store_true",
+                   help="run benchmarks/compare.py: tf.data, DataLoader, Grain and stoker per workload")  # fmt: skip
+    p.add_argument("--workloads", help="with --compare: comma-separated subset (W1,W1-int8,W1-cold,W2,W3,W1-busy)")
     p.add_argument("--pairs", type=int, default=16, help="sample size when no fields are given")
     p.add_argument("--records", type=int, default=4096)
     p.add_argument("--inrez", type=int, default=128)
