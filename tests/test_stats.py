@@ -163,3 +163,86 @@ def test_a_small_gzip_file_is_inflated_once_per_epoch(tmp_path: Path, monkeypatc
     with ds.loader(64, with_index=True, epochs=2) as loader:
         check_batches(ds, loader, epochs=2)
     assert sorted(opened) == sorted(2 * [str(i[n].path) for i in ds.files for n in ("wide", "label")])
+
+
+# -- autotune ---------------------------------------------------------------------------------
+def _until_tuned(loader: stoker.Loader, sleep: float = 0.0, limit: float = 30.0) -> list[dict[str, np.ndarray]]:
+    got = []
+    deadline = time.monotonic() + limit
+    for batch in loader:
+        got.append({k: v.copy() for k, v in batch.items() if k.startswith("__")})
+        if sleep:
+            time.sleep(sleep)
+        if loader.tuning or time.monotonic() > deadline:
+            break
+    return got
+
+
+def test_autotuned_threads_change_nothing_in_the_sequence_and_show_in_stats(tmp_path: Path) -> None:
+    ds = build(tmp_path, [500] * 6, {"wide": WIDE_RAW, "label": LAB_GZ})
+    with ds.loader(16, epochs=None, cast="float32", with_index=True) as tuned:
+        got = _until_tuned(tuned)
+        s = tuned.stats()
+    assert tuned.tuning, "autotune did not finish within the time limit"
+    assert s.tuning["autotune"] == tuned.tuning and f"threads={tuned.threads} measured (1: " in tuned.tuning
+    assert 1 <= tuned.threads <= 2 * s.cores and s.threads == tuned.threads
+    with ds.loader(16, epochs=None, cast="float32", with_index=True, threads=1) as fixed:
+        want = [next(it) for it in [iter(fixed)] for _ in range(len(got))]
+    for a, b in zip(got, want):
+        assert np.array_equal(a["__group__"], b["__group__"]) and np.array_equal(a["__index__"], b["__index__"])
+
+
+def test_a_slow_consumer_stops_autotune_at_one_thread(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(2, epochs=None) as loader:
+        _until_tuned(loader, sleep=0.03)
+        assert loader.threads == 1 and "consumer-bound at 1 thread" in loader.tuning
+        assert loader.stats().threads == 1
+
+
+def test_given_threads_are_not_tuned(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(2, epochs=3, threads=3) as loader:
+        list(loader)
+        s = loader.stats()
+    assert loader.tuning == "" and "autotune" not in s.tuning and s.threads == 3
+
+
+def test_autotuned_prefetch_stays_within_the_memory_budget(tmp_path: Path) -> None:
+    ds = build(tmp_path, [500] * 6, {"wide": WIDE_RAW})
+    batch_bytes = 16 * 64 * 64 * 4
+    with ds.loader(16, epochs=None, cast="float32", memory_budget=5 * batch_bytes) as loader:
+        _until_tuned(loader)
+        assert loader.tuning
+        assert loader.prefetch * batch_bytes <= 5 * batch_bytes // 2
+
+
+def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
+    from stoker.autotune import ThreadTuner
+
+    class Workers:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def add_worker(self) -> None:
+            self.calls.append("add")
+
+        def retire_worker(self) -> None:
+            self.calls.append("retire")
+
+        def set_window(self, window: int) -> None:
+            self.calls.append(f"window {window}")
+
+    tuner = ThreadTuner(start=1, max_threads=4, tune_prefetch=True, fits=100)
+    w = Workers()
+    now = 0.0
+    # Seconds per batch as the consumer sees them (it never keeps a batch): 1 thread 10 ms,
+    # 2 threads 5 ms (pays), 3 threads 4.9 ms (does not pay: taken back).
+    per_batch = {1: 0.010, 2: 0.005, 3: 0.0049}
+    for _ in range(1000):
+        if tuner.done:
+            break
+        step = per_batch[tuner.threads]
+        tuner.observe(w, now, now + step, now, 16)
+        now += step
+    assert tuner.done and tuner.threads == 2
+    assert w.calls == ["add", "window 2", "add", "window 3", "retire", "window 2"]
+    assert "3 threads gave" in tuner.reason

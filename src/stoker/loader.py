@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .autotune import ThreadTuner
 from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler
 from .dataset import resolve_cast
 from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor
@@ -114,6 +115,10 @@ class Loader:
             self.shapes[VALID_KEY] = ()
         self.memory_budget = parse_bytes(memory_budget)
         self.threads = _positive("threads", threads) or default_threads()
+        # threads=None: measured on the first pass (stoker.autotune), from 1 up to 2 per core.
+        self._tune_threads = threads is None and executor is None
+        self._tune_prefetch = prefetch is None
+        self._max_threads = 2 * default_threads() if self._tune_threads else self.threads
         self.batch_bytes = sum(
             self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize for n in self.dtypes
         )
@@ -128,7 +133,8 @@ class Loader:
             # one; more only rotates more buffers through the cache. measured (W1 int8, 5
             # alternated rounds): prefetch 2 gave 1.38x the records/s of 4 with 2 threads.
             # At most half the budget for batches in flight, the rest for recycled buffers.
-            self.prefetch = max(1, min(max(2, self.threads), fits // 2))
+            # Autotuned threads: reserved for the most workers it may reach (stoker.autotune).
+            self.prefetch = max(1, min(max(2, self._max_threads), fits // 2))
         else:
             self.prefetch = _positive("prefetch", prefetch) or 1
             if self.prefetch > fits:
@@ -136,6 +142,10 @@ class Loader:
                     f"prefetch={prefetch} batches of {self.batch_bytes} bytes exceed memory_budget={memory_budget!r} "
                     f"({self.memory_budget} bytes); at most {fits} fit"
                 )
+        self._fits = fits
+        self.tuning = ""  # what autotune measured and chose, once it has
+        if self._tune_threads:
+            self.threads = 1
         self._executor: Executor = executor or ThreadExecutor(self.threads)
         if shuffle is None:
             shuffle = False
@@ -298,7 +308,10 @@ class Loader:
             batch_size=self.batch_size,
             record_bytes={n: f.record_bytes for n, f in self.dataset.fields.items()},
             dtypes={n: self.dtypes[n].name for n in self.dataset.fields},
-            tuning={"readahead": "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else "")},
+            tuning={
+                "readahead": "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else ""),
+                **({"autotune": self.tuning} if self.tuning else {}),
+            },
         )
 
     def to_torch(self, **kwargs: Any) -> Any:
@@ -385,7 +398,13 @@ class _Pass:
         first_epoch, start = loader._resume
         tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start))
         self._loader = weakref.ref(loader)
-        self._batches = loader._executor.map_ordered(self._assembler, tasks, window=loader.prefetch)
+        self._tuner: ThreadTuner | None = None
+        window = loader.prefetch
+        if loader._tune_threads and not loader.tuning:
+            self._tuner = ThreadTuner(start=loader.threads, max_threads=loader._max_threads,
+                                      tune_prefetch=loader._tune_prefetch, fits=loader._fits)  # fmt: skip
+            window = self._tuner.prefetch_for(loader.threads) if loader._tune_prefetch else window
+        self._batches = loader._executor.map_ordered(self._assembler, tasks, window=window)
         # One stop event: a worker waiting for its turn on a stream wakes when the map closes.
         self._assembler.stop = self._batches.stop
         self._finalizer = weakref.finalize(self, _shutdown, self._batches, self._assembler, self._pool)
@@ -402,11 +421,26 @@ class _Pass:
             raise
         got = time.perf_counter()
         self._counters.delivered(batch, plan.rows, asked, got, self._last)
-        self._last = got
         loader = self._loader()
+        if self._tuner is not None and loader is not None:
+            self._tune(loader, asked, got, plan.rows)
+        self._last = got
         if loader is not None:
             loader._delivered = (plan.epoch, plan.position)
         return batch
+
+    def _tune(self, loader: Loader, asked: float, got: float, rows: int) -> None:
+        tuner = self._tuner
+        assert tuner is not None
+        tuner.observe(self._batches, asked, got, self._last, rows)
+        loader.threads = tuner.threads
+        if tuner.done:  # later passes start with the measured values
+            self._tuner = None
+            loader.tuning = tuner.summary()
+            if isinstance(loader._executor, ThreadExecutor):
+                loader._executor.threads = tuner.threads
+            if loader._tune_prefetch:
+                loader.prefetch = tuner.prefetch_for(tuner.threads)
 
     def close(self) -> None:
         self._finalizer()
