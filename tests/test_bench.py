@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import gzip
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from stoker.bench import burn, run_child
 from stoker.cli import main
+from stoker.sample import expected_label, write_sample
 from stoker.stats import LoaderStats
 
 
@@ -76,3 +79,46 @@ def test_bench_on_a_compressed_widest_field_measures_the_inflate_ceiling(
     code = main(["bench", "--field", f"image={tmp_path}/img_*.bin.gz:int8:8x8", "--rounds", "1", "--seconds", "0.2"])
     out = capsys.readouterr().out
     assert code == 0 and "ceiling:inflate_cast" in out and "verdict: " in out
+
+
+def _compare() -> Any:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import compare
+
+    return compare
+
+
+@pytest.mark.torch
+def test_compare_peers_read_whole_batches_that_keep_images_with_their_labels(tmp_path: Path) -> None:
+    import torch.utils.data
+
+    compare = _compare()
+    write_sample(tmp_path, pairs=3, records=100, inrez=compare.RES)
+    for shuffle in (False, True):
+        src = compare.BatchSource(tmp_path, "float32", shuffle=shuffle)
+        image, label = src.read(np.arange(90, 210))  # spans groups 0, 1 and 2
+        assert image.dtype == np.float32 and image.shape == (120, compare.RES, compare.RES, 1)
+        assert np.array_equal(expected_label(image.astype(np.int8)), label)
+        assert sorted(label.tolist()) == (sorted(src.order[90:210].tolist()) if shuffle else list(range(90, 210)))
+    dl = torch.utils.data.DataLoader(src, batch_size=16, collate_fn=compare._identity)
+    images, labels = next(iter(dl))
+    assert images.shape[0] == 16 and np.array_equal(expected_label(images.numpy().astype(np.int8)), labels.numpy())
+    assert len(compare.GrainBatches(src)) == 1
+    batch = compare.GrainBatches(src)[0]
+    assert np.array_equal(expected_label(batch["image"].astype(np.int8)), batch["label"])
+
+
+def test_compare_report_and_chart_show_ratios_reasons_and_the_ceiling(tmp_path: Path) -> None:
+    compare = _compare()
+    results = {
+        "W1": {"rates": {"ceiling": [100.0, 200.0], "stoker numpy": [90.0, 150.0], "grain": [50.0, None]},
+               "verdict": "consumer-bound: ..."},
+        "W2": {"rates": {"ceiling": [10.0, 10.0], "stoker numpy": [9.0, 9.5]}},
+    }  # fmt: skip
+    meta = {"date": "d", "machine": "m", "cores": 2, "rounds": 2, "seconds": 1.0}
+    text = compare.report(results, meta)
+    assert "| W1 | stoker numpy | 120 | 90 | 150 | 0.82 [0.75..0.90] |" in text
+    assert "| W1 | grain | 50 | 50 | 50 | 0.50 [0.50..0.50] | 1.80 [1.80..1.80] |" in text
+    assert "W2 | grain | not run: needs random access" in text and "- W1: consumer-bound" in text
+    compare.chart(results, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
