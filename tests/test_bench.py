@@ -122,3 +122,9 @@ def test_compare_report_and_chart_show_ratios_reasons_and_the_ceiling(tmp_path: 
     assert "W2 | grain | not run: needs random access" in text and "- W1: consumer-bound" in text
     compare.chart(results, tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_compare_runs_benchmarks_compare_and_passes_its_exit_status(capfd: pytest.CaptureFixture[str]) -> None:
+    # An unknown workload is refused by compare.py before any data is generated.
+    assert main(["bench", "--compare", "--workloads", "W9", "--rounds", "1"]) == 2
+    assert "unknown workload(s) ['W9']" in capfd.readouterr().err

@@ -196,7 +196,8 @@ def _run_compare(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
     if not script.is_file():
         raise SpecError(f"--compare runs {script}, which is not there: run it from a source checkout of stoker")
-    argv = [sys.executable, str(script), "--rounds", str(args.rounds), "--seconds", str(args.seconds)]
+    rounds = 5 if args.rounds is None else args.rounds  # the minimum for peer comparisons
+    argv = [sys.executable, str(script), "--rounds", str(rounds), "--seconds", str(args.seconds)]
     if args.workloads:
         argv += ["--workloads", args.workloads]
     import subprocess
@@ -207,6 +208,8 @@ def _run_compare(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.compare:
         return _run_compare(args)
+    if args.rounds is None:
+        args.rounds = 3
     from .bench import measure, summarize
     from .doctor import verdict
     from .stats import LoaderStats
@@ -308,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_field_args(p)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--cast", default="float32", help="output dtype of every field ('none' to keep stored types)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 3; 5 with --compare)")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--no-ceiling", action="store_true")
     p.add_argument("--compare", action="store_true",
