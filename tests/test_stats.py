@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -246,3 +247,17 @@ def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
     assert tuner.done and tuner.threads == 2
     assert w.calls == ["add", "window 2", "add", "window 3", "retire", "window 2"]
     assert "3 threads gave" in tuner.reason
+
+
+def test_low_worker_cpu_is_storage_bound_only_when_the_bytes_came_from_the_disk(tmp_path: Path) -> None:
+    ds = build(tmp_path, [300] * 2, {"wide": WIDE_RAW})
+    with ds.loader(64, cast="float32", threads=2) as loader:
+        list(loader)
+        s = loader.stats()
+    assert s.disk_read_bytes is not None and s.load_average >= 0
+    # Workers that ran on a CPU a tenth of their busy time: the disk is to blame only if
+    # the bytes came from it; otherwise the CPU went elsewhere.
+    starved = dataclasses.replace(s, busy_cpu_seconds=s.busy_seconds / 10, disk_read_bytes=0)
+    assert verdict(starved).startswith("CPU-starved: workers ran on a CPU only 10% of their busy time")
+    cold = dataclasses.replace(starved, disk_read_bytes=s.source_bytes)
+    assert verdict(cold).startswith("storage-bound: reads of field 'wide' wait on the disk")

@@ -67,6 +67,13 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         )
     if stage in ("read", "read+cast", "gather"):
         cpu_share = stats.busy_cpu_seconds / stats.busy_seconds if stats.busy_seconds > 0 else 1.0
+        from_disk = stats.disk_read_bytes
+        if cpu_share < IO_BOUND_CPU and from_disk is not None and from_disk < stats.source_bytes // 10:
+            return (
+                f"CPU-starved: workers ran on a CPU only {cpu_share:.0%} of their busy time{where} though "
+                f"almost nothing came from the disk; the machine's load average is {stats.load_average:.1f} "
+                f"on {cores} cores: other processes (or your own threads holding the GIL) take the CPU"
+            )
         if cpu_share < IO_BOUND_CPU:
             return (
                 f"storage-bound: reads of field {name!r} wait on the disk (workers on the CPU only "
@@ -89,9 +96,8 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
             )
         return f"the copy of field {name!r} limits you ({share:.0%} of worker time{where}, {busy})"
     if stage == "copy":
-        return (
-            f"copying decompressed records of field {name!r} limits you ({share:.0%} of worker time{where}): "
-            + (more_threads or "store that field uncompressed so it is read straight into the batch")
+        return f"copying decompressed records of field {name!r} limits you ({share:.0%} of worker time{where}): " + (
+            more_threads or "store that field uncompressed so it is read straight into the batch"
         )
     if stage == "cast":
         return (

@@ -51,6 +51,7 @@ class Counters:
         self._cpu_last = 0.0
         self._wall_first = 0.0
         self._wall_last = 0.0
+        self._disk_first: int | None = None
 
     def add(self, stage: str, name: str, seconds: float) -> None:
         key = (stage, name)
@@ -70,6 +71,7 @@ class Counters:
         with self._lock:
             if self._cpu_first is None:
                 self._cpu_first, self._wall_first = cpu, asked
+                self._disk_first = disk_read_bytes()
             self._cpu_last, self._wall_last = cpu, got
             self.batches += 1
             self.records += rows
@@ -85,6 +87,7 @@ class Counters:
             busy, busy_cpu = self.busy, self.busy_cpu
             wall = self._wall_last - self._wall_first if self._cpu_first is not None else 0.0
             cpu = self._cpu_last - self._cpu_first if self._cpu_first is not None else 0.0
+            disk_first = self._disk_first
             out = dict(
                 batches=self.batches, records=self.records, bytes=dict(self.out_bytes),
                 wait_seconds=self.wait, consumer_seconds=self.consumer,
@@ -93,6 +96,7 @@ class Counters:
         for (st, name), s in stage.items():
             by_field.setdefault(name, {})[st] = s
         known = sum(stage.values())
+        disk_now = disk_read_bytes() if disk_first is not None else None
         return LoaderStats(
             **out,  # type: ignore[arg-type]
             field_stage_seconds=by_field,
@@ -102,8 +106,22 @@ class Counters:
             wall_seconds=wall,
             cpu_seconds=cpu,
             cores=_cores(),
+            disk_read_bytes=None if disk_now is None or disk_first is None else disk_now - disk_first,
+            load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
             **config,
         )
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes this process has had read from storage (not the page cache), or None where unknown."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _cores() -> int:
@@ -134,6 +152,8 @@ class LoaderStats:
     wall_seconds: float
     cpu_seconds: float
     cores: int
+    disk_read_bytes: int | None = None  # read from storage since the first batch (/proc/self/io)
+    load_average: float = 0.0  # the machine's 1-minute load average when the stats were taken
     threads: int = 0
     prefetch: int = 0
     batch_size: int = 0
