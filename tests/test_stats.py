@@ -258,6 +258,6 @@ def test_low_worker_cpu_is_storage_bound_only_when_the_bytes_came_from_the_disk(
     # Workers that ran on a CPU a tenth of their busy time: the disk is to blame only if
     # the bytes came from it; otherwise the CPU went elsewhere.
     starved = dataclasses.replace(s, busy_cpu_seconds=s.busy_seconds / 10, disk_read_bytes=0)
-    assert verdict(starved).startswith("CPU-starved: workers ran on a CPU only 10% of their busy time")
+    assert verdict(starved).startswith("CPU-starved: workers (read+cast of field 'wide') ran on a CPU only 10%")
     cold = dataclasses.replace(starved, disk_read_bytes=s.source_bytes)
     assert verdict(cold).startswith("storage-bound: reads of field 'wide' wait on the disk")

@@ -70,7 +70,8 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         from_disk = stats.disk_read_bytes
         if cpu_share < IO_BOUND_CPU and from_disk is not None and from_disk < stats.source_bytes // 10:
             return (
-                f"CPU-starved: workers ran on a CPU only {cpu_share:.0%} of their busy time{where} though "
+                f"CPU-starved: workers ({stage} of field {name!r}) ran on a CPU only {cpu_share:.0%} of their "
+                f"busy time{where} though "
                 f"almost nothing came from the disk; the machine's load average is {stats.load_average:.1f} "
                 f"on {cores} cores: other processes (or your own threads holding the GIL) take the CPU"
             )
