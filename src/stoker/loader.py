@@ -115,7 +115,7 @@ class Loader:
             self.shapes[VALID_KEY] = ()
         self.memory_budget = parse_bytes(memory_budget)
         self.threads = _positive("threads", threads) or default_threads()
-        # threads=None: measured on the first pass (stoker.autotune), from 1 up to 2 per core.
+        # threads=None: measured on the first pass (stoker.autotune), from 1 per core up to 2.
         self._tune_threads = threads is None and executor is None
         self._tune_prefetch = prefetch is None
         self._max_threads = 2 * default_threads() if self._tune_threads else self.threads
@@ -144,8 +144,6 @@ class Loader:
                 )
         self._fits = fits
         self.tuning = ""  # what autotune measured and chose, once it has
-        if self._tune_threads:
-            self.threads = 1
         self._executor: Executor = executor or ThreadExecutor(self.threads)
         if shuffle is None:
             shuffle = False
