@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,tf,torch,jax,ray,remote]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,tf,torch,jax,ray,remote,bench]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,6 +26,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/w1.py
+	$(BIN)/python benchmarks/compare.py
 
 clean:
 	rm -rf $(VENV) .stoker-cache .pytest_cache .mypy_cache .ruff_cache

@@ -13,6 +13,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from .errors import CorruptDataError, ReadError, StokerError
 from .files import Catalog, FileInfo
 from .inflate import Inflater, TruncatedStreamError
 from .plan import BatchPlan, Run
+from .readahead import Readahead
 from .remote import is_remote
 from .spec import Field
+from .stats import Counters
 
 __all__ = ["GROUP_KEY", "INDEX_KEY", "VALID_KEY", "Assembler", "Task", "fill_padding"]
 
@@ -184,6 +187,8 @@ class Assembler:
         self._resident_locks: dict[tuple[int, str], threading.Lock] = {}
         self.stop = threading.Event()
         self._closed = False
+        self.counters = Counters()  # the loader swaps in its own; see stoker.stats
+        self.readahead = Readahead(drop_behind=False)  # the loader sets drop_behind for big datasets
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
     def prepare(self, plan: BatchPlan) -> Task:
@@ -216,6 +221,7 @@ class Assembler:
     # -- work (runs in worker threads) --------------------------------------------------
     def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
         plan = task.plan
+        began, began_cpu = time.perf_counter(), time.thread_time()
         out: dict[str, np.ndarray] = {}
         for name, spec in self.fields.items():
             out[name] = self.allocator.array((plan.rows, *spec.shape), self.out_dtypes[name])
@@ -239,6 +245,7 @@ class Assembler:
                 if key not in taken:
                     stream.abandon(ticket)
             raise
+        self.counters.batch_done(time.perf_counter() - began, time.thread_time() - began_cpu)
         return out, plan
 
     def _read_run(
@@ -282,6 +289,7 @@ class Assembler:
             infos = self.catalog.files[g]
             for name, spec in self.fields.items():
                 info = infos[name]
+                t = time.perf_counter()
                 if info.compression is None and is_remote(info.path):
                     out[name][rows] = self._remote_records(name, spec, info, local)
                 elif info.compression is None:
@@ -309,6 +317,7 @@ class Assembler:
                         self._release(plan.epoch, info, f, False, counted=False)
                 else:
                     out[name][rows] = self._resident_array(name, spec, info, g)[local]
+                self.counters.add("gather", name, time.perf_counter() - t)
         if self.with_index:
             out[GROUP_KEY][: len(groups)] = groups
             out[INDEX_KEY][: len(index)] = index
@@ -441,6 +450,7 @@ class Assembler:
                 self._release_if_done(epoch, info, f0)
             return
         f = self._acquire(epoch, name, info)
+        t = time.perf_counter()
         try:
             if not self._cast[name] and run.step == 1:
                 view = memoryview(dst).cast("B")  # type: ignore[arg-type]
@@ -463,7 +473,9 @@ class Assembler:
                                     offset=offset).reshape(span, *spec.shape)  # fmt: skip
                 np.copyto(dst, src[:: run.step], casting="unsafe")
                 del src
+            self.readahead.after_read(f.fd, f.map, f.size, offset, (run.stop - run.start) * rb)
         finally:
+            self.counters.add("read+cast" if self._cast[name] else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
 
     def _read_remote_raw(
@@ -537,11 +549,13 @@ class Assembler:
         if stream.unordered:
             self._read_whole(epoch, name, spec, info, run, dst, stream)
             return
+        t = time.perf_counter()
         with stream.cond:
             while stream.serving != ticket:
                 if self.stop.is_set():
                     raise Stopped
                 stream.cond.wait(0.1)
+        self.counters.add("turn", name, time.perf_counter() - t)
         try:
             if stream.failed_before(ticket):
                 # An earlier batch failed on this stream and is raised first; this batch comes
@@ -656,7 +670,9 @@ class Assembler:
                 if run.stop > valid:
                     assert err is not None
                     raise err
+                t = time.perf_counter()
                 np.copyto(dst, arr[run.start : run.stop : run.step], casting="unsafe")
+                self.counters.add("cast" if self._cast[name] else "copy", name, time.perf_counter() - t)
             if run.final and final_err is not None:
                 raise final_err
         finally:
@@ -678,6 +694,7 @@ class Assembler:
         err: BaseException | None = None
         final_err: BaseException | None = None
         valid = expected
+        t = time.perf_counter()
         try:
             inf = self._open_stream(name, spec, info, stream)
             try:
@@ -709,6 +726,7 @@ class Assembler:
         except CorruptDataError as e:
             valid, err = 0, e  # a stream that fails its checks: none of its records is trusted
         finally:
+            self.counters.add("decompress", name, time.perf_counter() - t)
             if stream.inflater is not None:
                 stream.inflater.close()
         return buf.view(spec.dtype).reshape(expected, *spec.shape), max(0, min(valid, expected)), err, final_err
@@ -720,6 +738,7 @@ class Assembler:
         rb = spec.record_bytes
         inf = stream.inflater
         assert inf is not None
+        t = time.perf_counter()
         if stream.pos < run.start:
             want = (run.start - stream.pos) * rb
             got = inf.skip(want)
@@ -733,13 +752,16 @@ class Assembler:
             got = inf.readinto(staging)
         else:
             got = inf.readinto(memoryview(dst).cast("B"))  # type: ignore[arg-type]
+        self.counters.add("decompress", name, time.perf_counter() - t)
         if got != nbytes:
             stream.pos += got // rb
             raise self._stream_short(name, spec, info, run, inf, stream.pos)
         if cast:
+            t = time.perf_counter()
             src = np.frombuffer(staging, dtype=spec.dtype).reshape(span, *spec.shape)
             np.copyto(dst, src[:: run.step], casting="unsafe")
             del src
+            self.counters.add("cast", name, time.perf_counter() - t)
         stream.pos += span
 
     def _stream_short(

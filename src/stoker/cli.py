@@ -191,8 +191,28 @@ def _bench_cache() -> Path:
     return Path(os.environ.get("STOKER_CACHE", ".stoker-cache"))
 
 
+def _run_compare(args: argparse.Namespace) -> int:
+    """``stoker bench --compare``: benchmarks/compare.py of the source checkout stoker runs from."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
+    if not script.is_file():
+        raise SpecError(f"--compare runs {script}, which is not there: run it from a source checkout of stoker")
+    rounds = 5 if args.rounds is None else args.rounds  # the issue's minimum for peer comparisons
+    argv = [sys.executable, str(script), "--rounds", str(rounds), "--seconds", str(args.seconds)]
+    if args.workloads:
+        argv += ["--workloads", args.workloads]
+    import subprocess
+
+    return subprocess.run(argv, check=False).returncode
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.compare:
+        return _run_compare(args)
+    if args.rounds is None:
+        args.rounds = 3
     from .bench import measure, summarize
+    from .doctor import verdict
+    from .stats import LoaderStats
 
     specs = _field_specs(args)
     if specs is None:
@@ -206,14 +226,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     contenders: dict[str, dict[str, Any]] = {
         "stoker": {"fields": specs, "batch": args.batch_size, "cast": cast, "seconds": args.seconds},
     }
-    raw = [n for n, f in ds.fields.items() if all(i[n].compression is None for i in ds.files)]
-    widest = max(raw, key=lambda n: ds.fields[n].record_bytes) if raw else None
-    if widest is not None and not args.no_ceiling:
+    widest = max(ds.fields, key=lambda n: ds.fields[n].record_bytes)
+    if not args.no_ceiling:
         f = ds.fields[widest]
         out_dtype = cast or f.native_dtype.str
         paths = [i[widest].path for i in ds.files]
         threads = len(os.sched_getaffinity(0))
-        for loop in ("mmap_cast", "preadv_cast"):
+        # The widest field bounds the copy; compressed, its decompression bounds it instead.
+        compressed = any(i[widest].compression is not None for i in ds.files)
+        for loop in ("inflate_cast",) if compressed else ("mmap_cast", "preadv_cast"):
             contenders[f"ceiling:{loop}"] = {
                 "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": f.dtype.str,
                 "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": threads,
@@ -236,9 +257,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
             for r in range(args.rounds)
         ]
         med, lo, hi = summarize(ratios)
-        print(f"stoker / ceiling: median {med:.2f} (rounds {lo:.2f}..{hi:.2f})")
+        ratio: float | None = med
+        loops = ", ".join(c.split(":", 1)[1] for c in ceilings)
+        print(f"stoker / ceiling: median {med:.2f} (rounds {lo:.2f}..{hi:.2f}): {med:.0%} of ceiling "
+              f"(ceiling: field {widest!r} on the same files, {loops})")  # fmt: skip
     else:
-        print("ceiling not measured (no raw field, or --no-ceiling)")
+        ratio = None
+        print("ceiling not measured (--no-ceiling)")
+    # The stoker round at the median rate stands for the run: its stage split and CPU.
+    runs = sorted(results["stoker"], key=lambda m: m.records_per_s)
+    median_run = runs[len(runs) // 2]
+    if median_run.stats:
+        stats = LoaderStats.from_dict(median_run.stats)
+        print(f"stoker (median round): {stats.records_per_s:,.0f} records/s, {stats.mb_per_s:,.0f} MB/s; "
+              f"CPU {stats.cpu_utilization:.0%} of {stats.cores} cores; threads={stats.threads} "
+              f"prefetch={stats.prefetch}" + "".join(f" ({k}: {v})" for k, v in stats.tuning.items()))  # fmt: skip
+        print(f"you waited on stoker {stats.wait_fraction:.0%} of the loop; stoker waited on you "
+              f"{stats.consumer_fraction:.0%}")  # fmt: skip
+        print("worker time by stage: " + ", ".join(
+            f"{st}[{n}] {share:.0%}" for st, n, _, share in stats.stage_table()))  # fmt: skip
+        print(f"verdict: {verdict(stats, ratio)}")
     return 0
 
 
@@ -273,9 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_field_args(p)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--cast", default="float32", help="output dtype of every field ('none' to keep stored types)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 3; 5 with --compare)")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--no-ceiling", action="store_true")
+    p.add_argument("--compare", action="store_true",
+                   help="run benchmarks/compare.py: tf.data, DataLoader, Grain and stoker per workload")  # fmt: skip
+    p.add_argument("--workloads", help="with --compare: comma-separated subset (W1,W1-int8,W1-cold,W2,W3,W1-busy)")
     p.add_argument("--pairs", type=int, default=16, help="sample size when no fields are given")
     p.add_argument("--records", type=int, default=4096)
     p.add_argument("--inrez", type=int, default=128)

@@ -143,14 +143,21 @@ class _State(Generic[T, R]):
         self.exhausted = False
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.retire = 0  # workers asked to exit (autotune lowering the thread count)
 
     def work(self) -> None:
         cond = self.cond
         while True:
             with cond:
-                while not self.stop.is_set() and not self.exhausted and self.dispatched - self.delivered >= self.window:
+                while (
+                    not self.stop.is_set() and not self.exhausted and not self.retire
+                    and self.dispatched - self.delivered >= self.window
+                ):  # fmt: skip
                     self.space.wait()
                 if self.stop.is_set() or self.exhausted:
+                    return
+                if self.retire:
+                    self.retire -= 1
                     return
                 seq = self.dispatched
                 try:
@@ -226,6 +233,30 @@ class OrderedMap(Generic[R]):
             t = threading.Thread(target=self._state.work, name=f"{self._name}-{i}", daemon=True)
             self._state.threads.append(t)
             t.start()
+
+    def add_worker(self) -> None:
+        """Start one more worker (autotune); what is delivered, and its order, do not change."""
+        st = self._state
+        with st.cond:
+            if self._closed or st.stop.is_set() or not self._started:
+                return
+            t = threading.Thread(target=st.work, name=f"{self._name}-{len(st.threads)}", daemon=True)
+            st.threads.append(t)
+        t.start()
+
+    def retire_worker(self) -> None:
+        """Ask one worker to exit once its current task is done (autotune)."""
+        st = self._state
+        with st.cond:
+            st.retire += 1
+            st.space.notify_all()
+
+    def set_window(self, window: int) -> None:
+        """Results allowed ahead of the consumer from now on (autotune, within the memory budget)."""
+        st = self._state
+        with st.cond:
+            st.window = max(1, window)
+            st.space.notify_all()
 
     def __iter__(self) -> OrderedMap[R]:
         return self

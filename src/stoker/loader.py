@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .autotune import ThreadTuner
 from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task
 from .dataset import resolve_cast
 from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor
 from .errors import SpecError, StateError
 from .order import even_length, fingerprint, shard_length, validate_shard
 from .plan import BatchPlan, Plan, PlanConfig, Shuffle, default_block_length, default_cycle_length
+from .readahead import Readahead, drop_behind_for
 from .spec import parse_bytes
+from .stats import Counters, LoaderStats
 from .transforms import Stage
 
 if TYPE_CHECKING:
@@ -115,6 +119,10 @@ class Loader:
         self.memory_budget = parse_bytes(memory_budget)
         self.threads = _positive("threads", threads) or default_threads()
         self._stage = self._transform_stage(transform, seed, shard, workers, executor)
+        # threads=None: measured on the first pass (stoker.autotune), from 1 per core up to 2.
+        self._tune_threads = threads is None and executor is None and workers != "process"
+        self._tune_prefetch = prefetch is None
+        self._max_threads = 2 * default_threads() if self._tune_threads else self.threads
         self.batch_bytes = sum(
             self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize for n in self.dtypes
         )
@@ -129,7 +137,8 @@ class Loader:
             # one; more only rotates more buffers through the cache. measured (W1 int8, 5
             # alternated rounds): prefetch 2 gave 1.38x the records/s of 4 with 2 threads.
             # At most half the budget for batches in flight, the rest for recycled buffers.
-            self.prefetch = max(1, min(max(2, self.threads), fits // 2))
+            # Autotuned threads: reserved for the most workers it may reach (stoker.autotune).
+            self.prefetch = max(1, min(max(2, self._max_threads), fits // 2))
         else:
             self.prefetch = _positive("prefetch", prefetch) or 1
             if self.prefetch > fits:
@@ -137,6 +146,8 @@ class Loader:
                     f"prefetch={prefetch} batches of {self.batch_bytes} bytes exceed memory_budget={memory_budget!r} "
                     f"({self.memory_budget} bytes); at most {fits} fit"
                 )
+        self._fits = fits
+        self.tuning = ""  # what autotune measured and chose, once it has
         self._executor: Executor = executor or ThreadExecutor(self.threads)
         if workers == "process":
             from .workers import ProcessExecutor
@@ -180,6 +191,10 @@ class Loader:
             self.allocator_factory = lambda pooled: SharedPool(max_pooled_bytes=pooled)
         self._resume: tuple[int, int] = (0, 0)
         self._delivered: tuple[int, int] = (0, 0)
+        self._counters = Counters()
+        # Larger than half the RAM: drop pages behind the reader (stoker.readahead); output unchanged.
+        raw_bytes = sum(i.size for infos in dataset.files for i in infos.values() if i.compression is None)
+        self.drop_behind = drop_behind_for(raw_bytes)
         if state is not None:
             self.load_state_dict(state)
 
@@ -321,6 +336,24 @@ class Loader:
         self._passes.add(p)
         return p
 
+    def stats(self) -> LoaderStats:
+        """Counters since this loader's first batch: records, bytes, time per stage, waits, CPU.
+
+        Cheap enough to leave on (a few clock reads per batch). ``print(loader.stats())``
+        shows one screen; :func:`stoker.doctor.verdict` says what limits the pipeline.
+        """
+        return self._counters.snapshot(
+            threads=self.threads,
+            prefetch=self.prefetch,
+            batch_size=self.batch_size,
+            record_bytes={n: f.record_bytes for n, f in self.dataset.fields.items()},
+            dtypes={n: self.dtypes[n].name for n in self.dataset.fields},
+            tuning={
+                "readahead": "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else ""),
+                **({"autotune": self.tuning} if self.tuning else {}),
+            },
+        )
+
     def to_torch(self, **kwargs: Any) -> Any:
         """This loader as an iterable of dicts of torch tensors; see :mod:`stoker.torch`."""
         from .torch import to_torch
@@ -399,13 +432,22 @@ class _Pass:
             batch_size=loader.batch_size,
             with_index=loader.with_index,
         )
+        self._assembler.counters = self._counters = loader._counters
+        self._assembler.readahead = Readahead(drop_behind=loader.drop_behind)
+        self._last: float | None = None  # when __next__ last returned a batch
         first_epoch, start = loader._resume
         tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start))
         self._loader = weakref.ref(loader)
         work: Callable[[Task], tuple[Batch, BatchPlan]] = self._assembler
         if loader._stage is not None and loader.workers == "thread":
             work = loader._stage.bind(self._assembler, self._pool.array, ds._catalog)
-        self._batches = loader._executor.map_ordered(work, tasks, window=loader.prefetch)
+        self._tuner: ThreadTuner | None = None
+        window = loader.prefetch
+        if loader._tune_threads and not loader.tuning:
+            self._tuner = ThreadTuner(start=loader.threads, max_threads=loader._max_threads,
+                                      tune_prefetch=loader._tune_prefetch, fits=loader._fits)  # fmt: skip
+            window = self._tuner.prefetch_for(loader.threads) if loader._tune_prefetch else window
+        self._batches = loader._executor.map_ordered(work, tasks, window=window)
         # One stop event: a worker waiting for its turn on a stream wakes when the map closes.
         self._assembler.stop = self._batches.stop
         self._finalizer = weakref.finalize(self, _shutdown, self._batches, self._assembler, self._pool)
@@ -414,15 +456,34 @@ class _Pass:
         return self
 
     def __next__(self) -> Batch:
+        asked = time.perf_counter()
         try:
             batch, plan = next(self._batches)
         except BaseException:
             self.close()
             raise
+        got = time.perf_counter()
+        self._counters.delivered(batch, plan.rows, asked, got, self._last)
         loader = self._loader()
+        if self._tuner is not None and loader is not None:
+            self._tune(loader, asked, got, plan.rows)
+        self._last = got
         if loader is not None:
             loader._delivered = (plan.epoch, plan.position)
         return batch
+
+    def _tune(self, loader: Loader, asked: float, got: float, rows: int) -> None:
+        tuner = self._tuner
+        assert tuner is not None
+        tuner.observe(self._batches, asked, got, self._last, rows)
+        loader.threads = tuner.threads
+        if tuner.done:  # later passes start with the measured values
+            self._tuner = None
+            loader.tuning = tuner.summary()
+            if isinstance(loader._executor, ThreadExecutor):
+                loader._executor.threads = tuner.threads
+            if loader._tune_prefetch:
+                loader.prefetch = tuner.prefetch_for(tuner.threads)
 
     def close(self) -> None:
         self._finalizer()

@@ -1,0 +1,111 @@
+"""One line that names what limits a pipeline, and the setting that would move it.
+
+The verdict reads a :class:`~stoker.stats.LoaderStats` (from ``loader.stats()`` or a
+``stoker bench`` child) and, when known, how close the loader came to the machine's
+ceiling on the same files. Checks run from the outside in: first whether the consumer is
+the limit (then nothing in stoker is), then whether the machine is, then which worker
+stage takes the time.
+"""
+
+from __future__ import annotations
+
+from .inflate import BACKEND
+from .stats import LoaderStats
+
+__all__ = ["CONSUMER_BOUND", "AT_CEILING", "verdict"]
+
+# The consumer's own work is more than half the loop: stoker is ahead and waits on it.
+CONSUMER_BOUND = 0.5
+# The issue's target: within 10% of the fastest simple loop on the same files.
+AT_CEILING = 0.9
+# Workers busy on reads but on the CPU less than this share of that time: they wait on storage.
+IO_BOUND_CPU = 0.5
+
+
+def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: str = BACKEND) -> str:
+    """What limits the loader these stats come from, and what would move it.
+
+    Args:
+        stats: counters of a loader that has delivered batches.
+        ceiling_ratio: the loader's records/s over the ceiling loop's on the same files
+            (``stoker bench`` measures it), or None when not measured.
+        backend: the inflate library in use (``"isal"`` or ``"zlib"``).
+    """
+    if stats.batches == 0 or stats.seconds <= 0:
+        return "no batches delivered yet: nothing to diagnose"
+    if stats.consumer_fraction >= CONSUMER_BOUND:
+        return (
+            f"consumer-bound: the pipeline waits on you {stats.consumer_fraction:.0%} of the time "
+            f"(you wait on it {stats.wait_fraction:.0%}); a faster step, not stoker, would move it"
+        )
+    if ceiling_ratio is not None and ceiling_ratio >= AT_CEILING:
+        above = " (over 100%: noisy rounds, read the spread)" if ceiling_ratio > 1.05 else ""
+        return (
+            f"at {ceiling_ratio:.0%} of this machine's ceiling: the copy is the limit{above} "
+            "(less data per record, or faster memory/storage, would move it)"
+        )
+    where = "" if ceiling_ratio is None else f" at {ceiling_ratio:.0%} of the ceiling"
+    table = stats.stage_table()
+    if not table:
+        return f"no worker stage measured{where}"
+    stage, name, _, share = table[0]
+    cores, threads = stats.cores, stats.threads
+    more_threads = f"raise threads= (now {threads}, {cores} cores)" if threads < cores else ""
+    if stage == "decompress":
+        if backend != "isal":
+            return (
+                f"gzip/zlib decompression of field {name!r} limits you ({share:.0%} of worker time{where}): "
+                "install isal (pip install 'stoker[fast]'), 1.5-2x faster inflate"
+            )
+        return f"decompression of field {name!r} limits you ({share:.0%} of worker time{where}, isal in use): " + (
+            more_threads or "store that field uncompressed, or split it into more files so more inflate at once"
+        )
+    if stage == "turn":
+        return (
+            f"workers wait for their turn on field {name!r}'s compressed streams ({share:.0%} of worker "
+            f"time{where}): raise cycle_length so more files are read at once"
+        )
+    if stage in ("read", "read+cast", "gather"):
+        cpu_share = stats.busy_cpu_seconds / stats.busy_seconds if stats.busy_seconds > 0 else 1.0
+        from_disk = stats.disk_read_bytes
+        if cpu_share < IO_BOUND_CPU and from_disk is not None and from_disk < stats.source_bytes // 10:
+            return (
+                f"CPU-starved: workers ({stage} of field {name!r}) ran on a CPU only {cpu_share:.0%} of their "
+                f"busy time{where} though "
+                f"almost nothing came from the disk; the machine's load average is {stats.load_average:.1f} "
+                f"on {cores} cores: other processes (or your own threads holding the GIL) take the CPU"
+            )
+        if cpu_share < IO_BOUND_CPU:
+            return (
+                f"storage-bound: reads of field {name!r} wait on the disk (workers on the CPU only "
+                f"{cpu_share:.0%} of their busy time{where}): raise threads/prefetch for more reads in flight, "
+                "or keep the files in the page cache"
+            )
+        if more_threads:
+            return f"{stage} of field {name!r} limits you ({share:.0%} of worker time{where}): {more_threads}"
+        if stage == "gather":
+            return (
+                f"random-access gathers of field {name!r} for shuffle='global' limit you ({share:.0%} of worker "
+                f"time{where}): shuffle='files' reads each file front to back"
+            )
+        busy = f"CPU {stats.cpu_utilization:.0%} of {cores} cores"
+        if stage == "read+cast":
+            return (
+                f"the copy of field {name!r} with its cast to {stats.dtypes.get(name, '?')} limits you "
+                f"({share:.0%} of worker time{where}, {busy}): keep the stored dtype and cast on the "
+                "accelerator to move fewer bytes"
+            )
+        return f"the copy of field {name!r} limits you ({share:.0%} of worker time{where}, {busy})"
+    if stage == "copy":
+        return f"copying decompressed records of field {name!r} limits you ({share:.0%} of worker time{where}): " + (
+            more_threads or "store that field uncompressed so it is read straight into the batch"
+        )
+    if stage == "cast":
+        return (
+            f"the cast of field {name!r} to {stats.dtypes.get(name, '?')} limits you ({share:.0%} of worker "
+            f"time{where}): keep the stored dtype and cast on the accelerator"
+        )
+    return (
+        f"per-batch overhead (buffers, files, bookkeeping) limits you ({share:.0%} of worker time{where}): "
+        f"raise batch_size (now {stats.batch_size})"
+    )

@@ -1,0 +1,61 @@
+"""Page-cache advice for raw files read front to back: read ahead of the reader, drop behind it.
+
+Ahead: ``POSIX_FADV_WILLNEED`` on the next ``AHEAD_BYTES`` of the file after each run, so a
+cold file is already on its way from the disk when the next run asks for it.
+
+Behind: when the dataset's raw files are larger than half of this machine's RAM, the pages
+a run has finished with are dropped (``MADV_DONTNEED`` on our mapping, then
+``POSIX_FADV_DONTNEED``), so streaming a dataset bigger than RAM neither evicts the
+training process's memory nor keeps gigabytes of pages nobody reads again this epoch.
+Smaller datasets keep their pages: the next epoch reads them from memory.
+
+Advice changes what the kernel caches, never what is read: the output is the same either way.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+__all__ = ["AHEAD_BYTES", "Readahead", "drop_behind_for"]
+
+# Not tuned by measurement yet: 16 MiB ahead of each file of the interleave cycle is a
+# few runs of ~1 MiB in flight per file, small beside the page cache.
+AHEAD_BYTES = 16 << 20
+# Pages kept behind the reader (runs of the same file finish out of order across workers).
+BEHIND_SLACK = 4 << 20
+_PAGE = mmap.PAGESIZE
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover - not on Linux
+        return 0
+
+
+def drop_behind_for(raw_bytes: int) -> bool:
+    """Whether a dataset with ``raw_bytes`` of raw files should drop pages behind the reader."""
+    ram = physical_memory()
+    return bool(ram) and raw_bytes > ram // 2
+
+
+class Readahead:
+    """Advice for one pass; ``after_read`` is called after each run of a raw file."""
+
+    def __init__(self, *, drop_behind: bool) -> None:
+        self.drop_behind = drop_behind
+        self.enabled = hasattr(os, "posix_fadvise")
+
+    def after_read(self, fd: int, mapped: mmap.mmap | None, size: int, offset: int, nbytes: int) -> None:
+        if not self.enabled:
+            return
+        end = offset + nbytes
+        if end < size:
+            os.posix_fadvise(fd, end, min(AHEAD_BYTES, size - end), os.POSIX_FADV_WILLNEED)
+        if self.drop_behind:
+            upto = (offset - BEHIND_SLACK) // _PAGE * _PAGE
+            if upto > 0:
+                if mapped is not None:
+                    mapped.madvise(mmap.MADV_DONTNEED, 0, upto)
+                os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)

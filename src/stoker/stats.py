@@ -1,0 +1,237 @@
+"""Where a loader's time goes: cheap running counters, and the snapshot ``loader.stats()`` returns.
+
+Workers add the seconds of each stage of a batch (a couple of ``perf_counter`` calls per
+run of records, never per record); the loader's ``__next__`` adds how long the consumer
+waited for a batch and how long it kept the batch before asking for the next. That is
+enough to say what limits a pipeline (see :mod:`stoker.doctor`), and cheap enough to leave on.
+
+Stages (worker-seconds, summed over worker threads):
+
+- ``read``: raw bytes read into the batch (``preadv``) with no cast;
+- ``read+cast``: raw records copied from a memory map with the cast fused into the copy
+  (one pass: the page-cache or disk read and the cast cannot be told apart);
+- ``decompress``: gzip/zlib inflate, skips included;
+- ``cast``: decompressed records cast into the batch;
+- ``copy``: decompressed records copied into the batch (a small file is decoded whole first);
+- ``gather``: random-access copies of ``shuffle="global"``;
+- ``turn``: waiting for another worker's turn on the same compressed stream;
+- ``assemble``: everything else in a worker's batch (buffer allocation, opening files, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STAGES", "Counters", "LoaderStats"]
+
+STAGES = ("read", "read+cast", "decompress", "cast", "copy", "gather", "turn", "assemble")
+
+
+class Counters:
+    """Running totals shared by a loader's workers and its consumer; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.stage: dict[tuple[str, str], float] = {}  # (stage, field) -> worker-seconds
+        self.busy = 0.0  # worker-seconds inside batch assembly
+        self.busy_cpu = 0.0  # CPU seconds of those workers in that time
+        self.batches = 0
+        self.records = 0
+        self.out_bytes: dict[str, int] = {}
+        self.wait = 0.0  # consumer blocked in __next__: it waits on the pipeline
+        self.consumer = 0.0  # between __next__ returning and the next call: the pipeline waits on it
+        self._cpu_first: float | None = None
+        self._cpu_last = 0.0
+        self._wall_first = 0.0
+        self._wall_last = 0.0
+        self._disk_first: int | None = None
+
+    def add(self, stage: str, name: str, seconds: float) -> None:
+        key = (stage, name)
+        with self._lock:
+            self.stage[key] = self.stage.get(key, 0.0) + seconds
+
+    def batch_done(self, seconds: float, cpu_seconds: float) -> None:
+        with self._lock:
+            self.busy += seconds
+            self.busy_cpu += cpu_seconds
+
+    def delivered(
+        self, batch: Mapping[str, np.ndarray], rows: int, asked: float, got: float, last: float | None
+    ) -> None:
+        """A batch left ``__next__``: asked for at ``asked``, returned at ``got``; ``last`` = previous return."""
+        cpu = time.process_time()
+        with self._lock:
+            if self._cpu_first is None:
+                self._cpu_first, self._wall_first = cpu, asked
+                self._disk_first = disk_read_bytes()
+            self._cpu_last, self._wall_last = cpu, got
+            self.batches += 1
+            self.records += rows
+            self.wait += got - asked
+            if last is not None:
+                self.consumer += asked - last
+            for name, arr in batch.items():
+                self.out_bytes[name] = self.out_bytes.get(name, 0) + arr.nbytes
+
+    def snapshot(self, **config: Any) -> LoaderStats:
+        with self._lock:
+            stage = dict(self.stage)
+            busy, busy_cpu = self.busy, self.busy_cpu
+            wall = self._wall_last - self._wall_first if self._cpu_first is not None else 0.0
+            cpu = self._cpu_last - self._cpu_first if self._cpu_first is not None else 0.0
+            disk_first = self._disk_first
+            out = dict(
+                batches=self.batches, records=self.records, bytes=dict(self.out_bytes),
+                wait_seconds=self.wait, consumer_seconds=self.consumer,
+            )  # fmt: skip
+        by_field: dict[str, dict[str, float]] = {}
+        for (st, name), s in stage.items():
+            by_field.setdefault(name, {})[st] = s
+        known = sum(stage.values())
+        disk_now = disk_read_bytes() if disk_first is not None else None
+        return LoaderStats(
+            **out,  # type: ignore[arg-type]
+            field_stage_seconds=by_field,
+            busy_seconds=busy,
+            busy_cpu_seconds=busy_cpu,
+            assemble_seconds=max(0.0, busy - known),
+            wall_seconds=wall,
+            cpu_seconds=cpu,
+            cores=_cores(),
+            disk_read_bytes=None if disk_now is None or disk_first is None else disk_now - disk_first,
+            load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
+            **config,
+        )
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes this process has had read from storage (not the page cache), or None where unknown."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A loader's counters since its first batch; ``str()`` gives a one-screen summary.
+
+    Worker stage times are worker-seconds (summed over threads); ``wait_seconds`` is the
+    time the consumer spent blocked in ``__next__`` and ``consumer_seconds`` the time it
+    kept each batch before asking for the next (its training step).
+    """
+
+    batches: int
+    records: int
+    bytes: dict[str, int]
+    wait_seconds: float
+    consumer_seconds: float
+    field_stage_seconds: dict[str, dict[str, float]]
+    busy_seconds: float
+    busy_cpu_seconds: float
+    assemble_seconds: float
+    wall_seconds: float
+    cpu_seconds: float
+    cores: int
+    disk_read_bytes: int | None = None  # read from storage since the first batch (/proc/self/io)
+    load_average: float = 0.0  # the machine's 1-minute load average when the stats were taken
+    threads: int = 0
+    prefetch: int = 0
+    batch_size: int = 0
+    record_bytes: dict[str, int] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    tuning: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        """Time the consumer spent in the loop: waiting for batches plus using them."""
+        return self.wait_seconds + self.consumer_seconds
+
+    @property
+    def stage_seconds(self) -> dict[str, float]:
+        """Worker-seconds per stage, over every field (``assemble`` is the rest of a worker's batch)."""
+        out = dict.fromkeys(STAGES, 0.0)
+        for stages in self.field_stage_seconds.values():
+            for st, s in stages.items():
+                out[st] = out.get(st, 0.0) + s
+        out["assemble"] = self.assemble_seconds
+        return out
+
+    @property
+    def records_per_s(self) -> float:
+        return self.records / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes of the stored records delivered (before any cast)."""
+        return self.records * sum(self.record_bytes.values())
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.source_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the loop's time the consumer waited on the pipeline."""
+        return self.wait_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def consumer_fraction(self) -> float:
+        """Share of the loop's time the pipeline waited on the consumer."""
+        return self.consumer_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def cpu_utilization(self) -> float:
+        """Process CPU time over wall time since the first batch, as a share of the usable cores."""
+        return self.cpu_seconds / self.wall_seconds / self.cores if self.wall_seconds > 0 else 0.0
+
+    @property
+    def worker_idle_seconds(self) -> float:
+        """Worker-seconds not spent on a batch (window full, or nothing to do)."""
+        return max(0.0, self.threads * self.wall_seconds - self.busy_seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable fields (``from_dict`` reverses it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoaderStats:
+        return cls(**data)
+
+    def stage_table(self) -> list[tuple[str, str, float, float]]:
+        """(stage, field, worker-seconds, share of worker busy time), largest first."""
+        rows = [(st, name, s) for name, stages in self.field_stage_seconds.items() for st, s in stages.items()]
+        rows.append(("assemble", "*", self.assemble_seconds))
+        busy = self.busy_seconds or 1.0
+        return sorted(((st, n, s, s / busy) for st, n, s in rows if s > 0), key=lambda r: -r[2])
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.batches} batches, {self.records} records in {self.seconds:.2f}s: "
+            f"{self.records_per_s:,.0f} records/s, {self.mb_per_s:,.0f} MB/s read",
+            f"consumer waited on the pipeline {self.wait_fraction:.0%} of the time; "
+            f"the pipeline waited on the consumer {self.consumer_fraction:.0%}",
+            f"CPU {self.cpu_utilization:.0%} of {self.cores} cores; threads={self.threads} prefetch={self.prefetch}"
+            + "".join(f" ({k}: {v})" for k, v in self.tuning.items()),
+            "worker time by stage: " + ", ".join(f"{st}[{n}] {share:.0%}" for st, n, _, share in self.stage_table()),
+        ]
+        return "\n".join(lines)

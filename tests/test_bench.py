@@ -1,0 +1,130 @@
+"""stoker.bench children and `stoker bench`: real child processes on real files."""
+
+from __future__ import annotations
+
+import gzip
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stoker.bench import burn, run_child
+from stoker.cli import main
+from stoker.sample import expected_label, write_sample
+from stoker.stats import LoaderStats
+
+
+@pytest.fixture
+def sample(tmp_path: Path) -> Path:
+    main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
+    return tmp_path
+
+
+def _fields(d: Path) -> list[dict[str, object]]:
+    return [
+        {"name": "image", "files": str(d / "img_*.bin"), "dtype": "int8", "shape": [16, 16, 1]},
+        {"name": "label", "files": str(d / "out_*.bin.gz"), "dtype": "float32", "compression": "gzip"},
+    ]
+
+
+def test_stoker_child_reports_the_loader_stats_of_its_run(sample: Path) -> None:
+    cfg = {"fields": _fields(sample), "batch": 16, "cast": "float32", "seconds": 0.2, "evict": True}
+    m = run_child("stoker", cfg)
+    assert m.records > 0 and m.stats is not None
+    s = LoaderStats.from_dict(m.stats)
+    assert s.records == m.records and s.batch_size == 16
+    assert s.field_stage_seconds["image"]["read+cast"] > 0
+
+
+def test_a_busy_consumer_child_is_consumer_bound(sample: Path) -> None:
+    cfg = {"fields": _fields(sample), "batch": 16, "cast": "float32", "seconds": 0.3, "busy_ms": 20}
+    s = LoaderStats.from_dict(run_child("stoker", cfg).stats or {})
+    assert s.consumer_fraction > 0.5
+
+
+def test_inflate_ceiling_counts_the_records_it_decodes(tmp_path: Path) -> None:
+    for g in range(2):
+        (tmp_path / f"img_{g}.bin.gz").write_bytes(gzip.compress(np.arange(5 * 64, dtype=np.int8).tobytes()))
+    cfg = {"paths": sorted(str(p) for p in tmp_path.glob("*.gz")), "header": 0, "shape": [8, 8], "src_dtype": "|i1",
+           "out_dtype": "float32", "batch": 4, "loop": "inflate_cast", "threads": 1, "seconds": 0.05}  # fmt: skip
+    m = run_child("ceiling", cfg)
+    assert m.records > 0 and m.bytes_read == m.records * 64
+
+
+def test_burn_keeps_the_thread_on_the_cpu() -> None:
+    cpu = time.thread_time()
+    burn(0.05)
+    assert time.thread_time() - cpu >= 0.05
+
+
+def test_bench_prints_stages_cpu_threads_and_a_verdict(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--field", f"image={sample}/img_*.bin:int8:16x16x1",
+                 "--field", f"label={sample}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "% of ceiling" in out and "MB/s" in out
+    assert "worker time by stage: " in out and "read+cast[image]" in out
+    assert "CPU " in out and "threads=" in out and "prefetch=" in out
+    assert "verdict: " in out
+
+
+def test_bench_on_a_compressed_widest_field_measures_the_inflate_ceiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for g in range(2):
+        (tmp_path / f"img_{g}.bin.gz").write_bytes(gzip.compress(np.zeros(40 * 64, np.int8).tobytes()))
+    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin.gz:int8:8x8", "--rounds", "1", "--seconds", "0.2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "ceiling:inflate_cast" in out and "verdict: " in out
+
+
+def _compare() -> Any:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import compare
+
+    return compare
+
+
+@pytest.mark.torch
+def test_compare_peers_read_whole_batches_that_keep_images_with_their_labels(tmp_path: Path) -> None:
+    import torch.utils.data
+
+    compare = _compare()
+    write_sample(tmp_path, pairs=3, records=100, inrez=compare.RES)
+    for shuffle in (False, True):
+        src = compare.BatchSource(tmp_path, "float32", shuffle=shuffle)
+        image, label = src.read(np.arange(90, 210))  # spans groups 0, 1 and 2
+        assert image.dtype == np.float32 and image.shape == (120, compare.RES, compare.RES, 1)
+        assert np.array_equal(expected_label(image.astype(np.int8)), label)
+        assert sorted(label.tolist()) == (sorted(src.order[90:210].tolist()) if shuffle else list(range(90, 210)))
+    dl = torch.utils.data.DataLoader(src, batch_size=16, collate_fn=compare._identity)
+    images, labels = next(iter(dl))
+    assert images.shape[0] == 16 and np.array_equal(expected_label(images.numpy().astype(np.int8)), labels.numpy())
+    assert len(compare.GrainBatches(src)) == 1
+    batch = compare.GrainBatches(src)[0]
+    assert np.array_equal(expected_label(batch["image"].astype(np.int8)), batch["label"])
+
+
+def test_compare_report_and_chart_show_ratios_reasons_and_the_ceiling(tmp_path: Path) -> None:
+    compare = _compare()
+    results = {
+        "W1": {"rates": {"ceiling": [100.0, 200.0], "stoker numpy": [90.0, 150.0], "grain": [50.0, None]},
+               "verdict": "consumer-bound: ..."},
+        "W2": {"rates": {"ceiling": [10.0, 10.0], "stoker numpy": [9.0, 9.5]}},
+    }  # fmt: skip
+    meta = {"date": "d", "machine": "m", "cores": 2, "rounds": 2, "seconds": 1.0}
+    text = compare.report(results, meta)
+    assert "| W1 | stoker numpy | 120 | 90 | 150 | 0.82 [0.75..0.90] |" in text
+    assert "| W1 | grain | 50 | 50 | 50 | 0.50 [0.50..0.50] | 1.80 [1.80..1.80] |" in text
+    assert "W2 | grain | not run: needs random access" in text and "- W1: consumer-bound" in text
+    compare.chart(results, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_compare_runs_benchmarks_compare_and_passes_its_exit_status(capfd: pytest.CaptureFixture[str]) -> None:
+    # An unknown workload is refused by compare.py before any data is generated.
+    assert main(["bench", "--compare", "--workloads", "W9", "--rounds", "1"]) == 2
+    assert "unknown workload(s) ['W9']" in capfd.readouterr().err

@@ -1,0 +1,264 @@
+"""loader.stats(): counters from live loaders on real files, and the verdict read from them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stoker
+from conftest import LAB_GZ, FieldPlan, build, check_batches
+from stoker.doctor import verdict
+from stoker.readahead import drop_behind_for, physical_memory
+from stoker.stats import LoaderStats
+
+WIDE_GZ = FieldPlan("wide", "int16", (64, 64), kind="gzip")
+WIDE_RAW = FieldPlan("wide", "int16", (64, 64))
+
+
+def test_stats_before_any_batch_are_zero_and_say_so(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(4) as loader:
+        s = loader.stats()
+        assert (s.batches, s.records, s.seconds, s.records_per_s) == (0, 0, 0.0, 0.0)
+        assert "no batches" in verdict(s)
+
+
+def test_stats_count_batches_records_and_bytes_per_field(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(4, cast={"image": "float32"}, epochs=2) as loader:
+        batches = list(loader)
+        s = loader.stats()
+    assert s.batches == len(batches)
+    assert s.records == 2 * len(pair_ds)
+    assert s.bytes == {n: sum(b[n].nbytes for b in batches) for n in ("image", "label")}
+    assert s.bytes["image"] == 2 * len(pair_ds) * 36 * 4  # float32 out of int8 (6, 6, 1)
+    assert s.source_bytes == 2 * len(pair_ds) * (36 + 4)
+    assert (s.threads, s.prefetch, s.batch_size) == (loader.threads, loader.prefetch, 4)
+    assert s.dtypes == {"image": "float32", "label": "float32"}
+
+
+def test_stages_name_what_each_field_went_through(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(4, cast={"image": "float32"}) as loader:
+        list(loader)
+        cast = loader.stats().field_stage_seconds
+    with pair_ds.loader(4) as loader:
+        list(loader)
+        plain = loader.stats().field_stage_seconds
+    assert cast["image"]["read+cast"] > 0 and "read" not in cast["image"]
+    assert plain["image"]["read"] > 0 and "read+cast" not in plain["image"]
+    assert cast["label"]["decompress"] > 0
+    with pair_ds.loader(4, shuffle="global", seed=3) as loader:
+        list(loader)
+        shuffled = loader.stats().field_stage_seconds
+    assert shuffled["image"]["gather"] > 0 and shuffled["label"]["gather"] > 0
+
+
+def test_worker_stage_times_add_up_to_their_busy_time(tmp_path: Path) -> None:
+    ds = build(tmp_path, [300] * 4, {"wide": WIDE_GZ, "label": LAB_GZ})
+    with ds.loader(32, cast="float32") as loader:
+        list(loader)
+        s = loader.stats()
+    stages = s.stage_seconds
+    assert s.busy_seconds > 0
+    assert sum(stages.values()) == pytest.approx(s.busy_seconds, rel=1e-6)
+    assert s.stage_table()[0][2] == max(t for _, _, t, _ in s.stage_table())
+
+
+def test_a_sleeping_consumer_is_counted_as_consumer_time_and_diagnosed_consumer_bound(
+    pair_ds: stoker.Dataset,
+) -> None:
+    with pair_ds.loader(4) as loader:
+        n = 0
+        for _ in loader:
+            time.sleep(0.02)
+            n += 1
+        s = loader.stats()
+    assert s.consumer_seconds >= 0.02 * (n - 1)
+    assert s.consumer_fraction > 0.5
+    assert s.seconds == pytest.approx(s.wait_seconds + s.consumer_seconds)
+    v = verdict(s)
+    assert v.startswith("consumer-bound: the pipeline waits on you")
+    assert f"{s.consumer_fraction:.0%}" in v
+
+
+def test_a_compressed_wide_field_is_diagnosed_as_decompression_bound(tmp_path: Path) -> None:
+    # 16 MiB of int16 per file to inflate: far more work than anything else in the batch.
+    ds = build(tmp_path, [2048] * 3, {"wide": WIDE_GZ, "label": FieldPlan("lab", "float32")})
+    with ds.loader(256, threads=1) as loader:
+        for _ in loader:
+            pass
+        s = loader.stats()
+    stage, name, _, _ = s.stage_table()[0]
+    assert (stage, name) == ("decompress", "wide")
+    assert "install isal" in verdict(s, backend="zlib")
+    assert "decompression of field 'wide'" in verdict(s, backend="isal")
+    # One thread on a machine with more cores: the setting that moves it is threads=.
+    if s.cores > 1:
+        assert "raise threads= (now 1" in verdict(s, backend="isal")
+
+
+def test_near_the_ceiling_the_verdict_says_the_copy_is_the_limit(tmp_path: Path) -> None:
+    ds = build(tmp_path, [300] * 2, {"wide": WIDE_RAW})
+    with ds.loader(64, cast="float32") as loader:
+        list(loader)
+        s = loader.stats()
+    assert verdict(s, 0.93).startswith("at 93% of this machine's ceiling: the copy is the limit")
+    below = verdict(s, 0.5)
+    assert "at 50% of the ceiling" in below and "'wide'" in below
+
+
+def test_stats_survive_json_and_print_one_screen(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(4, epochs=1) as loader:
+        list(loader)
+        s = loader.stats()
+    again = LoaderStats.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert again == s
+    text = str(s)
+    assert "records/s" in text and f"threads={s.threads}" in text and "worker time by stage" in text
+    assert s.cpu_utilization >= 0 and s.cpu_seconds >= 0
+
+
+def test_stats_accumulate_over_passes_and_stay_readable_after_close(pair_ds: stoker.Dataset) -> None:
+    loader = pair_ds.loader(8)
+    list(loader)
+    list(loader)
+    loader.close()
+    s = loader.stats()
+    assert s.records == 2 * len(pair_ds)
+    assert np.isfinite(s.records_per_s)
+
+
+@pytest.mark.parametrize("cast", [None, "float32"])
+def test_dropping_pages_behind_the_reader_changes_no_record(tmp_path: Path, cast: str | None) -> None:
+    ds = build(tmp_path, [700, 300, 900], {"wide": WIDE_RAW, "label": LAB_GZ})
+    loader = ds.loader(64, cast=cast, with_index=True, epochs=2)
+    loader.drop_behind = True  # as for a dataset larger than half the RAM
+    with loader:
+        check_batches(ds, loader, cast={"wide": cast} if cast else None, epochs=2)
+        assert "drop behind" in loader.stats().tuning["readahead"]
+
+
+def test_only_datasets_larger_than_half_the_ram_drop_pages_behind(pair_ds: stoker.Dataset) -> None:
+    ram = physical_memory()
+    assert drop_behind_for(ram // 2 + 1) and not drop_behind_for(ram // 2)
+    assert pair_ds.loader(4).drop_behind is False
+
+
+def test_a_small_gzip_file_is_inflated_once_per_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Files under VERIFY_WHOLE_BYTES are decoded and checked whole; the end check must not
+    # decompress them a second time (it did: stats showed the second pass as "assemble").
+    import stoker.batch
+
+    ds = build(tmp_path, [300, 200, 100], {"wide": WIDE_GZ, "label": LAB_GZ})
+    opened: list[str] = []
+
+    class Counting(stoker.batch.Inflater):
+        def __init__(self, path: str, *args: object, **kw: object) -> None:
+            opened.append(path)
+            super().__init__(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stoker.batch, "Inflater", Counting)
+    with ds.loader(64, with_index=True, epochs=2) as loader:
+        check_batches(ds, loader, epochs=2)
+    assert sorted(opened) == sorted(2 * [str(i[n].path) for i in ds.files for n in ("wide", "label")])
+
+
+# -- autotune ---------------------------------------------------------------------------------
+def _until_tuned(loader: stoker.Loader, sleep: float = 0.0, limit: float = 30.0) -> list[dict[str, np.ndarray]]:
+    got = []
+    deadline = time.monotonic() + limit
+    for batch in loader:
+        got.append({k: v.copy() for k, v in batch.items() if k.startswith("__")})
+        if sleep:
+            time.sleep(sleep)
+        if loader.tuning or time.monotonic() > deadline:
+            break
+    return got
+
+
+def test_autotuned_threads_change_nothing_in_the_sequence_and_show_in_stats(tmp_path: Path) -> None:
+    ds = build(tmp_path, [500] * 6, {"wide": WIDE_RAW, "label": LAB_GZ})
+    with ds.loader(16, epochs=None, cast="float32", with_index=True) as tuned:
+        got = _until_tuned(tuned)
+        s = tuned.stats()
+    assert tuned.tuning, "autotune did not finish within the time limit"
+    assert s.tuning["autotune"] == tuned.tuning and f"threads={tuned.threads} measured ({s.cores}: " in tuned.tuning
+    assert 1 <= tuned.threads <= 2 * s.cores and s.threads == tuned.threads
+    with ds.loader(16, epochs=None, cast="float32", with_index=True, threads=1) as fixed:
+        want = [next(it) for it in [iter(fixed)] for _ in range(len(got))]
+    for a, b in zip(got, want):
+        assert np.array_equal(a["__group__"], b["__group__"]) and np.array_equal(a["__index__"], b["__index__"])
+
+
+def test_a_slow_consumer_stops_autotune_where_it_started(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(2, epochs=None) as loader:
+        start = loader.threads
+        _until_tuned(loader, sleep=0.03)
+        assert loader.threads == start and f"consumer-bound at {start} thread(s)" in loader.tuning
+        assert loader.stats().threads == start
+
+
+def test_given_threads_are_not_tuned(pair_ds: stoker.Dataset) -> None:
+    with pair_ds.loader(2, epochs=3, threads=3) as loader:
+        list(loader)
+        s = loader.stats()
+    assert loader.tuning == "" and "autotune" not in s.tuning and s.threads == 3
+
+
+def test_autotuned_prefetch_stays_within_the_memory_budget(tmp_path: Path) -> None:
+    ds = build(tmp_path, [500] * 6, {"wide": WIDE_RAW})
+    batch_bytes = 16 * 64 * 64 * 4
+    with ds.loader(16, epochs=None, cast="float32", memory_budget=5 * batch_bytes) as loader:
+        _until_tuned(loader)
+        assert loader.tuning
+        assert loader.prefetch * batch_bytes <= 5 * batch_bytes // 2
+
+
+def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
+    from stoker.autotune import ThreadTuner
+
+    class Workers:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def add_worker(self) -> None:
+            self.calls.append("add")
+
+        def retire_worker(self) -> None:
+            self.calls.append("retire")
+
+        def set_window(self, window: int) -> None:
+            self.calls.append(f"window {window}")
+
+    tuner = ThreadTuner(start=1, max_threads=4, tune_prefetch=True, fits=100)
+    w = Workers()
+    now = 0.0
+    # Seconds per batch as the consumer sees them (it never keeps a batch): 1 thread 10 ms,
+    # 2 threads 5 ms (pays), 3 threads 4.9 ms (does not pay: taken back).
+    per_batch = {1: 0.010, 2: 0.005, 3: 0.0049}
+    for _ in range(1000):
+        if tuner.done:
+            break
+        step = per_batch[tuner.threads]
+        tuner.observe(w, now, now + step, now, 16)
+        now += step
+    assert tuner.done and tuner.threads == 2
+    assert w.calls == ["add", "window 2", "add", "window 3", "retire", "window 2"]
+    assert "3 threads gave" in tuner.reason
+
+
+def test_low_worker_cpu_is_storage_bound_only_when_the_bytes_came_from_the_disk(tmp_path: Path) -> None:
+    ds = build(tmp_path, [300] * 2, {"wide": WIDE_RAW})
+    with ds.loader(64, cast="float32", threads=2) as loader:
+        list(loader)
+        s = loader.stats()
+    assert s.disk_read_bytes is not None and s.load_average >= 0
+    # Workers that ran on a CPU a tenth of their busy time: the disk is to blame only if
+    # the bytes came from it; otherwise the CPU went elsewhere.
+    starved = dataclasses.replace(s, busy_cpu_seconds=s.busy_seconds / 10, disk_read_bytes=0)
+    assert verdict(starved).startswith("CPU-starved: workers (read+cast of field 'wide') ran on a CPU only 10%")
+    cold = dataclasses.replace(starved, disk_read_bytes=s.source_bytes)
+    assert verdict(cold).startswith("storage-bound: reads of field 'wide' wait on the disk")
