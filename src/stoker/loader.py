@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .autotune import ThreadTuner
+from .autotune import ThreadTuner, default_prefetch
 from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task
 from .dataset import resolve_cast
 from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor
@@ -133,12 +133,10 @@ class Loader:
             )
         fits = self.memory_budget // self.batch_bytes
         if prefetch is None:
-            # One batch in flight per worker keeps every worker busy while the consumer holds
-            # one; more only rotates more buffers through the cache. measured (W1 int8, 5
-            # alternated rounds): prefetch 2 gave 1.38x the records/s of 4 with 2 threads.
-            # At most half the budget for batches in flight, the rest for recycled buffers.
-            # Autotuned threads: reserved for the most workers it may reach (stoker.autotune).
-            self.prefetch = max(1, min(max(2, self._max_threads), fits // 2))
+            # See stoker.autotune.default_prefetch (measured there). At most half the budget for
+            # batches in flight, the rest for recycled buffers. Autotuned threads: reserved for
+            # the most workers it may reach.
+            self.prefetch = default_prefetch(self._max_threads, self.batch_bytes, fits)
         else:
             self.prefetch = _positive("prefetch", prefetch) or 1
             if self.prefetch > fits:
@@ -445,7 +443,8 @@ class _Pass:
         window = loader.prefetch
         if loader._tune_threads and not loader.tuning:
             self._tuner = ThreadTuner(start=loader.threads, max_threads=loader._max_threads,
-                                      tune_prefetch=loader._tune_prefetch, fits=loader._fits)  # fmt: skip
+                                      tune_prefetch=loader._tune_prefetch, fits=loader._fits,
+                                      batch_bytes=loader.batch_bytes)  # fmt: skip
             window = self._tuner.prefetch_for(loader.threads) if loader._tune_prefetch else window
         self._batches = loader._executor.map_ordered(work, tasks, window=window)
         # One stop event: a worker waiting for its turn on a stream wakes when the map closes.
