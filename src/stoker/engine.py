@@ -196,9 +196,14 @@ class _State(Generic[T, R]):
             self.cond.notify_all()
             self.space.notify_all()
         me = threading.current_thread()
+        interrupted: BaseException | None = None
         for t in self.threads:
-            if t is not me:
-                t.join()
+            while t is not me and t.is_alive():
+                # A Ctrl-C during close must not leave workers behind: finish joining, then raise it.
+                try:
+                    t.join()
+                except KeyboardInterrupt as e:
+                    interrupted = e
         with self.cond:
             self.results.clear()
         close = getattr(self.tasks, "close", None)
@@ -206,6 +211,8 @@ class _State(Generic[T, R]):
             # ValueError: "generator already executing" in a worker that is exiting.
             with contextlib.suppress(ValueError):
                 close()
+        if interrupted is not None:
+            raise interrupted
 
 
 class OrderedMap(Generic[R]):

@@ -456,19 +456,19 @@ class _Pass:
 
     def __next__(self) -> Batch:
         asked = time.perf_counter()
-        try:
+        try:  # all of it: a Ctrl-C landing anywhere in here ends the pass with its threads
             batch, plan = next(self._batches)
+            got = time.perf_counter()
+            self._counters.delivered(batch, plan.rows, asked, got, self._last)
+            loader = self._loader()
+            if self._tuner is not None and loader is not None:
+                self._tune(loader, asked, got, plan.rows)
+            self._last = got
+            if loader is not None:
+                loader._delivered = (plan.epoch, plan.position)
         except BaseException:
             self.close()
             raise
-        got = time.perf_counter()
-        self._counters.delivered(batch, plan.rows, asked, got, self._last)
-        loader = self._loader()
-        if self._tuner is not None and loader is not None:
-            self._tune(loader, asked, got, plan.rows)
-        self._last = got
-        if loader is not None:
-            loader._delivered = (plan.epoch, plan.position)
         return batch
 
     def _tune(self, loader: Loader, asked: float, got: float, rows: int) -> None:
