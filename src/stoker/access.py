@@ -41,8 +41,8 @@ import numpy as np
 from . import remote
 from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, fill_padding
 from .dataset import Dataset, resolve_cast
-from .errors import CorruptDataError, ReadError, RecordIndexError, SpecError
-from .files import Catalog, FileInfo, Group
+from .errors import CorruptDataError, RecordIndexError, SpecError
+from .files import Catalog, FileInfo, Group, open_local
 from .inflate import Inflater
 from .order import Permutation
 from .remote import is_remote
@@ -120,12 +120,7 @@ class RecordReader:
                 self._maps.move_to_end(info.path)
                 m.refs += 1
         if m is None:
-            try:
-                fd = os.open(info.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as e:
-                raise ReadError(
-                    f"field {name!r}: cannot open {info.path!r}: {e.strerror}", field=name, path=info.path
-                ) from e
+            fd = open_local(name, info.path)
             try:
                 self._check_size(name, spec, info, fd, local)
                 m = _Mapped(fd, mmap.mmap(fd, info.size, access=mmap.ACCESS_READ))

@@ -22,7 +22,7 @@ import numpy as np
 
 from .engine import Allocator, Stopped
 from .errors import CorruptDataError, ReadError, StokerError
-from .files import Catalog, FileInfo
+from .files import Catalog, FileInfo, open_local
 from .inflate import Inflater, TruncatedStreamError
 from .plan import BatchPlan, Run
 from .readahead import Readahead
@@ -356,12 +356,7 @@ class Assembler:
                 self._files.move_to_end(key)
                 f.refs += 1
                 return f
-        try:
-            fd = os.open(info.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise ReadError(
-                f"field {name!r}: cannot open {info.path!r}: {e.strerror}", field=name, path=info.path
-            ) from e
+        fd = open_local(name, info.path)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

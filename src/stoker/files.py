@@ -88,6 +88,14 @@ def _stat(name: str, path: str) -> os.stat_result:
     return st
 
 
+def open_local(name: str, path: str) -> int:
+    """A read-only descriptor of local file ``path`` of field ``name``; a ReadError naming both."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ReadError(f"field {name!r}: cannot open {path!r}: {e.strerror}", field=name, path=path) from e
+
+
 def _by_suffix(path: str) -> str | None:
     return _SUFFIXES.get(os.path.splitext(path)[1].lower())
 
@@ -109,10 +117,7 @@ def _inspect(
         vouched = _by_suffix(path) if spec.compression == "auto" else spec.compression
         if vouched is not None and index.matches(path, st, vouched):
             return FileInfo(path, st.st_size, st.st_mtime_ns, vouched, None)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise ReadError(f"field {name!r}: cannot open {path!r}: {e.strerror}", field=name, path=path) from e
+    fd = open_local(name, path)
     try:
         head = os.pread(fd, 3, 0) if st.st_size else b""
         return _classify(
