@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import stoker
 from conftest import LAB_GZ, FieldPlan, build, check_batches
 from stoker.doctor import verdict
-from stoker.readahead import drop_behind_for, physical_memory
+from stoker.readahead import Readahead, drop_behind_for, physical_memory
 from stoker.stats import LoaderStats
 
 WIDE_GZ = FieldPlan("wide", "int16", (64, 64), kind="gzip")
@@ -145,6 +146,27 @@ def test_only_datasets_larger_than_half_the_ram_drop_pages_behind(pair_ds: stoke
     ram = physical_memory()
     assert drop_behind_for(ram // 2 + 1) and not drop_behind_for(ram // 2)
     assert pair_ds.loader(4).drop_behind is False
+
+
+def test_readahead_advises_only_ranges_that_are_not_cached_already(tmp_path: Path) -> None:
+    path = tmp_path / "frames.bin"
+    size = 8 << 20
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # written back, so the kernel can drop its pages below
+        os.pread(fd, size, 0)  # every page cached: the advice would cost time and buy nothing
+        warm = Readahead(drop_behind=False)
+        warm.after_read(fd, None, size, 0, 1 << 20)
+        assert warm.advised == 0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the range ahead must be asked for
+        cold = Readahead(drop_behind=False)
+        cold.after_read(fd, None, size, 0, 1 << 20)
+        assert cold.advised == 1
+        cold.after_read(fd, None, size, size - (1 << 20), 1 << 20)  # nothing left ahead of the end
+        assert cold.advised == 1
+    finally:
+        os.close(fd)
 
 
 def test_a_small_gzip_file_is_inflated_once_per_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
