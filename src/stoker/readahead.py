@@ -81,4 +81,3 @@ class Readahead:
         except OSError:  # RWF_NOWAIT unsupported by this file system: always advise
             self.probing = False
             return False
-
