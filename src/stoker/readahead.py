@@ -29,6 +29,9 @@ AHEAD_BYTES = 16 << 20
 # Pages kept behind the reader (runs of the same file finish out of order across workers).
 BEHIND_SLACK = 4 << 20
 _PAGE = mmap.PAGESIZE
+# Bound at import: the probe is advice about the cache, not a read of the data, so it keeps
+# the real call even where a test wraps ``os.preadv`` to inject faults into the data reads.
+_preadv = getattr(os, "preadv", None)
 
 
 def physical_memory() -> int:
@@ -50,7 +53,7 @@ class Readahead:
     def __init__(self, *, drop_behind: bool) -> None:
         self.drop_behind = drop_behind
         self.enabled = hasattr(os, "posix_fadvise")
-        self.probing = hasattr(os, "RWF_NOWAIT")
+        self.probing = hasattr(os, "RWF_NOWAIT") and _preadv is not None
         self.advised = 0  # WILLNEED calls made (for tests and stats)
 
     def after_read(self, fd: int, mapped: mmap.mmap | None, size: int, offset: int, nbytes: int) -> None:
@@ -71,11 +74,11 @@ class Readahead:
 
     def _cached(self, fd: int, offset: int) -> bool:
         """Whether the page holding ``offset`` is in the page cache (False when unknown)."""
-        if not self.probing:
+        if not self.probing or _preadv is None:
             return False
         byte = bytearray(1)
         try:
-            return os.preadv(fd, [byte], offset, os.RWF_NOWAIT) == 1
+            return _preadv(fd, [byte], offset, os.RWF_NOWAIT) == 1
         except BlockingIOError:  # EAGAIN: not cached
             return False
         except OSError:  # RWF_NOWAIT unsupported by this file system: always advise
