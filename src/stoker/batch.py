@@ -44,7 +44,7 @@ _MAX_OPEN = 64
 # are verified at their end. Not higher: a whole-decoded file is written to memory once and
 # read back for the batches, where a streamed run is inflated into a cache-hot staging buffer
 # and cast straight away; and the first batch of a group would wait for all of its file
-# (W2's 64 MiB gzip frames: streamed gave 1.6x the records/s of whole-decoded, same run).
+# (W2's 64 MiB gzip frames: every new cycle of groups stalled for seconds while whole).
 VERIFY_WHOLE_BYTES = 8 << 20
 
 
@@ -172,7 +172,9 @@ class Assembler:
         self.batch_size = batch_size
         self.with_index = with_index
         self._cast = {n: self.out_dtypes[n] != f.dtype for n, f in self.fields.items()}
-        self._compressed = {n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)}
+        self._compressed = {
+            n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)
+        }
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
         # Runs planned but not yet done, per (epoch, raw file): a file closes only when its
@@ -249,7 +251,9 @@ class Assembler:
         self.counters.batch_done(time.perf_counter() - began, time.thread_time() - began_cpu)
         return out, plan
 
-    def _read_run(self, task: Task, i: int, run: Run, out: dict[str, np.ndarray], taken: set[tuple[int, str]]) -> None:
+    def _read_run(
+        self, task: Task, i: int, run: Run, out: dict[str, np.ndarray], taken: set[tuple[int, str]]
+    ) -> None:
         plan = task.plan
         infos = self.catalog.files[run.group]
         for name, spec in self.fields.items():
@@ -472,7 +476,9 @@ class Assembler:
             self.counters.add("read+cast" if self._cast[name] else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
 
-    def _read_remote_raw(self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, offset: int) -> None:
+    def _read_remote_raw(
+        self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, offset: int
+    ) -> None:
         """A run of a remote raw file: one ranged read (in parallel parts) into the batch or staging."""
         from .remote import read_into
 
@@ -502,7 +508,9 @@ class Assembler:
         )
         return raw.view(spec.dtype).reshape(len(local), *spec.shape)
 
-    def _read_error(self, name: str, info: FileInfo, spec: Field, run: Run, offset: int, e: OSError) -> ReadError:
+    def _read_error(
+        self, name: str, info: FileInfo, spec: Field, run: Run, offset: int, e: OSError
+    ) -> ReadError:
         index = (offset - spec.header_bytes) // spec.record_bytes
         return ReadError(
             f"field {name!r}: read of {info.path!r} failed at record {index} (byte offset {offset}): {e.strerror}",
@@ -651,7 +659,9 @@ class Assembler:
             if whole is None:
                 with stream.cond:  # the first run to get here decodes; the others wait for it
                     if stream.whole is None:
-                        stream.whole = self._decode_whole(name, spec, info, run.group, self.catalog.count(run.group))
+                        stream.whole = self._decode_whole(
+                            name, spec, info, run.group, self.catalog.count(run.group)
+                        )
                     whole = stream.whole
             arr, valid, err, final_err = whole
             if run.count:
@@ -672,7 +682,9 @@ class Assembler:
                     if self._streams.get((epoch, run.group, name)) is stream:
                         del self._streams[(epoch, run.group, name)]
 
-    def _decode_whole(self, name: str, spec: Field, info: FileInfo, group: int, expected: int) -> _Whole:
+    def _decode_whole(
+        self, name: str, spec: Field, info: FileInfo, group: int, expected: int
+    ) -> _Whole:
         """(records, how many are trustworthy, error for the rest, error at the group's end)."""
         rb = spec.record_bytes
         buf = np.empty(expected * rb, np.uint8)
