@@ -1,0 +1,209 @@
+"""W1-big: the seed's layout, larger than this machine's RAM, read cold from the disk.
+
+The dataset (generated once, kept out of CI) holds enough 64 MiB image files of 4096 int8
+128x128 frames, with their gzip float32 labels, to exceed the RAM by ``--over`` (default 10%).
+Before every contender's run the files are synced and dropped from the page cache, so each
+run starts cold and reads from the disk. Contenders alternate, each in a fresh process:
+
+- ``disk``: the disk's sequential read rate: one thread per core, each reading its share of the
+  image files front to back in 8 MiB ``preadv`` calls into a reused buffer (no cast);
+- ``disk+cast``: the same plus the cast of every chunk to float32 (the cold ceiling);
+- ``stoker float32`` / ``stoker int8``: ``ds.loader(256)`` with and without the cast;
+- ``stoker float32 no-readahead``: the same with ``stoker.readahead`` switched off, to show what
+  the readahead and drop-behind buy.
+
+Each run lasts ``--seconds`` (default 25, which reads most of the dataset at this disk's rate;
+``--seconds 0`` reads one whole epoch). Reported per contender: records/s, MB/s of image bytes,
+and how much the page cache grew during the run (with drop-behind, stoker keeps only a window of
+pages per open file, so a dataset larger than RAM does not push the training process's own
+file pages out). Ratios are taken per round, then their median and spread.
+
+    python benchmarks/w1_big.py [--rounds 3] [--seconds 25] [--over 0.1] [--cache .stoker-cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoker.bench import _evict_page_cache
+from stoker.readahead import physical_memory
+from stoker.sample import cached_sample
+
+RES = 128
+RECORDS = 4096
+RECORD_BYTES = RES * RES
+CHUNK = 8 << 20
+CONTENDERS = ("disk", "disk+cast", "stoker float32", "stoker int8", "stoker float32 no-readahead")
+
+
+def cached_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Cached:"):
+            return int(line.split()[1])
+    return 0
+
+
+def disk_child(paths: list[str], cast: bool, seconds: float) -> dict[str, Any]:
+    threads = len(os.sched_getaffinity(0))
+    until = time.perf_counter() + seconds if seconds else math.inf
+    done: list[int] = []
+
+    def read(share: list[str]) -> None:
+        buf = np.empty(CHUNK, np.uint8)
+        out = np.empty(CHUNK, np.float32) if cast else None
+        n = 0
+        for p in share:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                off = 0
+                while (got := os.preadv(fd, [buf], off)) > 0:
+                    if out is not None:
+                        np.copyto(out[:got], buf[:got].view(np.int8), casting="unsafe")
+                    n += got
+                    off += got
+                    if time.perf_counter() >= until:
+                        break
+            finally:
+                os.close(fd)
+            if time.perf_counter() >= until:
+                break
+        done.append(n)
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=read, args=(paths[i::threads],)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {"bytes": sum(done), "seconds": time.perf_counter() - start}
+
+
+def stoker_child(data: Path, cast: str | None, readahead: bool, seconds: float) -> dict[str, Any]:
+    import stoker
+    import stoker.readahead
+
+    if not readahead:
+        stoker.readahead.Readahead.after_read = lambda self, *a: None  # type: ignore[method-assign]
+    ds = stoker.Dataset(
+        image=stoker.Field(str(data / "img_*.bin"), dtype="int8", shape=(RES, RES, 1)),
+        label=stoker.Field(str(data / "out_*.bin.gz"), dtype="float32", compression="gzip"),
+    )
+    until = time.perf_counter() + seconds if seconds else math.inf
+    n = 0
+    with ds.loader(256, epochs=1, cast={"image": cast} if cast else None) as loader:
+        start = time.perf_counter()
+        for batch in loader:
+            n += len(batch["image"])
+            if time.perf_counter() >= until:
+                break
+        elapsed = time.perf_counter() - start
+        tuning = loader.stats().tuning
+    return {"bytes": n * RECORD_BYTES, "seconds": elapsed, "tuning": tuning}
+
+
+def child(kind: str, data: Path, seconds: float) -> dict[str, Any]:
+    paths = sorted(str(p) for p in data.glob("img_*.bin"))
+    before = cached_kib()
+    if kind.startswith("disk"):
+        out = disk_child(paths, kind == "disk+cast", seconds)
+    else:
+        out = stoker_child(data, None if "int8" in kind else "float32", "no-readahead" not in kind, seconds)
+    out["cache_growth_mib"] = (cached_kib() - before) / 1024
+    return out
+
+
+def run(kind: str, data: Path, seconds: float) -> dict[str, Any]:
+    os.sync()
+    _evict_page_cache([str(p) for p in data.iterdir() if p.name.startswith(("img_", "out_"))])
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", kind, "--data", str(data), "--seconds", str(seconds)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} failed:\n{proc.stderr[-2000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["mb_per_s"] = out["bytes"] / out["seconds"] / 1e6
+    out["records_per_s"] = out["bytes"] / RECORD_BYTES / out["seconds"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=25.0)
+    ap.add_argument("--over", type=float, default=0.1, help="dataset size above the RAM, as a fraction of it")
+    ap.add_argument("--cache", default=os.environ.get("STOKER_CACHE", ".stoker-cache"))
+    ap.add_argument("--out", default="benchmarks/results/w1_big.md")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, Path(args.data), args.seconds)))
+        return 0
+    ram = physical_memory()
+    pairs = math.ceil(ram * (1 + args.over) / (RECORDS * RECORD_BYTES))
+    data = cached_sample(Path(args.cache) / f"w1-big-{pairs}x{RECORDS}x{RES}", pairs=pairs, records=RECORDS)
+    size = sum(p.stat().st_size for p in data.glob("img_*.bin"))
+    results: dict[str, list[dict[str, Any]]] = {k: [] for k in CONTENDERS}
+    t0 = time.time()
+    for r in range(args.rounds):
+        for kind in CONTENDERS if r % 2 == 0 else reversed(CONTENDERS):
+            out = run(kind, data, args.seconds)
+            results[kind].append(out)
+            print(f"  round {r + 1}: {kind:<30} {out['mb_per_s']:>8,.0f} MB/s  "
+                  f"{out['records_per_s']:>9,.0f} records/s  cache +{out['cache_growth_mib']:,.0f} MiB",
+                  file=sys.stderr)  # fmt: skip
+
+    def med(kind: str, key: str) -> float:
+        return statistics.median(o[key] for o in results[kind])
+
+    def ratio(a: str, b: str) -> str:
+        rs = [x["mb_per_s"] / y["mb_per_s"] for x, y in zip(results[a], results[b], strict=True)]
+        return f"{statistics.median(rs):.2f} [{min(rs):.2f}..{max(rs):.2f}]"
+
+    lines = [
+        f"# W1-big ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, {platform.machine()}, "
+        f"{len(os.sched_getaffinity(0))} cores, RAM {ram / 2**30:.1f} GiB, images {size / 2**30:.1f} GiB "
+        f"in {pairs} files, cold cache before every run, {args.rounds} alternated rounds of "
+        f"{args.seconds:g}s)",
+        "",
+        "| contender | MB/s median | records/s median | page cache growth (MiB, median) |",
+        "|---|---:|---:|---:|",
+    ]
+    for kind in CONTENDERS:
+        lines.append(f"| {kind} | {med(kind, 'mb_per_s'):,.0f} | {med(kind, 'records_per_s'):,.0f} | "
+                     f"{med(kind, 'cache_growth_mib'):,.0f} |")  # fmt: skip
+    lines += [
+        "",
+        "| ratio (per round, same round) | median [min..max] |",
+        "|---|---:|",
+        f"| stoker int8 / disk | {ratio('stoker int8', 'disk')} |",
+        f"| stoker float32 / disk+cast | {ratio('stoker float32', 'disk+cast')} |",
+        f"| stoker float32 / disk | {ratio('stoker float32', 'disk')} |",
+        f"| stoker float32 / stoker float32 no-readahead | {ratio('stoker float32', 'stoker float32 no-readahead')} |",
+        "",
+        f"stoker's readahead setting in these runs: {results['stoker float32'][0].get('tuning', {}).get('readahead')}",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
