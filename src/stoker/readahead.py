@@ -55,6 +55,11 @@ class Readahead:
         self.enabled = hasattr(os, "posix_fadvise")
         self.probing = hasattr(os, "RWF_NOWAIT") and _preadv is not None
         self.advised = 0  # WILLNEED calls made (for tests and stats)
+        # Per descriptor: bytes from the file's start already dropped behind the reader, so
+        # each run drops only what it newly left behind (a range from 0 would walk the whole
+        # file's pages again on every run). A descriptor number reused for another file
+        # starts below the mark and resets it.
+        self._dropped: dict[int, int] = {}
 
     def after_read(self, fd: int, mapped: mmap.mmap | None, size: int, offset: int, nbytes: int) -> None:
         if not self.enabled:
@@ -67,10 +72,14 @@ class Readahead:
                 self.advised += 1
         if self.drop_behind:
             upto = (offset - BEHIND_SLACK) // _PAGE * _PAGE
-            if upto > 0:
+            done = self._dropped.get(fd, 0)
+            if offset < done:  # another file on this descriptor number, or a new epoch
+                done = 0
+            if upto > done:
                 if mapped is not None:
-                    mapped.madvise(mmap.MADV_DONTNEED, 0, upto)
-                os.posix_fadvise(fd, 0, upto, os.POSIX_FADV_DONTNEED)
+                    mapped.madvise(mmap.MADV_DONTNEED, done, upto - done)
+                os.posix_fadvise(fd, done, upto - done, os.POSIX_FADV_DONTNEED)
+                self._dropped[fd] = upto
 
     def _cached(self, fd: int, offset: int) -> bool:
         """Whether the page holding ``offset`` is in the page cache (False when unknown)."""
