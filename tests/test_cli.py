@@ -21,8 +21,20 @@ def sample(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
 
 def test_sample_writes_the_files(sample: Path) -> None:
     assert sorted(p.name for p in sample.iterdir()) == ["img_0000.bin", "img_0001.bin", "out_0000.bin.gz",
-                                                         "out_0001.bin.gz"]  # fmt: skip
+                                                         "out_0001.bin.gz", "stoker.toml"]  # fmt: skip
     assert (sample / "img_0001.bin").stat().st_size == 50 * 64
+
+
+def test_a_sample_dir_tells_the_commands_its_frame_size(sample: Path, capsys) -> None:
+    capsys.readouterr()
+    assert main(["inspect", str(sample)]) == 0  # no --inrez: the sample's stoker.toml says 8x8x1
+    out = capsys.readouterr().out
+    assert "image (int8[8, 8, 1], 64 B/record)" in out and "total: 100 records" in out and "in sync" in out
+    assert main(["index", str(sample)]) == 0
+    assert "indexed 4 files of 2 groups (100 records)" in capsys.readouterr().out
+    assert main(["inspect", str(sample), "--inrez", "16"]) != 0  # --inrez still overrides; 16x16 does not fit
+    err = capsys.readouterr().err
+    assert "img_0000.bin" in err and "256-byte records" in err
 
 
 def test_inspect_a_sample_dir_reports_groups_records_and_sync(sample: Path, capsys) -> None:

@@ -17,6 +17,7 @@ def test_writes_images_and_gzip_labels_in_the_seed_layout(tmp_path: Path) -> Non
     assert out == tmp_path / "d"
     assert sorted(p.name for p in out.iterdir()) == [
         "img_0000.bin", "img_0001.bin", "img_0002.bin", "out_0000.bin.gz", "out_0001.bin.gz", "out_0002.bin.gz",
+            "stoker.toml",
     ]  # fmt: skip
     for g in range(3):
         img = np.fromfile(out / f"img_{g:04d}.bin", dtype=np.int8).reshape(20, 64)

@@ -13,7 +13,7 @@ from typing import Any
 
 from .dataset import Dataset
 from .errors import PairingError, SpecError, StokerError
-from .sample import cached_sample, write_sample
+from .sample import CONFIG_NAME, cached_sample, write_sample
 from .spec import Field
 
 __all__ = ["dataset_from_fields", "main", "parse_field"]
@@ -101,7 +101,12 @@ def _field_specs(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     return None
 
 
-def _sample_fields(directory: Path, inrez: int) -> list[dict[str, Any]]:
+def _sample_fields(directory: Path, inrez: int | None) -> list[dict[str, Any]]:
+    """A sample directory's fields: from its ``stoker.toml`` unless ``--inrez`` says otherwise."""
+    config = directory / CONFIG_NAME
+    if inrez is None and config.is_file():
+        return _fields_from_config(str(config))
+    inrez = 128 if inrez is None else inrez
     return [
         {"name": "image", "files": str(directory / "img_*.bin"), "dtype": "int8", "shape": [inrez, inrez, 1]},
         {"name": "label", "files": str(directory / "out_*.bin.gz"), "dtype": "float32", "compression": "gzip"},
@@ -297,13 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_sample)
     p = sub.add_parser("inspect", help="groups, records, bytes, compression and whether the fields are in sync")
     p.add_argument("dir", nargs="?", help="a directory written by `stoker sample`")
-    p.add_argument("--inrez", type=int, default=128, help="frame size of a sample DIR")
+    p.add_argument("--inrez", type=int, default=None, help="frame size of a sample DIR (default: its stoker.toml)")
     p.add_argument("--pair-key", default=None, help="regex that must agree across a group's basenames")
     _add_field_args(p)
     p.set_defaults(run=cmd_inspect)
     p = sub.add_parser("index", help="write the persistent index (record counts, gzip seek points) beside the data")
     p.add_argument("dir", nargs="?", help="a directory written by `stoker sample`")
-    p.add_argument("--inrez", type=int, default=128, help="frame size of a sample DIR")
+    p.add_argument("--inrez", type=int, default=None, help="frame size of a sample DIR (default: its stoker.toml)")
     p.add_argument("--pair-key", default=None, help="regex that must agree across a group's basenames")
     _add_field_args(p)
     p.set_defaults(run=cmd_index)

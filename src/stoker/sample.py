@@ -4,6 +4,8 @@ Images: int8 frames of ``inrez x inrez x 1``; the first 4 bytes of each frame ho
 record's global index (little-endian uint32) and the rest a cheap pattern. Labels: one
 float32 per frame, gzip-compressed, equal to the same global index (exact below 2**24),
 so ``label == int.from_bytes(image[:4])`` checks that every image met its own label.
+Beside the files, ``stoker.toml`` records the fields (globs relative to the directory), so
+``stoker inspect DIR`` and the other commands know the frame size without being told.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import numpy as np
 
 from .errors import SpecError
 
-__all__ = ["cached_sample", "expected_label", "write_sample"]
+__all__ = ["CONFIG_NAME", "cached_sample", "expected_label", "sample_config", "write_sample"]
+
+CONFIG_NAME = "stoker.toml"
 
 
 def expected_label(image: np.ndarray) -> np.ndarray:
@@ -64,7 +68,24 @@ def write_sample(
         with gzip.open(out / f"out_{g:04d}.bin.gz", "wb", compresslevel=compresslevel) as f:
             f.write(labels.tobytes())
         base += records
+    (out / CONFIG_NAME).write_text(sample_config(inrez))
     return out
+
+
+def sample_config(inrez: int) -> str:
+    """The ``--config`` file of a sample directory: its two fields, globs relative to it."""
+    return (
+        "# Written by `stoker sample`: the fields of this dataset (globs relative to this file).\n"
+        "[fields.image]\n"
+        'files = "img_*.bin"\n'
+        'dtype = "int8"\n'
+        f"shape = [{inrez}, {inrez}, 1]\n"
+        "\n"
+        "[fields.label]\n"
+        'files = "out_*.bin.gz"\n'
+        'dtype = "float32"\n'
+        'compression = "gzip"\n'
+    )
 
 
 def cached_sample(directory: str | os.PathLike[str], *, pairs: int = 16, records: int = 4096, inrez: int = 128) -> Path:
