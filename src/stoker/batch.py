@@ -9,6 +9,7 @@ order, so parallel workers still read each stream front to back exactly once.
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import stat
@@ -27,6 +28,7 @@ from .inflate import Inflater, TruncatedStreamError
 from .plan import BatchPlan, Run
 from .readahead import Readahead
 from .remote import is_remote
+from .seekpoints import SeekPoint
 from .spec import Field
 from .stats import Counters
 
@@ -595,9 +597,9 @@ class Assembler:
             stream.inflater.close()
 
     def _open_stream(
-        self, name: str, spec: Field, info: FileInfo, stream: _Stream, seek: tuple[int, int, int] | None = None
+        self, name: str, spec: Field, info: FileInfo, stream: _Stream, seek: tuple[int, SeekPoint] | None = None
     ) -> Inflater:
-        """Open the stream at its start, or at ``seek = (record, compressed, decompressed offset)``."""
+        """Open the stream at its start, or at ``seek = (record, seek point at or before it)``."""
         if stream.inflater is not None:
             stream.inflater.close()
         assert info.compression is not None
@@ -605,16 +607,16 @@ class Assembler:
             info.path,
             info.compression,
             field=name,
-            start=seek[1:] if seek else (0, 0),
+            start=seek[1] if seek else (0, 0),
             storage_options=spec.storage_options,
         )
         stream.inflater, stream.pos = inf, 0
         if seek is not None:
             target = spec.header_bytes + seek[0] * spec.record_bytes
-            if inf.skip(target - seek[2]) != target - seek[2]:
+            if inf.skip(target - seek[1].decompressed) != target - seek[1].decompressed:
                 raise CorruptDataError(
                     f"field {name!r}: {info.path!r} ends at decompressed offset {inf.produced}, before record "
-                    f"{seek[0]} (offset {target}) that its persistent index places after a member start",
+                    f"{seek[0]} (offset {target}) that its persistent index places after a seek point",
                     field=name, path=info.path, index=seek[0], offset=inf.produced,
                 )  # fmt: skip
             stream.pos = seek[0]
@@ -638,17 +640,23 @@ class Assembler:
     ) -> None:
         if stream.inflater is None or stream.pos > run.start:
             self._open_stream(name, spec, info, stream, self._seek_point(run.group, name, spec, run.start))
+        elif (
+            run.start - stream.pos > 1
+            and (seek := self._seek_point(run.group, name, spec, run.start))
+            and seek[1].decompressed > stream.inflater.produced  # a point lies ahead: jump, not inflate
+        ):
+            self._open_stream(name, spec, info, stream, seek)
         if run.count:
             self._read_span(name, spec, info, run, stream, dst, cast=self._cast[name] or run.step != 1)
 
-    def _seek_point(self, group: int, name: str, spec: Field, record: int) -> tuple[int, int, int] | None:
-        """The persistent index's last gzip member start before ``record`` (resume mid-file), if any."""
+    def _seek_point(self, group: int, name: str, spec: Field, record: int) -> tuple[int, SeekPoint] | None:
+        """The persistent index's last seek point at or before ``record`` (resume mid-file), if any."""
         points = self.catalog.seek_points.get((group, name))
         if not points or not record:
             return None
         target = spec.header_bytes + record * spec.record_bytes
-        best = max((p for p in points if p[1] <= target), key=lambda p: p[1], default=(0, 0))
-        return (record, *best) if best[1] > spec.header_bytes else None
+        k = bisect.bisect_right(points, target, key=lambda p: p.decompressed) - 1  # sorted by decompressed
+        return (record, points[k]) if k >= 0 and points[k].decompressed > spec.header_bytes else None
 
     def _read_whole(
         self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, stream: _Stream

@@ -22,6 +22,7 @@ from .errors import CorruptDataError, PairingError, ReadError, SpecError
 from .index import IndexLookup, apply_index
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
 from .remote import Probe, is_remote
+from .seekpoints import SeekPoint
 from .spec import Field
 
 __all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
@@ -259,7 +260,7 @@ class Catalog:
         # From a persistent index that matches the file (see stoker.index): exact counts of
         # compressed files and their seek points (compressed, decompressed offsets).
         self._exact: dict[tuple[int, str], int] = {}
-        self.seek_points: dict[tuple[int, str], tuple[tuple[int, int], ...]] = {}
+        self.seek_points: dict[tuple[int, str], tuple[SeekPoint, ...]] = {}
         apply_index(self, lookup)
         for g, infos in enumerate(self.files):
             raw = {
@@ -310,7 +311,7 @@ class Catalog:
         """The catalog of the whole dataset (a subset's view answers with its parent's)."""
         return self
 
-    def set_indexed(self, g: int, name: str, records: int, seek_points: tuple[tuple[int, int], ...]) -> None:
+    def set_indexed(self, g: int, name: str, records: int, seek_points: tuple[SeekPoint, ...]) -> None:
         """Record what a matching persistent index says of field ``name`` of group ``g``."""
         self._exact[(g, name)] = records
         self.seek_points[(g, name)] = seek_points

@@ -1,29 +1,32 @@
-"""A persistent index beside the data: record counts and gzip seek points, no decompression to open.
+"""A persistent index beside the data: record counts and seek points, no decompression to open.
 
 ``write_index(ds)`` (or ``stoker index DIR``) writes one small JSON file, ``.stoker-index.json``,
 in every directory that holds the dataset's files. Per file it records the size and
 ``mtime_ns`` it was indexed at, the record count, and for gzip/zlib files the decompressed
-size and the start of every gzip member as ``(compressed offset, decompressed offset)``.
+size, the start of every gzip member as ``(compressed offset, decompressed offset)``, and
+periodic seek points inside members and zlib streams: the first deflate block boundary
+after every ``spacing`` bytes of output (1 MiB by default) as ``(byte, bit, decompressed
+offset)`` plus the 32 KiB window before it, kept compressed in a sidecar file
+``.stoker-windows.NAME`` (see :mod:`stoker.seekpoints`).
 
 A Dataset built afterwards takes the record counts of compressed files from the index
 when the file's size and mtime still match, so opening 10,000 compressed groups
-decompresses nothing; random access (``ds[i]``, ``ds.read``) starts decoding at the last
-member start before the records it needs instead of at the start of the file.
-
-What the seek points are, honestly: gzip member starts only. zlib's inflate state cannot
-be saved from Python (no ``inflatePrime``, no block-boundary reporting), so a single-member
-file has one seek point, its start; files written in members (``bgzip``-style, or
-``cat a.gz b.gz``) get one per member.
+decompresses nothing; random access (``ds[i]``, ``ds.read``), subsets and loader reads that
+start inside a compressed file (shards, resume) start decoding at the last seek point before
+the records they need instead of at the start of the file. Where libz cannot be loaded
+through ctypes, the index holds member starts only (one seek point per gzip member).
 
 Trust: an entry whose file changed size or mtime is stale. ``Dataset(..., index="auto")``
 (the default) raises :class:`~stoker.errors.StaleIndexError` naming the file; an index file
 of another format version raises naming the index file. ``index="rebuild"`` rewrites stale,
 missing and old entries (decompressing only those files); ``index="ignore"`` never reads it.
-The file is written atomically (temp file, fsync, ``os.replace``).
+A windows file that does not match its data file raises naming the windows file, when used.
+Files are written atomically (temp file, fsync, ``os.replace``); windows before the index.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -33,9 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from . import seekpoints
 from .errors import CorruptDataError, SpecError, StaleIndexError
 from .inflate import Inflater
 from .remote import is_remote
+from .seekpoints import SeekPoint, WindowRef
 
 if TYPE_CHECKING:
     from .dataset import Dataset
@@ -54,7 +59,8 @@ __all__ = [
 ]
 
 INDEX_NAME = ".stoker-index.json"  # a dot file, so globs like "data/*" never match it
-INDEX_VERSION = 1
+# 2: seek points inside members ("points", "windows"); version 1 files are rebuilt or refused.
+INDEX_VERSION = 2
 _FORMAT = "stoker-index"
 IndexMode = Literal["auto", "rebuild", "ignore"]
 _MODES = ("auto", "rebuild", "ignore")
@@ -70,6 +76,10 @@ class IndexEntry:
     decompressed_bytes: int  # == size for raw files
     # (compressed offset, decompressed offset) of each gzip member start; ((0, 0),) for zlib.
     members: tuple[tuple[int, int], ...]
+    # (byte, bit, decompressed offset, window offset, window length) of each block seek point;
+    # the windows live in the sidecar file named ``windows`` (a basename), None when no point.
+    points: tuple[tuple[int, int, int, int, int], ...] = ()
+    windows: str | None = None
 
     def to_json(self, records: int) -> dict[str, Any]:
         return {
@@ -79,6 +89,8 @@ class IndexEntry:
             "records": records,
             "decompressed_bytes": self.decompressed_bytes,
             "members": [list(m) for m in self.members],
+            "points": [list(p) for p in self.points],
+            "windows": self.windows,
         }
 
 
@@ -109,19 +121,51 @@ def _load(path: str) -> dict[str, Any] | None:
     return doc["files"]
 
 
-def scan(name: str, info: FileInfo) -> IndexEntry:
-    """Index one file: decompress it once to find its size and member starts."""
+def scan(name: str, info: FileInfo, *, spacing: int = seekpoints.SPACING) -> IndexEntry:
+    """Index one file: decompress it once to find its size, member starts and seek points."""
     if info.compression is None:
         return IndexEntry(info.size, info.mtime_ns, None, info.size, ((0, 0),))
-    with Inflater(info.path, info.compression, field=name) as inf:
-        while inf.skip(1 << 30) == 1 << 30:
-            pass
-        total, members = inf.produced, tuple(inf.members)
+    points: tuple[tuple[int, int, int, int, int], ...] = ()
+    windows = None
+    if seekpoints.available():
+        found = seekpoints.scan_file(info.path, info.compression, spacing=spacing, field=name)
+        total, members = found.decompressed_bytes, found.members
+        if found.points:
+            sidecar = seekpoints.windows_path(info.path)
+            spans = seekpoints.write_windows(sidecar, info.size, info.mtime_ns, [p[3] for p in found.points])
+            points = tuple((c, b, d, off, n) for (c, b, d, _), (off, n) in zip(found.points, spans, strict=True))
+            windows = os.path.basename(sidecar)
+    else:  # no libz for block points: member starts, found by the ordinary decoder
+        with Inflater(info.path, info.compression, field=name) as inf:
+            while inf.skip(1 << 30) == 1 << 30:
+                pass
+            total, members = inf.produced, tuple(inf.members)
     st = os.stat(info.path)
     if st.st_size != info.size or st.st_mtime_ns != info.mtime_ns:
         raise StaleIndexError(f"field {name!r}: {info.path!r} changed while it was being indexed", field=name,
                               path=info.path)  # fmt: skip
-    return IndexEntry(info.size, info.mtime_ns, info.compression, total, members)
+    return IndexEntry(info.size, info.mtime_ns, info.compression, total, members, points, windows)
+
+
+def seek_points_of(info: FileInfo, doc: Mapping[str, Any], directory: str) -> tuple[SeekPoint, ...]:
+    """The seek points an index entry gives, sorted by decompressed offset (raises on malformed)."""
+    members = [(int(a), int(b)) for a, b in doc["members"]]
+    # One member: its start is the file's start, no member seek point worth keeping.
+    found = [SeekPoint(c, d) for c, d in members] if len(members) > 1 else [SeekPoint(0, 0)]
+    raw = doc.get("points") or ()
+    if raw:
+        sidecar = os.path.join(directory, str(doc["windows"]))
+        starts = [c for c, _ in members]
+        for c, bit, d, off, n in raw:
+            k = bisect.bisect_right(starts, int(c))
+            found.append(
+                SeekPoint(
+                    int(c), int(d), int(bit), WindowRef(sidecar, int(off), int(n), info.size, info.mtime_ns),
+                    members[k] if k < len(members) else None,
+                )
+            )  # fmt: skip
+        found.sort(key=lambda p: p.decompressed)
+    return tuple(found)
 
 
 def records_of(name: str, spec: Field, info: FileInfo, entry: IndexEntry) -> int:
@@ -170,18 +214,23 @@ def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry]) -> li
     return written
 
 
-def write_index(dataset: Dataset) -> list[Path]:
+def write_index(dataset: Dataset, *, spacing: int = seekpoints.SPACING) -> list[Path]:
     """Index every file of ``dataset`` (decompressing each compressed file once); returns the files written.
 
-    Existing entries of other files in the same index file are kept.
+    Existing entries of other files in the same index file are kept. ``spacing``: decompressed
+    bytes between seek points inside a member or zlib stream.
 
     Example:
         >>> ds = stoker.Dataset(image=..., label=..., index="ignore")  # doctest: +SKIP
         >>> stoker.write_index(ds)  # doctest: +SKIP
         [PosixPath('data/.stoker-index.json')]
     """
+    if isinstance(spacing, bool) or not isinstance(spacing, int) or spacing <= 0:
+        raise SpecError(f"{spacing=} must be a positive number of bytes")
     catalog = dataset._catalog.root()
-    entries = {(g, n): scan(n, info) for g, infos in enumerate(catalog.files) for n, info in infos.items()}
+    entries = {
+        (g, n): scan(n, info, spacing=spacing) for g, infos in enumerate(catalog.files) for n, info in infos.items()
+    }
     return [Path(p) for p in _save(catalog, entries)]
 
 
@@ -259,9 +308,8 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
                 entry = rebuild[(g, name)] = scan(name, info)
                 doc = entry.to_json(0)
             try:
-                total, members = int(doc["decompressed_bytes"]), doc["members"]
-                # One member: its start is the file's start, no seek point worth keeping.
-                points = tuple((int(a), int(b)) for a, b in members) if len(members) > 1 else ((0, 0),)
+                total = int(doc["decompressed_bytes"])
+                points = seek_points_of(info, doc, directory)
             except (KeyError, TypeError, ValueError) as e:
                 raise StaleIndexError(
                     f"index {path!r} has a malformed entry for {info.path!r} ({e!r}); rebuild it", path=path
@@ -269,7 +317,7 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
             framing, record_bytes = layout[name]
             records, rest = divmod(total - framing, record_bytes)
             if rest or records < 0:  # raises, naming the file
-                entry = IndexEntry(info.size, info.mtime_ns, info.compression, total, points)
+                entry = IndexEntry(info.size, info.mtime_ns, info.compression, total, ((0, 0),))
                 records_of(name, catalog.fields[name], info, entry)
             catalog.set_indexed(g, name, records, points)
     if rebuild:

@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import CorruptDataError, ReadError
 from .remote import RemoteReader, is_remote
+from .seekpoints import SeekPoint, load_window, shift_bits
 
 _zlib: ModuleType
 try:  # pragma: no cover - which branch runs depends on the install
@@ -56,11 +57,12 @@ class Inflater:
         kind: str,
         *,
         field: str | None = None,
-        start: tuple[int, int] = (0, 0),
+        start: tuple[int, int] | SeekPoint = (0, 0),
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         # ``start``: (compressed, decompressed) offset of a gzip member start or of the
-        # stream start, from which decoding may begin (a persistent index's seek point).
+        # stream start, or a SeekPoint at a deflate block boundary (stoker.seekpoints),
+        # from which decoding may begin (a persistent index's seek point).
         self.path = path
         self.kind = kind
         self.field = field
@@ -72,14 +74,30 @@ class Inflater:
             raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
         self._close_lock = threading.Lock()
         self._in_offset = start[0]  # compressed bytes read so far
-        self._d: Any = _zlib.decompressobj(_WBITS[kind])
+        point = start if isinstance(start, SeekPoint) else None
+        # A block boundary: raw deflate from bit ``_shift`` of byte ``_in_offset``, primed with
+        # the window, until its member ends (then on at ``_next_member``); -1 otherwise.
+        self._shift = -1
+        self._next_member: tuple[int, int] | None = None
+        self._d: Any
+        if point is not None and point.window is not None:
+            try:
+                window = load_window(point.window, field=field)
+            except BaseException:
+                self.close()
+                raise
+            self._shift, self._next_member = point.bits, point.next_member
+            self._d = zlib.decompressobj(-15, zdict=window)  # CPython sets a raw stream's zdict at once
+            start = (point.compressed, point.decompressed)
+        else:
+            self._d = _zlib.decompressobj(_WBITS[kind])
         self._tail = b""  # compressed input not yet consumed by the decompressor
         self._out = b""  # decompressed bytes not yet handed out
         self._out_pos = 0
         self.produced = start[1]  # decompressed bytes handed out
         self._decoded = start[1]  # decompressed bytes produced by the decoder
         # (compressed offset, decompressed offset) of every member start seen so far.
-        self.members: list[tuple[int, int]] = [start]
+        self.members: list[tuple[int, int]] = [(start[0], start[1])]
         self._eof = False
 
     def close(self) -> None:
@@ -111,12 +129,20 @@ class Inflater:
         return err
 
     def _read_input(self) -> bytes:
+        if self._shift > 0:  # a block point not on a byte boundary: read one byte more, re-pack
+            data = self._pread(_CHUNK + 1)
+            last = len(data) <= _CHUNK
+            self._in_offset += len(data) if last else _CHUNK
+            return shift_bits(data, self._shift, last=last) if data else data
+        data = self._pread(_CHUNK)
+        self._in_offset += len(data)
+        return data
+
+    def _pread(self, n: int) -> bytes:
         if self._remote is not None:
-            data = self._remote.pread(_CHUNK, self._in_offset)
-            self._in_offset += len(data)
-            return data
+            return self._remote.pread(n, self._in_offset)
         try:
-            data = os.pread(self._fd, _CHUNK, self._in_offset)
+            return os.pread(self._fd, n, self._in_offset)
         except OSError as e:
             raise ReadError(
                 f"read of {self.path!r} (field {self.field!r}) failed at offset {self._in_offset}: {e.strerror}",
@@ -124,12 +150,13 @@ class Inflater:
                 path=self.path,
                 offset=self._in_offset,
             ) from e
-        self._in_offset += len(data)
-        return data
 
     def _refill(self, want: int) -> bool:
         """Decompress until at least some output is buffered; False at end of stream."""
         while not self._eof:
+            if self._d.eof and self._shift >= 0:
+                self._end_raw()
+                continue
             if self._d.eof:
                 rest = self._d.unused_data + self._tail
                 self._tail = b""
@@ -159,6 +186,19 @@ class Inflater:
                 self._out, self._out_pos = out, 0
                 return True
         return False
+
+    def _end_raw(self) -> None:
+        """A stream entered at a block point ended: go on at the next member start, if any."""
+        end = self._next_member
+        if end is None:
+            self._eof = True  # the index's scan checked what follows the last member
+            return
+        if self._decoded != end[1]:
+            raise self._corrupt(f"the member ends at decompressed offset {self._decoded}, not {end[1]} as indexed")
+        self._shift, self._next_member, self._tail = -1, None, b""
+        self._in_offset = end[0]
+        self.members.append(end)
+        self._d = _zlib.decompressobj(_WBITS["gzip"])
 
     def _check_padding(self, rest: bytes) -> None:
         # Trailing zeros are tolerated (tape/block padding, as gzip(1) does); anything else is not.

@@ -1,0 +1,294 @@
+"""Decompression seek points inside gzip members and zlib streams: found with libz, resumed with zlib.
+
+A deflate stream can be entered at any block boundary given the 32 KiB of output before it
+(the window back-references may reach into) and the boundary's bit position. Finding block
+boundaries needs ``inflate(Z_BLOCK)``, which Python's ``zlib`` module does not offer, so
+:func:`scan_file` drives the system's libz through ``ctypes`` (the library CPython's own
+``zlib`` module links to) and records a point at the first block boundary after every
+``spacing`` bytes of output: ``(byte, bit, decompressed offset, window)``. The same pass checks
+every member's CRC and length. Resuming needs nothing beyond the standard library: the
+compressed bytes from the point are shifted by its bit offset (numpy, in bulk) and fed to
+``zlib.decompressobj(wbits=-15, zdict=window)``; see :class:`stoker.inflate.Inflater`.
+
+Windows are stored zlib-compressed in a small sidecar file per data file
+(``.stoker-windows.NAME``) beside the index, and read only when a point is used, so opening
+a dataset never touches them. Where libz cannot be loaded (:func:`available` is False) the
+index holds member starts only, as gzip itself would allow.
+
+Why not ``indexed_gzip``: it does the same for gzip through the same zlib calls, but fails on
+zlib streams (measured: ``ZRAN_BUILD_INDEX_FAIL``), stores windows uncompressed, and would be a
+compiled dependency for what is ~150 lines over libz here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import CorruptDataError, ReadError, StaleIndexError
+
+__all__ = [
+    "SPACING",
+    "WINDOW",
+    "Scan",
+    "SeekPoint",
+    "WindowRef",
+    "available",
+    "load_window",
+    "scan_file",
+    "shift_bits",
+    "windows_path",
+    "write_windows",
+]
+
+# Output between seek points. measured on W2 (gzip images): a read from a point inflates on
+# average half of this, ~2 ms at 1 MiB; the windows cost ~1-3% of the compressed size.
+SPACING = 1 << 20
+WINDOW = 32768  # deflate's largest back-reference distance
+_CHUNK = 512 * 1024  # compressed input per read while scanning (as in stoker.inflate)
+_OUT = 256 * 1024  # output buffer per inflate call while scanning (its contents are not kept)
+_MAGIC = b"STKWIN01"
+_HEADER = struct.Struct("<8sQQ")  # magic, data file size, data file mtime_ns
+_Z_OK, _Z_STREAM_END, _Z_BUF_ERROR, _Z_BLOCK = 0, 1, -5, 5
+
+
+class WindowRef(NamedTuple):
+    """Where one seek point's window lies: its sidecar file, and the data file it was made from."""
+
+    path: str
+    offset: int
+    length: int
+    data_size: int
+    data_mtime_ns: int
+
+
+class SeekPoint(NamedTuple):
+    """A place decoding can start: a member (or stream) start, or a block boundary inside one.
+
+    Indexable as ``(compressed, decompressed, ...)``. A member start has ``window=None``.
+    """
+
+    compressed: int  # member start: its first byte; block: the byte holding the block's first bit
+    decompressed: int
+    bits: int = 0  # the block starts this many bits into byte ``compressed`` (deflate packs LSB first)
+    window: WindowRef | None = None
+    # A block point decodes raw deflate, which stops at its member's end: where the next member
+    # starts as (compressed, decompressed), or None when none follows.
+    next_member: tuple[int, int] | None = None
+
+
+class Scan(NamedTuple):
+    """What one pass over a compressed file found."""
+
+    decompressed_bytes: int
+    members: tuple[tuple[int, int], ...]  # (compressed, decompressed) of each member start
+    points: tuple[tuple[int, int, int, bytes], ...]  # (byte, bit, decompressed, window) at block boundaries
+
+
+class _ZStream(ctypes.Structure):
+    # zlib.h's z_stream; uLong is C's unsigned long on every platform, as c_ulong is.
+    _fields_ = [
+        ("next_in", ctypes.c_void_p),
+        ("avail_in", ctypes.c_uint),
+        ("total_in", ctypes.c_ulong),
+        ("next_out", ctypes.c_void_p),
+        ("avail_out", ctypes.c_uint),
+        ("total_out", ctypes.c_ulong),
+        ("msg", ctypes.c_char_p),
+        ("state", ctypes.c_void_p),
+        ("zalloc", ctypes.c_void_p),
+        ("zfree", ctypes.c_void_p),
+        ("opaque", ctypes.c_void_p),
+        ("data_type", ctypes.c_int),
+        ("adler", ctypes.c_ulong),
+        ("reserved", ctypes.c_ulong),
+    ]
+
+
+@functools.cache
+def _libz() -> Any:
+    """The system libz with the calls seek points need, or None."""
+    names = ["libz.so.1", "libz.dylib", "zlib1.dll"]
+    found = ctypes.util.find_library("z")
+    if found:
+        names.append(found)
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            lib.zlibVersion.restype = ctypes.c_char_p
+            for fn in (lib.inflateInit2_, lib.inflate, lib.inflateEnd, lib.inflateReset, lib.inflateGetDictionary):
+                fn.restype = ctypes.c_int
+            lib.inflateInit2_.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+            lib.inflate.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            lib.inflateEnd.argtypes = lib.inflateReset.argtypes = [ctypes.c_void_p]
+            lib.inflateGetDictionary.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def available() -> bool:
+    """True when block seek points can be built here (libz with ``inflateGetDictionary`` found)."""
+    return _libz() is not None
+
+
+def shift_bits(data: bytes, shift: int, *, last: bool) -> bytes:
+    """``data`` read from bit ``shift`` of its first byte on, re-packed into whole bytes.
+
+    Returns ``len(data) - 1`` bytes, or ``len(data)`` when ``last`` (no byte follows the data).
+    """
+    if not shift:
+        return data if last else data[:-1]
+    a = np.frombuffer(data + b"\0" if last else data, np.uint8)
+    return ((a[:-1] >> shift) | (a[1:] << (8 - shift))).tobytes()
+
+
+def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None = None) -> Scan:
+    """Decompress ``path`` once (checking CRCs and lengths) and find its members and seek points."""
+    lib = _libz()
+    if lib is None:
+        raise RuntimeError("libz is not available for seek points")  # callers check available() first
+    if spacing <= 0:
+        raise ValueError(f"{spacing=} must be a positive number of bytes")
+    wbits = {"gzip": 31, "zlib": 15}[kind]
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
+    strm = _ZStream()
+    inbuf = ctypes.create_string_buffer(_CHUNK)
+    outbuf = ctypes.create_string_buffer(_OUT)
+    window = ctypes.create_string_buffer(WINDOW)
+    wlen = ctypes.c_uint(0)
+
+    def corrupt(what: str, consumed: int, total: int) -> CorruptDataError:
+        return CorruptDataError(
+            f"{kind} stream of field {field!r} in {path!r} is corrupt: {what} "
+            f"(compressed offset {consumed}, decompressed offset {total})",
+            field=field, path=path, offset=total,
+        )  # fmt: skip
+
+    if lib.inflateInit2_(ctypes.byref(strm), wbits, lib.zlibVersion(), ctypes.sizeof(strm)) != _Z_OK:
+        os.close(fd)
+        raise MemoryError("inflateInit2 failed")
+    try:
+        in_pos = 0  # file offset of the next read
+        total = member_out = last = 0
+        members = [(0, 0)]
+        points: list[tuple[int, int, int, bytes]] = []
+        while True:
+            if strm.avail_in == 0:
+                data = os.pread(fd, _CHUNK, in_pos)
+                if not data:
+                    raise corrupt("truncated: the stream ends before its end marker", in_pos, total)
+                ctypes.memmove(inbuf, data, len(data))
+                strm.next_in, strm.avail_in = ctypes.addressof(inbuf), len(data)
+                in_pos += len(data)
+            strm.next_out, strm.avail_out = ctypes.addressof(outbuf), _OUT
+            ret = lib.inflate(ctypes.byref(strm), _Z_BLOCK)
+            total += _OUT - strm.avail_out
+            consumed = in_pos - strm.avail_in
+            if ret == _Z_STREAM_END:
+                rest = os.pread(fd, 2, consumed)
+                if kind == "gzip" and rest == b"\x1f\x8b":
+                    members.append((consumed, total))
+                    member_out = last = total
+                    lib.inflateReset(ctypes.byref(strm))
+                    in_pos, strm.avail_in = consumed, 0  # read on from the member start
+                    continue
+                _check_padding(fd, consumed, functools.partial(corrupt, consumed=consumed, total=total))
+                break
+            if ret not in (_Z_OK, _Z_BUF_ERROR):
+                msg = strm.msg.decode(errors="replace") if strm.msg else f"inflate returned {ret}"
+                raise corrupt(msg, consumed, total)
+            dt = strm.data_type
+            if dt & 128 and not dt & 64 and total > member_out and total - last >= spacing:
+                bitpos = consumed * 8 - (dt & 7)
+                wlen.value = WINDOW
+                if lib.inflateGetDictionary(ctypes.byref(strm), window, ctypes.byref(wlen)) != _Z_OK:
+                    raise corrupt("inflateGetDictionary failed", consumed, total)
+                points.append((bitpos // 8, bitpos % 8, total, window.raw[: wlen.value]))
+                last = total
+        return Scan(total, tuple(members), tuple(points))
+    finally:
+        lib.inflateEnd(ctypes.byref(strm))
+        os.close(fd)
+
+
+def _check_padding(fd: int, offset: int, corrupt: Callable[[str], CorruptDataError]) -> None:
+    # As stoker.inflate: zero padding after the last member is accepted, anything else is not.
+    while data := os.pread(fd, _CHUNK, offset):
+        if data.strip(b"\x00"):
+            raise corrupt("trailing bytes after the last member that are not a valid member")
+        offset += len(data)
+
+
+def windows_path(data_file: str) -> str:
+    """The sidecar holding the windows of ``data_file``'s seek points."""
+    directory, base = os.path.split(os.path.abspath(data_file))
+    return os.path.join(directory, f".stoker-windows.{base}")
+
+
+def write_windows(path: str, data_size: int, data_mtime_ns: int, windows: Sequence[bytes]) -> list[tuple[int, int]]:
+    """Write ``windows`` (compressed) to ``path`` atomically; returns each one's (offset, length)."""
+    spans = []
+    parts = [_HEADER.pack(_MAGIC, data_size, data_mtime_ns)]
+    offset = _HEADER.size
+    for w in windows:
+        packed = zlib.compress(w, 1)
+        spans.append((offset, len(packed)))
+        parts.append(packed)
+        offset += len(packed)
+    fd, tmp = tempfile.mkstemp(prefix=".stoker-windows.", suffix=".tmp", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(parts))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return spans
+
+
+def load_window(ref: WindowRef, *, field: str | None = None) -> bytes:
+    """One seek point's window, checked against the data file it was made from."""
+
+    def bad(why: str, cause: BaseException | None = None) -> StaleIndexError:
+        err = StaleIndexError(
+            f"field {field!r}: seek-point windows file {ref.path!r} {why}; rebuild the index with "
+            "`stoker index` or Dataset(..., index='rebuild')",
+            field=field, path=ref.path,
+        )  # fmt: skip
+        err.__cause__ = cause
+        return err
+
+    try:
+        with open(ref.path, "rb") as f:
+            head = f.read(_HEADER.size)
+            f.seek(ref.offset)
+            packed = f.read(ref.length)
+    except OSError as e:
+        raise bad(f"cannot be read ({e.strerror})", e) from e
+    if len(head) < _HEADER.size or _HEADER.unpack(head) != (_MAGIC, ref.data_size, ref.data_mtime_ns):
+        raise bad("is not the one written with the index for this data file")
+    try:
+        window = zlib.decompress(packed)
+    except zlib.error as e:
+        raise bad(f"is corrupt at offset {ref.offset}", e) from e
+    if not 0 < len(window) <= WINDOW:
+        raise bad(f"holds a window of {len(window)} bytes at offset {ref.offset}")
+    return window
