@@ -39,6 +39,7 @@ class FieldPlan:
     byte_order: str = "little"
     pad: int = 0  # zero bytes appended after a gzip stream
     compression: object = "auto"  # what the Field is told
+    level: int = 1  # compression level of gzip/zlib/multi files
     extra: dict = field(default_factory=dict)
 
     @property
@@ -72,12 +73,13 @@ def encode(plan: FieldPlan, values: np.ndarray) -> bytes:
     if plan.kind == "raw":
         return body
     if plan.kind in ("gzip", "gzip-nosuffix"):
-        return gzip.compress(body, compresslevel=1) + b"\0" * plan.pad
+        return gzip.compress(body, compresslevel=plan.level) + b"\0" * plan.pad
     if plan.kind == "zlib":
-        return zlib.compress(body, 1)
+        return zlib.compress(body, plan.level)
     if plan.kind == "multi":
         cuts = [0, len(body) // 3, 2 * len(body) // 3, len(body)]
-        return b"".join(gzip.compress(body[a:b], compresslevel=1) for a, b in zip(cuts, cuts[1:])) + b"\0" * plan.pad
+        members = (gzip.compress(body[a:b], compresslevel=plan.level) for a, b in zip(cuts, cuts[1:]))
+        return b"".join(members) + b"\0" * plan.pad
     raise ValueError(plan.kind)
 
 

@@ -9,10 +9,10 @@ Compressed fields, bounded: a file whose records decode to at most ``cache_bytes
 (default 256 MiB per Dataset, :data:`DEFAULT_CACHE_BYTES`) is decoded whole once, verified
 to its end (CRC, length), and kept in a least-recently-used cache of at most
 ``cache_bytes``. A larger file is never held: each read decodes from the nearest seek point
-before the wanted records (gzip member starts from the persistent index, see
-:mod:`stoker.index`; else the file's start) only as far as the last wanted record. Records
-read that way pass the deflate decoder's checks but not the member's CRC, which covers the
-whole member.
+before the wanted records (deflate block boundaries every ~1 MiB and gzip member starts,
+from the persistent index, see :mod:`stoker.index`; else the file's start) only as far as the
+last wanted record. Records read that way pass the deflate decoder's checks but not the
+member's CRC, which covers the whole member (the index's own pass checked it).
 
 A subset is a Dataset (:class:`Subset`) over some groups of its root dataset and, per group,
 all records or a sorted array of them. The plan and loader work on it unchanged: the plan
@@ -91,9 +91,9 @@ class RecordReader:
     collection of the reader) unmaps and closes them.
     """
 
-    def __init__(self, catalog: Catalog, *, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(self, catalog: Catalog, *, cache_bytes: int | None = None) -> None:
         self.catalog = catalog
-        self.cache_bytes = cache_bytes
+        self.cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
         self._cache: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
         self._cached = 0
         self._lock = threading.Lock()

@@ -175,6 +175,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_index(args: argparse.Namespace) -> int:
     from .index import write_index
+    from .seekpoints import SPACING
 
     specs = _field_specs(args)
     if specs is None:
@@ -184,7 +185,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     # The index on disk is what is being rewritten: never read it (it may be stale or old).
     ds = dataset_from_fields(specs, pair_key=args.pair_key, index="ignore")
-    written = write_index(ds)
+    written = write_index(ds, spacing=SPACING if args.spacing is None else args.spacing)
     nfiles = ds.num_groups * len(ds.fields)
     print(f"indexed {nfiles} files of {ds.num_groups} groups ({len(ds)} records) in {time.perf_counter() - t:.1f}s")
     for path in written:
@@ -310,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", nargs="?", help="a directory written by `stoker sample`")
     p.add_argument("--inrez", type=int, default=None, help="frame size of a sample DIR (default: its stoker.toml)")
     p.add_argument("--pair-key", default=None, help="regex that must agree across a group's basenames")
+    p.add_argument("--spacing", type=int, default=None,
+                   help="decompressed bytes between seek points inside a gzip member or zlib stream (default 1 MiB)")
     _add_field_args(p)
     p.set_defaults(run=cmd_index)
     p = sub.add_parser("bench", help="stream the dataset and compare with the machine's ceiling on the same files")

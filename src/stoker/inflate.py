@@ -173,9 +173,9 @@ class Inflater:
                 self._check_padding(rest)
                 self._eof = True
                 return False
+            # No input left is not yet the end: a call limited by its output size may have taken
+            # all input and still hold output, which a call with no input hands out.
             data = self._tail or self._read_input()
-            if not data:
-                raise self._corrupt("truncated: the stream ends before its end marker")
             try:
                 out = self._d.decompress(data, max(want, 65536))
             except (zlib.error, _zlib.error) as e:
@@ -185,6 +185,8 @@ class Inflater:
                 self._decoded += len(out)
                 self._out, self._out_pos = out, 0
                 return True
+            if not data and not self._d.eof:
+                raise self._corrupt("truncated: the stream ends before its end marker")
         return False
 
     def _end_raw(self) -> None:
