@@ -8,11 +8,13 @@
    open + ``len(ds)`` + the first batch in file order, with and without the index.
 2. Random access on W1 raw (the seed's layout, ``stoker.sample.cached_sample``):
    ``ds.read`` of 256 random indices, and ``ds[i]`` one record at a time.
-3. Random access on W2, gzip-compressed 128x128 int8 images (4 files x 4096 records, each
-   file written as gzip members of 64 records, ``bgzip``-style), with the index:
-   through its seek points only (``cache_bytes=0``: decode from the member start before
-   each wanted run), and through the decoded in-memory form (default cache). For contrast,
-   the same files without an index (seek point = file start) with ``cache_bytes=0``.
+3. Random access on W2 (``benchmarks/compare.py``'s generator: smooth 128x128 int8 frames,
+   each file ONE gzip member of 4096 records, 64 MiB decoded; the first 4 files), indexed
+   with seek points every 1 MiB: through the seek points only (``cache_bytes=0``: decode from
+   the nearest point before each wanted run), and through the decoded in-memory form (default
+   cache). For contrast, the same files without seek points (``index="ignore"``: the file
+   start is the only point; a single-member file has no other) with ``cache_bytes=0``.
+   Each seek-point read is checked against the decoded form before timing.
 
 Contenders alternate round by round in one process (warm page cache); medians of rounds
 and per-round ratios are printed.
@@ -36,6 +38,9 @@ import numpy as np
 import stoker
 from stoker.access import RecordReader
 from stoker.sample import cached_sample
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compare import w2_data  # W2 is defined once, by the comparison benchmark
 
 CACHE = Path(os.environ.get("STOKER_CACHE", ".stoker-cache"))
 
@@ -78,24 +83,6 @@ def mid_groups(directory: Path, w1: Path, groups: int = 200, records: int = 256)
     return directory
 
 
-def w2(directory: Path, w1: Path, files: int = 4, member_records: int = 64) -> Path:
-    """gzip images: the first ``files`` W1 image files, each as members of ``member_records``."""
-    marker = directory / ".complete"
-    if marker.exists():
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    print(f"writing W2 (gzip images, members of {member_records} records) into {directory} ...", file=sys.stderr)
-    frame = 128 * 128
-    for g in range(files):
-        raw = (w1 / f"img_{g:04d}.bin").read_bytes()
-        step = member_records * frame
-        with open(directory / f"img_{g:04d}.bin.gz", "wb") as f:
-            for start in range(0, len(raw), step):
-                f.write(gzip.compress(raw[start : start + step], compresslevel=1))
-    marker.write_text("ok\n")
-    return directory
-
-
 def timed(fn: Callable[[], int], seconds: float) -> float:
     """Records per second of ``fn`` (returns records done per call) over about ``seconds``."""
     done, t0 = 0, time.perf_counter()
@@ -115,8 +102,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--groups", type=int, default=10_000)
+    ap.add_argument("--parts", default="first,mid,random", help="which measurements: first, mid, random")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if "first" in parts:
+        first_batch(args)
+    w1 = cached_sample(CACHE / "sample-16x4096x128")
+    if "mid" in parts:
+        mid_files(args, w1)
+    if "random" in parts:
+        random_access(args, w1)
+    return 0
 
+
+def first_batch(args: argparse.Namespace) -> None:
     # -- 1. time to first batch ---------------------------------------------------------
     small = many_groups(CACHE / f"access-{args.groups}x16", args.groups)
     fields = {
@@ -142,6 +141,16 @@ def main() -> int:
             first[name].append(t2 - t0)
             print(f"  round {r + 1}: {name:<9} open+len {t1 - t0:7.3f}s  first batch {t2 - t0:7.3f}s", file=sys.stderr)
 
+    print(f"\n{args.groups:,}-group time to first batch ({args.groups} groups x 2 gzip files, {args.rounds} rounds; "
+          f"writing the index took {index_seconds:.1f}s)")  # fmt: skip
+    print(f"{'':<10} {'open + len(ds) s':>17} {'first global batch s':>21}")
+    for name in first:
+        print(f"{name:<10} {med(counted[name]):>17.3f} {med(first[name]):>21.3f}")
+    ratio = [a / b for a, b in zip(first["no index"], first["index"], strict=True)]
+    print(f"first batch, no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
+
+
+def mid_files(args: argparse.Namespace, w1: Path) -> None:
     w1 = cached_sample(CACHE / "sample-16x4096x128")
     mid = mid_groups(CACHE / "access-200x1MiB", w1)
     mid_fields = {
@@ -163,6 +172,14 @@ def main() -> int:
             )
     assert n == 200 * 256
 
+    ratio = [a / b for a, b in zip(opened["no index"], opened["index"], strict=True)]
+    print(f"\n200 groups of 1 MiB gzip images + gzip labels: open + len(ds) + first batch, median of {args.rounds}")
+    for name, xs in opened.items():
+        print(f"{name:<10} {med(xs):>8.3f}s")
+    print(f"no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
+
+
+def random_access(args: argparse.Namespace, w1: Path) -> None:
     # -- 2. W1 raw random access ------------------------------------------------------------
     w1_ds = stoker.Dataset(
         image=stoker.Field(str(w1 / "img_*.bin"), "int8", (128, 128, 1)),
@@ -182,12 +199,17 @@ def main() -> int:
         return 64
 
     # -- 3. W2 gzip images -------------------------------------------------------------------
-    w2_dir = w2(CACHE / "access-w2", w1)
+    w2_dir = w2_data(CACHE, pairs=4)
     w2_field = {"image": stoker.Field(str(w2_dir / "img_*.bin.gz"), "int8", (128, 128, 1))}
-    stoker.write_index(stoker.Dataset(w2_field, index="ignore"))
+    t = time.perf_counter()
+    written = stoker.write_index(stoker.Dataset(w2_field, index="ignore"))
+    w2_index_s = time.perf_counter() - t
     w2_ds = stoker.Dataset(w2_field)
     n2 = len(w2_ds)
     firsts = np.arange(0, n2 + 1, 4096)
+    w2_points = sum(len(p) for p in w2_ds._catalog.seek_points.values())
+    w2_windows = sum(f.stat().st_size for f in w2_dir.glob(".stoker-windows.*"))
+    w2_gz = sum(f.stat().st_size for f in w2_dir.glob("img_*.bin.gz"))
     seek_reader = RecordReader(w2_ds._catalog, cache_bytes=0)
     cache_reader = RecordReader(w2_ds._catalog)  # the default: decoded files kept, 256 MiB
     plain_reader = RecordReader(stoker.Dataset(w2_field, index="ignore")._catalog, cache_bytes=0)
@@ -202,14 +224,19 @@ def main() -> int:
 
         return go
 
-    cache_reader.read_into(np.arange(4), np.zeros(4, np.int64), {"image": np.empty((4, 128, 128, 1), np.int8)})
+    check = np.random.default_rng(7).integers(0, n2, 64)
+    g = np.searchsorted(firsts, check, side="right") - 1
+    a, b = ({"image": np.empty((64, 128, 128, 1), np.int8)} for _ in range(2))
+    seek_reader.read_into(g, check - firsts[g], a)
+    cache_reader.read_into(g, check - firsts[g], b)  # also fills the cache before timing
+    assert np.array_equal(a["image"], b["image"])
     contenders = {
         "W1 raw ds.read(256 random)": read_batch,
         "W1 raw ds[i]": read_one,
-        "W2 gzip, index seek points, batch 256": w2_read(seek_reader, 256),
-        "W2 gzip, index seek points, 1 record": w2_read(seek_reader, 1),
+        "W2 gzip, seek points, batch 256": w2_read(seek_reader, 256),
+        "W2 gzip, seek points, 1 record": w2_read(seek_reader, 1),
+        "W2 gzip, no seek points, 1 record": w2_read(plain_reader, 1),
         "W2 gzip, decoded cache, batch 256": w2_read(cache_reader, 256),
-        "W2 gzip, no index, no cache, 1 record": w2_read(plain_reader, 1),
     }
     rates: dict[str, list[float]] = {k: [] for k in contenders}
     for r in range(args.rounds):
@@ -217,26 +244,16 @@ def main() -> int:
             rates[name].append(timed(fn, args.seconds))
             print(f"  round {r + 1}: {name:<40} {rates[name][-1]:>12,.0f} records/s", file=sys.stderr)
 
-    print(f"\n{args.groups:,}-group time to first batch ({args.groups} groups x 2 gzip files, {args.rounds} rounds; "
-          f"writing the index took {index_seconds:.1f}s)")  # fmt: skip
-    print(f"{'':<10} {'open + len(ds) s':>17} {'first global batch s':>21}")
-    for name in first:
-        print(f"{name:<10} {med(counted[name]):>17.3f} {med(first[name]):>21.3f}")
-    ratio = [a / b for a, b in zip(first["no index"], first["index"], strict=True)]
-    print(f"first batch, no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
-    ratio = [a / b for a, b in zip(opened["no index"], opened["index"], strict=True)]
-    print(f"\n200 groups of 1 MiB gzip images + gzip labels: open + len(ds) + first batch, median of {args.rounds}")
-    for name, xs in opened.items():
-        print(f"{name:<10} {med(xs):>8.3f}s")
-    print(f"no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
     print(f"\nrandom access ({args.rounds} rounds of {args.seconds:g}s)")
     print(f"{'contender':<42} {'records/s median':>17} {'min':>10} {'max':>10}")
     for name, xs in rates.items():
         print(f"{name:<42} {med(xs):>17,.0f} {min(xs):>10,.0f} {max(xs):>10,.0f}")
-    seek = [a / b for a, b in zip(rates["W2 gzip, index seek points, 1 record"],
-                                  rates["W2 gzip, no index, no cache, 1 record"], strict=True)]  # fmt: skip
-    print(f"W2 1-record reads, index seek points / no index: median {med(seek):.1f}x")
-    return 0
+    seek = [a / b for a, b in zip(rates["W2 gzip, seek points, 1 record"],
+                                  rates["W2 gzip, no seek points, 1 record"], strict=True)]  # fmt: skip
+    print(f"W2 1-record reads, seek points / none: median {med(seek):.0f}x (rounds {min(seek):.0f}..{max(seek):.0f})")
+    print(f"W2 index: {len(written)} file(s), {w2_points} seek points over {n2 * 16384 >> 20} MiB decoded; windows "
+          f"{w2_windows / 2**20:.1f} MiB = {100 * w2_windows / w2_gz:.1f}% of the {w2_gz / 2**20:.0f} MiB compressed; "
+          f"built in {w2_index_s:.1f}s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ _WBITS = {"gzip": 31, "zlib": 15}
 # Input read per call: large enough that syscall and call overhead vanish, small enough
 # that a stream of a 4-byte-label file does not allocate much. measured: 256 KiB..1 MiB flat.
 _CHUNK = 512 * 1024
+_SHIFTED_CHUNK = 128 * 1024
 
 
 def gzip_trailer_size(fd: int, size: int) -> int | None:
@@ -87,7 +88,7 @@ class Inflater:
                 self.close()
                 raise
             self._shift, self._next_member = point.bits, point.next_member
-            self._d = zlib.decompressobj(-15, zdict=window)  # CPython sets a raw stream's zdict at once
+            self._d = _zlib.decompressobj(wbits=-15, zdict=window)  # a raw stream's zdict is set at once
             start = (point.compressed, point.decompressed)
         else:
             self._d = _zlib.decompressobj(_WBITS[kind])
@@ -130,9 +131,11 @@ class Inflater:
 
     def _read_input(self) -> bytes:
         if self._shift > 0:  # a block point not on a byte boundary: read one byte more, re-pack
-            data = self._pread(_CHUNK + 1)
-            last = len(data) <= _CHUNK
-            self._in_offset += len(data) if last else _CHUNK
+            # Smaller reads: a seek-point read needs ~half a spacing of input, and re-packing
+            # bytes it does not use is wasted (measured: 1.5 ms per 512 KiB).
+            data = self._pread(_SHIFTED_CHUNK + 1)
+            last = len(data) <= _SHIFTED_CHUNK
+            self._in_offset += len(data) if last else _SHIFTED_CHUNK
             return shift_bits(data, self._shift, last=last) if data else data
         data = self._pread(_CHUNK)
         self._in_offset += len(data)
