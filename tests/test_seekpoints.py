@@ -98,8 +98,8 @@ def test_every_seek_point_decodes_exactly_what_plain_decompression_gives(
         "points": [[c, b, d, off, n] for (c, b, d, _), (off, n) in zip(found.points, spans, strict=True)],
         "windows": os.path.basename(seekpoints.windows_path(str(path))),
     }
-    info = type("Info", (), {"size": 1, "mtime_ns": 2})
-    points = index.seek_points_of(info, doc, str(tmp_path))  # type: ignore[arg-type]
+    info = type("Info", (), {"size": 1, "mtime_ns": 2, "path": str(path)})
+    points = index.seek_points_of(info, doc)  # type: ignore[arg-type]
     assert [p.decompressed for p in points] == sorted(p.decompressed for p in points)
     for point in points:
         want = int(rng.integers(0, 70_000))
@@ -243,7 +243,7 @@ def test_a_version_1_index_without_points_is_refused_then_rebuilt(tmp_path: Path
     doc = json.loads(path.read_text())
     doc["version"] = 1
     for entry in doc["files"].values():
-        del entry["points"], entry["windows"]
+        entry.pop("points", None), entry.pop("windows", None)
     path.write_text(json.dumps(doc))
     with pytest.raises(stoker.StaleIndexError, match=rf"{INDEX_NAME}.*version 1"):
         stoker.Dataset(ds.fields)
@@ -312,3 +312,14 @@ def test_a_read_that_stops_just_before_the_end_still_gets_the_last_bytes(tmp_pat
     cut.write_bytes(path.read_bytes()[:-300])
     with inflate.Inflater(str(cut), "zlib") as inf, pytest.raises(inflate.TruncatedStreamError, match="cut.zz"):
         inf.skip(len(body))
+
+
+def test_index_and_windows_files_get_the_mode_of_a_plain_file(tmp_path: Path) -> None:
+    """mkstemp's 0600 would lock everyone else out of a shared dataset's index."""
+    umask = os.umask(0o022)
+    try:
+        indexed(tmp_path, {"x": IMG})
+    finally:
+        os.umask(umask)
+    for f in [tmp_path / INDEX_NAME, *tmp_path.glob(".stoker-windows.*")]:
+        assert f.stat().st_mode & 0o777 == 0o644, f

@@ -263,12 +263,31 @@ def write_windows(path: str, data_size: int, data_mtime_ns: int, windows: Sequen
             f.write(b"".join(parts))
             f.flush()
             os.fsync(f.fileno())
+        readable_by_all(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     return spans
+
+
+def readable_by_all(path: str) -> None:
+    """Give a temp file the mode a plain ``open`` would (mkstemp makes it 0600): others read the data too."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    try:  # Linux: read it, rather than set and restore it (process-wide, racing other threads)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def load_window(ref: WindowRef, *, field: str | None = None) -> bytes:
