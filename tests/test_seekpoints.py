@@ -323,3 +323,11 @@ def test_index_and_windows_files_get_the_mode_of_a_plain_file(tmp_path: Path) ->
         os.umask(umask)
     for f in [tmp_path / INDEX_NAME, *tmp_path.glob(".stoker-windows.*")]:
         assert f.stat().st_mode & 0o777 == 0o644, f
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab1.9_-", max_size=12))
+def test_opening_splits_basenames_as_os_path_splitext_does(name: str) -> None:
+    from stoker.files import _stem
+
+    assert _stem(name) == os.path.splitext(name)[0]
