@@ -326,8 +326,10 @@ def test_index_and_windows_files_get_the_mode_of_a_plain_file(tmp_path: Path) ->
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet="ab1.9_-", max_size=12))
-def test_opening_splits_basenames_as_os_path_splitext_does(name: str) -> None:
-    from stoker.files import _stem
+@given(st.text(alphabet="ab1.9_-", max_size=12), st.text(alphabet="a/.", max_size=6))
+def test_opening_splits_names_as_os_path_splitext_does(name: str, directory: str) -> None:
+    from stoker.files import _stem, _suffix
 
     assert _stem(name) == os.path.splitext(name)[0]
+    path = directory + name
+    assert _suffix(path) == os.path.splitext(path)[1]

@@ -174,9 +174,13 @@ def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None
     except OSError as e:
         raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
     strm = _ZStream()
-    inbuf = ctypes.create_string_buffer(_CHUNK)
-    outbuf = ctypes.create_string_buffer(_OUT)
-    window = ctypes.create_string_buffer(WINDOW)
+    # Buffers sized to the file: indexing 20,000 small files must not zero 800 KiB for each.
+    size = os.fstat(fd).st_size
+    chunk = max(1, min(_CHUNK, size))
+    out_size = min(_OUT, max(16384, 8 * chunk))
+    inbuf = ctypes.create_string_buffer(chunk)
+    outbuf = ctypes.create_string_buffer(out_size)
+    window: Any = None
     wlen = ctypes.c_uint(0)
 
     def corrupt(what: str, consumed: int, total: int) -> CorruptDataError:
@@ -196,15 +200,15 @@ def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None
         points: list[tuple[int, int, int, bytes]] = []
         while True:
             if strm.avail_in == 0:
-                data = os.pread(fd, _CHUNK, in_pos)
+                data = os.pread(fd, chunk, in_pos)
                 if not data:
                     raise corrupt("truncated: the stream ends before its end marker", in_pos, total)
                 ctypes.memmove(inbuf, data, len(data))
                 strm.next_in, strm.avail_in = ctypes.addressof(inbuf), len(data)
                 in_pos += len(data)
-            strm.next_out, strm.avail_out = ctypes.addressof(outbuf), _OUT
+            strm.next_out, strm.avail_out = ctypes.addressof(outbuf), out_size
             ret = lib.inflate(ctypes.byref(strm), _Z_BLOCK)
-            total += _OUT - strm.avail_out
+            total += out_size - strm.avail_out
             consumed = in_pos - strm.avail_in
             if ret == _Z_STREAM_END:
                 rest = os.pread(fd, 2, consumed)
@@ -222,6 +226,8 @@ def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None
             dt = strm.data_type
             if dt & 128 and not dt & 64 and total > member_out and total - last >= spacing:
                 bitpos = consumed * 8 - (dt & 7)
+                if window is None:
+                    window = ctypes.create_string_buffer(WINDOW)
                 wlen.value = WINDOW
                 if lib.inflateGetDictionary(ctypes.byref(strm), window, ctypes.byref(wlen)) != _Z_OK:
                     raise corrupt("inflateGetDictionary failed", consumed, total)
