@@ -333,3 +333,23 @@ def test_opening_splits_names_as_os_path_splitext_does(name: str, directory: str
     assert _stem(name) == os.path.splitext(name)[0]
     path = directory + name
     assert _suffix(path) == os.path.splitext(path)[1]
+
+
+def test_global_shuffle_beyond_the_memory_budget_reads_through_seek_points(tmp_path: Path, opened: Opened) -> None:
+    write_dataset(tmp_path, COUNTS, {"x": IMG, "y": LAB})
+    fields = {"x": field_for(tmp_path, IMG), "y": field_for(tmp_path, LAB)}
+    budget = dict(memory_budget="600KiB", prefetch=2)  # 1.2 MB + 0.3 MB decoded do not fit
+    with pytest.raises(stoker.SpecError, match="index them with `stoker index`"):
+        stoker.Dataset(fields, index="ignore").loader(64, shuffle="global", seed=3, **budget)
+    stoker.write_index(stoker.Dataset(fields, index="ignore"), spacing=SPACING)
+    ds = stoker.Dataset(fields)
+    ref = reference(ds)
+    opened.made.clear()
+    batches = list(ds.loader(64, shuffle="global", seed=3, with_index=True, **budget))
+    seen = np.concatenate([b["__group__"] * 10_000 + b["__index__"] for b in batches])
+    assert len(seen) == len(ds) and len(np.unique(seen)) == len(ds)  # each record once
+    for b in batches:
+        for g, i, x, y in zip(b["__group__"], b["__index__"], b["x"], b["y"], strict=True):
+            assert np.array_equal(x, ref[g]["x"][i]) and np.array_equal(y, ref[g]["y"][i])
+    starts = [inf.members[0][1] for inf in opened.of(ds.files[0]["x"].path)]
+    assert max(starts) > 0.5 * 3000 * 256  # decoding began at points deep inside the one member

@@ -46,6 +46,7 @@ from .files import Catalog, FileInfo, Group, open_local
 from .inflate import Inflater
 from .order import Permutation
 from .remote import is_remote
+from .seekpoints import SeekPoint
 
 if TYPE_CHECKING:
     from .engine import Allocator
@@ -259,48 +260,65 @@ class RecordReader:
         return buf.view(spec.dtype).reshape(n, *spec.shape)
 
     def _short(self, name: str, spec: Field, info: FileInfo, n: int, produced: int) -> CorruptDataError:
-        index = max(0, (produced - spec.header_bytes) // spec.record_bytes)
-        return CorruptDataError(
-            f"field {name!r}: {info.compression} stream {info.path!r} ends at decompressed offset {produced}, "
-            f"inside record {index} of {n}",
-            field=name, path=info.path, index=index, offset=produced,
-        )  # fmt: skip
+        return _short(name, spec, info, n, produced)
 
     def _seek_read(
         self, name: str, spec: Field, info: FileInfo, g: int, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
     ) -> None:
         """Decode only from the seek point before each run of wanted records (bounded memory)."""
-        assert info.compression is not None
-        rb = spec.record_bytes
-        wanted, inverse = np.unique(local, return_inverse=True)
-        got = np.empty((len(wanted), *spec.shape), spec.dtype)
-        view = memoryview(got.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-        points = self.catalog.root().seek_points.get((g, name), ((0, 0),))
-        starts = np.array([p[1] for p in points], dtype=np.int64)
-        breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
-        inf: Inflater | None = None
-        try:
-            done = 0
-            for run in np.split(wanted, breaks):
-                target = spec.header_bytes + int(run[0]) * rb
-                k = int(np.searchsorted(starts, target, side="right")) - 1
-                if inf is None or inf.produced > target or int(starts[k]) > inf.produced:
-                    if inf is not None:
-                        inf.close()
-                    inf = Inflater(
-                        info.path, info.compression, field=name, start=points[k], storage_options=spec.storage_options
-                    )
-                want = target - inf.produced
-                if inf.skip(want) != want:
-                    raise self._short(name, spec, info, self.catalog.count(g), inf.produced)
-                nbytes = len(run) * rb
-                if inf.readinto(view[done : done + nbytes]) != nbytes:
-                    raise self._short(name, spec, info, self.catalog.count(g), inf.produced)
-                done += nbytes
-        finally:
-            if inf is not None:
-                inf.close()
-        dst[rows] = got[inverse]
+        points = self.catalog.root().seek_points.get((g, name), _FILE_START)
+        dst[rows] = seek_read(name, spec, info, points, local, self.catalog.count(g))
+
+
+_FILE_START = (SeekPoint(0, 0),)
+
+
+def seek_read(
+    name: str, spec: Field, info: FileInfo, points: Sequence[SeekPoint], local: np.ndarray, count: int
+) -> np.ndarray:
+    """Records ``local`` (any order) of a compressed file, each run decoded from the seek point before it.
+
+    ``points``: the file's seek points sorted by decompressed offset; ``count``: its records (for errors).
+    """
+    assert info.compression is not None
+    rb = spec.record_bytes
+    wanted, inverse = np.unique(local, return_inverse=True)
+    got = np.empty((len(wanted), *spec.shape), spec.dtype)
+    view = memoryview(got.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    starts = np.array([p[1] for p in points], dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
+    inf: Inflater | None = None
+    try:
+        done = 0
+        for run in np.split(wanted, breaks):
+            target = spec.header_bytes + int(run[0]) * rb
+            k = int(np.searchsorted(starts, target, side="right")) - 1
+            if inf is None or inf.produced > target or int(starts[k]) > inf.produced:
+                if inf is not None:
+                    inf.close()
+                inf = Inflater(
+                    info.path, info.compression, field=name, start=points[k], storage_options=spec.storage_options
+                )
+            want = target - inf.produced
+            if inf.skip(want) != want:
+                raise _short(name, spec, info, count, inf.produced)
+            nbytes = len(run) * rb
+            if inf.readinto(view[done : done + nbytes]) != nbytes:
+                raise _short(name, spec, info, count, inf.produced)
+            done += nbytes
+    finally:
+        if inf is not None:
+            inf.close()
+    return got[inverse]
+
+
+def _short(name: str, spec: Field, info: FileInfo, n: int, produced: int) -> CorruptDataError:
+    index = max(0, (produced - spec.header_bytes) // spec.record_bytes)
+    return CorruptDataError(
+        f"field {name!r}: {info.compression} stream {info.path!r} ends at decompressed offset {produced}, "
+        f"inside record {index} of {n}",
+        field=name, path=info.path, index=index, offset=produced,
+    )  # fmt: skip
 
 
 _FIRSTS: weakref.WeakKeyDictionary[Dataset, np.ndarray] = weakref.WeakKeyDictionary()

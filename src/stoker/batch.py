@@ -187,7 +187,10 @@ class Assembler:
         self._streams: dict[tuple[int, int, str], _Stream] = {}
         self._local = threading.local()
         self._epoch = -1
-        # "global" shuffle: compressed fields decoded once into memory, per group.
+        # "global" shuffle: compressed fields decoded once into memory, per group, except
+        # ``seek_fields`` (set by the loader when they do not fit its memory budget): read
+        # record by record from the persistent index's seek points.
+        self.seek_fields: frozenset[str] = frozenset()
         self._resident: dict[tuple[int, str], np.ndarray] = {}
         self._resident_locks: dict[tuple[int, str], threading.Lock] = {}
         self.stop = threading.Event()
@@ -320,6 +323,11 @@ class Assembler:
                         raise
                     finally:
                         self._release(plan.epoch, info, f, False, counted=False)
+                elif name in self.seek_fields:
+                    from .access import seek_read  # access builds on this module
+
+                    points = self.catalog.seek_points.get((g, name), (SeekPoint(0, 0),))
+                    out[name][rows] = seek_read(name, spec, info, points, local, self.catalog.count(g))
                 else:
                     out[name][rows] = self._resident_array(name, spec, info, g)[local]
                 self.counters.add("gather", name, time.perf_counter() - t)

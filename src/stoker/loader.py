@@ -168,6 +168,7 @@ class Loader:
         if not isinstance(even, bool):
             raise SpecError(f"even={even!r} must be True or False")
         self.even = even
+        self._seek_fields: frozenset[str] = frozenset()  # see _check_resident
         if shuffle == "global":
             self._check_resident(fields)
         self._plan = Plan(
@@ -234,10 +235,21 @@ class Loader:
         need = sum(total * fields[n].record_bytes for n in compressed)
         allowed = self.memory_budget - self.prefetch * self.batch_bytes
         if need > allowed:
+            # Too large to hold: fields a persistent index covers are read record by record from
+            # its seek points instead (slower per record, bounded memory); the rest must fit.
+            catalog = self.dataset._catalog
+            self._seek_fields = frozenset(
+                n for n in compressed
+                if all((g, n) in catalog.seek_points for g, i in enumerate(catalog.files) if i[n].compression)
+            )  # fmt: skip
+            compressed = [n for n in compressed if n not in self._seek_fields]
+            need = sum(total * fields[n].record_bytes for n in compressed)
+        if need > allowed:
             raise SpecError(
                 f"shuffle='global' keeps compressed field(s) {compressed} decompressed in memory: {need} bytes, "
                 f"more than the {allowed} bytes memory_budget={self.memory_budget} leaves after prefetch; "
-                "raise memory_budget, store those fields uncompressed, or use shuffle='files' (any compression)",
+                "raise memory_budget, store those fields uncompressed, index them with `stoker index` (then they "
+                "are read through seek points), or use shuffle='files' (any compression)",
                 field=compressed[0], path=self.dataset.files[0][compressed[0]].path,
             )  # fmt: skip
 
@@ -430,6 +442,7 @@ class _Pass:
             batch_size=loader.batch_size,
             with_index=loader.with_index,
         )
+        self._assembler.seek_fields = loader._seek_fields
         self._assembler.counters = self._counters = loader._counters
         self._assembler.readahead = Readahead(drop_behind=loader.drop_behind)
         self._last: float | None = None  # when __next__ last returned a batch
