@@ -127,7 +127,7 @@ def scan(name: str, info: FileInfo, *, spacing: int = seekpoints.SPACING) -> Ind
         return IndexEntry(info.size, info.mtime_ns, None, info.size, ((0, 0),))
     points: tuple[tuple[int, int, int, int, int], ...] = ()
     windows = None
-    if seekpoints.available():
+    if seekpoints.available() and not is_remote(info.path):
         found = seekpoints.scan_file(info.path, info.compression, spacing=spacing, field=name)
         total, members = found.decompressed_bytes, found.members
         if found.points:
@@ -135,7 +135,7 @@ def scan(name: str, info: FileInfo, *, spacing: int = seekpoints.SPACING) -> Ind
             spans = seekpoints.write_windows(sidecar, info.size, info.mtime_ns, [p[3] for p in found.points])
             points = tuple((c, b, d, off, n) for (c, b, d, _), (off, n) in zip(found.points, spans, strict=True))
             windows = os.path.basename(sidecar)
-    else:  # no libz for block points: member starts, found by the ordinary decoder
+    else:  # no libz (or a URL): member starts, found by the ordinary decoder
         with Inflater(info.path, info.compression, field=name) as inf:
             while inf.skip(1 << 30) == 1 << 30:
                 pass

@@ -2,7 +2,9 @@
 
 Uses isal (1.5-2x faster than stdlib zlib, measured) when installed, else zlib.
 Multi-member gzip files are read member after member, as gzip(1) does; zero padding
-after the last member is accepted, any other trailing bytes are an error.
+after the last member is accepted, any other trailing bytes are an error. Decoding may
+start at a persistent index's seek point (:mod:`stoker.seekpoints`): a member start, or a
+deflate block boundary inside a member, entered as a raw stream primed with its window.
 """
 
 from __future__ import annotations
