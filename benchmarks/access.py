@@ -14,7 +14,9 @@
    the nearest point before each wanted run), and through the decoded in-memory form (default
    cache). For contrast, the same files without seek points (``index="ignore"``: the file
    start is the only point; a single-member file has no other) with ``cache_bytes=0``.
-   Each seek-point read is checked against the decoded form before timing.
+   Each seek-point read is checked against the decoded form before timing. Also the loader
+   with ``shuffle="global"`` and ``memory_budget="64MiB"`` (the 256 MiB of decoded images do not
+   fit, so they are read through the seek points), batches of 256.
 
 Contenders alternate round by round in one process (warm page cache); medians of rounds
 and per-round ratios are printed.
@@ -230,6 +232,13 @@ def random_access(args: argparse.Namespace, w1: Path) -> None:
     seek_reader.read_into(g, check - firsts[g], a)
     cache_reader.read_into(g, check - firsts[g], b)  # also fills the cache before timing
     assert np.array_equal(a["image"], b["image"])
+    # Global shuffle with the decoded images over memory_budget: read through the seek points.
+    over_budget = w2_ds.loader(256, epochs=None, shuffle="global", seed=5, memory_budget="64MiB", prefetch=2)
+    over_budget_batches = iter(over_budget)
+
+    def global_over_budget() -> int:
+        return len(next(over_budget_batches)["image"])
+
     contenders = {
         "W1 raw ds.read(256 random)": read_batch,
         "W1 raw ds[i]": read_one,
@@ -237,6 +246,7 @@ def random_access(args: argparse.Namespace, w1: Path) -> None:
         "W2 gzip, seek points, 1 record": w2_read(seek_reader, 1),
         "W2 gzip, no seek points, 1 record": w2_read(plain_reader, 1),
         "W2 gzip, decoded cache, batch 256": w2_read(cache_reader, 256),
+        "W2 gzip, global shuffle over budget, loader": global_over_budget,
     }
     rates: dict[str, list[float]] = {k: [] for k in contenders}
     for r in range(args.rounds):
@@ -248,6 +258,7 @@ def random_access(args: argparse.Namespace, w1: Path) -> None:
     print(f"{'contender':<42} {'records/s median':>17} {'min':>10} {'max':>10}")
     for name, xs in rates.items():
         print(f"{name:<42} {med(xs):>17,.0f} {min(xs):>10,.0f} {max(xs):>10,.0f}")
+    over_budget.close()
     seek = [a / b for a, b in zip(rates["W2 gzip, seek points, 1 record"],
                                   rates["W2 gzip, no seek points, 1 record"], strict=True)]  # fmt: skip
     print(f"W2 1-record reads, seek points / none: median {med(seek):.0f}x (rounds {min(seek):.0f}..{max(seek):.0f})")
