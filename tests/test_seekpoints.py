@@ -353,3 +353,21 @@ def test_global_shuffle_beyond_the_memory_budget_reads_through_seek_points(tmp_p
             assert np.array_equal(x, ref[g]["x"][i]) and np.array_equal(y, ref[g]["y"][i])
     starts = [inf.members[0][1] for inf in opened.of(ds.files[0]["x"].path)]
     assert max(starts) > 0.5 * 3000 * 256  # decoding began at points deep inside the one member
+
+
+def test_sharded_streams_jump_ahead_to_seek_points(
+    tmp_path: Path, opened: Opened, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
+    ds = indexed(tmp_path, {"x": IMG})
+    ref = reference(ds)
+    opened.made.clear()
+    kw = dict(shuffle="files", seed=1, block_length=200, cycle_length=2, with_index=True)
+    batches = [b for s in range(3) for b in ds.loader(64, shard=(s, 3), **kw)]  # type: ignore[arg-type]
+    seen = np.concatenate([b["__group__"] * 10_000 + b["__index__"] for b in batches])
+    assert len(seen) == len(ds) and len(np.unique(seen)) == len(ds)
+    for b in batches:
+        for g, i, x in zip(b["__group__"], b["__index__"], b["x"], strict=True):
+            assert np.array_equal(x, ref[g]["x"][i])
+    # a shard skips the blocks of the others: it jumps to a point instead of inflating them
+    assert any(inf.members[0][1] > SPACING for inf in opened.of(ds.files[0]["x"].path))
