@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .engine import Allocator, Stopped
+from .engine import Allocator, StopFlag, Stopped
 from .errors import CorruptDataError, ReadError, StokerError
 from .files import Catalog, FileInfo, open_local
 from .inflate import Inflater, TruncatedStreamError
@@ -193,7 +193,7 @@ class Assembler:
         self.seek_fields: frozenset[str] = frozenset()
         self._resident: dict[tuple[int, str], np.ndarray] = {}
         self._resident_locks: dict[tuple[int, str], threading.Lock] = {}
-        self.stop = threading.Event()
+        self.stop = StopFlag()  # the loader shares its executor's (see stoker.engine.StopFlag)
         self._closed = False
         self.counters = Counters()  # the loader swaps in its own; see stoker.stats
         self.readahead = Readahead(drop_behind=False)  # the loader sets drop_behind for big datasets

@@ -14,7 +14,7 @@ import numpy as np
 from .autotune import ThreadTuner, default_prefetch
 from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task
 from .dataset import resolve_cast
-from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor
+from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor, run_finalizer
 from .errors import SpecError, StateError
 from .order import even_length, fingerprint, shard_length, validate_shard
 from .plan import BatchPlan, Plan, PlanConfig, Shuffle, default_block_length, default_cycle_length
@@ -423,7 +423,9 @@ class UserPosition:
 
 
 def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator) -> None:
-    assembler.stop.set()  # wake workers waiting on a stream turn first, then join them
+    # Idempotent, and safe to run again after a Ctrl-C cut it short (see stoker.engine._State):
+    # the stop flag first, then the join; the files are also closed by the last worker out.
+    assembler.stop.set()
     batches.close()
     assembler.close()
     pool.clear()
@@ -462,6 +464,8 @@ class _Pass:
         self._batches = loader._executor.map_ordered(work, tasks, window=window)
         # One stop event: a worker waiting for its turn on a stream wakes when the map closes.
         self._assembler.stop = self._batches.stop
+        self._batches.add_cleanup(self._assembler.close)
+        self._batches.add_cleanup(self._pool.clear)
         self._finalizer = weakref.finalize(self, _shutdown, self._batches, self._assembler, self._pool)
 
     def __iter__(self) -> _Pass:
@@ -498,4 +502,4 @@ class _Pass:
                 loader.prefetch = tuner.prefetch_for(tuner.threads)
 
     def close(self) -> None:
-        self._finalizer()
+        run_finalizer(self._finalizer)  # armed until done: a later close() or GC finishes an interrupted one
