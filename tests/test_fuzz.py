@@ -8,6 +8,8 @@ damage, because a damaged stream must fail its checks, never decode into other v
 
 from __future__ import annotations
 
+import itertools
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,27 @@ def _truth(case: dict[str, Any], paths: dict[str, list[Path]], ds: stoker.Datase
     return make_values(plan, case["counts"][g], base, salt=list(case["plans"]).index(name))
 
 
+def _check_rows(
+    case: dict[str, Any], paths: dict[str, list[Path]], ds: stoker.Dataset, got: list[dict[str, np.ndarray]]
+) -> list[tuple[int, int]]:
+    """Every delivered row is the record it says it is (``_truth``); returns the (group, index) sequence."""
+    truths: dict[tuple[str, int], np.ndarray] = {}
+    seen: list[tuple[int, int]] = []
+    for b in got:
+        pairs = list(zip(b["__group__"].tolist(), b["__index__"].tolist()))
+        seen.extend(pairs)
+        for name in case["plans"]:
+            out = b[name]
+            for row, (g, i) in enumerate(pairs):
+                if (name, g) not in truths:
+                    truths[(name, g)] = _truth(case, paths, ds, name, g)
+                truth = truths[(name, g)]
+                assert i < len(truth), f"field {name!r}: record {i} of group {g} is not in the file"
+                want = truth[i].astype(out.dtype)  # a cast done by numpy, as stoker's is
+                assert out[row].tobytes() == want.tobytes(), f"field {name!r}: wrong record {i} of group {g}"
+    return seen
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_random_specs_contents_and_damage_give_right_data_or_a_stoker_error(
@@ -140,20 +163,7 @@ def test_random_specs_contents_and_damage_give_right_data_or_a_stoker_error(
     assert err is None or case["damage"], f"undamaged files failed: {err!r}"
     if err is not None:
         assert err.path is not None and err.path in str(err), f"{type(err).__name__} names no file: {err}"
-    truths: dict[tuple[str, int], np.ndarray] = {}
-    seen: list[tuple[int, int]] = []
-    for b in got:
-        pairs = list(zip(b["__group__"].tolist(), b["__index__"].tolist()))
-        seen.extend(pairs)
-        for name in case["plans"]:
-            out = b[name]
-            for row, (g, i) in enumerate(pairs):
-                if (name, g) not in truths:
-                    truths[(name, g)] = _truth(case, paths, ds, name, g)
-                truth = truths[(name, g)]
-                assert i < len(truth), f"field {name!r}: record {i} of group {g} is not in the file"
-                want = truth[i].astype(out.dtype)  # a cast done by numpy, as stoker's is
-                assert out[row].tobytes() == want.tobytes(), f"field {name!r}: wrong record {i} of group {g}"
+    seen = _check_rows(case, paths, ds, got)
     assert len(seen) == len(set(seen)), "a record was yielded twice"
     if err is None:
         assert sorted(seen) == [(g, i) for g in range(ds.num_groups) for i in range(ds.records_in(g))]
@@ -194,3 +204,82 @@ def test_any_loader_arguments_give_a_loader_or_a_spec_error(
         return
     with loader:
         assert len(loader) >= 1
+
+
+# -- shards and resume over the same random specs and damage ----------------------------------
+
+
+@st.composite
+def splits(draw: st.DrawFn) -> dict[str, Any]:
+    return {
+        "shards": draw(st.integers(1, 3)),
+        "even": draw(st.booleans()),
+        "resumed_shard": draw(st.integers(0, 2)),  # modulo the shard count
+        "cut": draw(st.floats(0, 1)),  # where in its run the interrupted loader saves its state
+        "resume_batch_size": draw(st.none() | st.integers(1, 12)),  # None: the same; else elastic
+    }
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), split=splits())
+def test_shards_and_resume_over_random_specs_and_damage_continue_the_uninterrupted_run(
+    tmp_path_factory: pytest.TempPathFactory, case: dict[str, Any], split: dict[str, Any]
+) -> None:
+    """Two epochs. Shard ``i`` of ``c`` takes positions i, i+c, ... of each epoch of the unsharded
+    sequence (cut to the shortest shard's length with even=True), so the shards' union is that
+    sequence; a run saved after any batch (state through JSON) and resumed, with the same or
+    another batch_size, delivers exactly the rest of it. With damage, every one of these runs
+    delivers only right records and ends, if it fails, in a StokerError naming the file."""
+    base = tmp_path_factory.getbasetemp() / "fuzz-split"
+    base.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=base))
+    paths = write_dataset(tmp, case["counts"], case["plans"])
+    for name, g, how, where, byte in case["damage"]:  # before any loader: every run sees the same files
+        _damage(paths[name][g], how, where, byte)
+
+    def make(batch_size: int, shard: tuple[int, int], state: dict[str, Any] | None = None) -> stoker.Loader:
+        return ds.loader(
+            batch_size, epochs=2, shuffle=case["shuffle"], seed=11, threads=case["threads"],
+            cycle_length=case["cycle_length"], block_length=case["block_length"], with_index=True,
+            cast=case["cast"], shard=shard, even=split["even"], state=state,
+        )  # fmt: skip
+
+    def run(loader: Any) -> tuple[int, list[tuple[int, int]], BaseException | None]:
+        got, err = consume(loader, timeout=30)
+        assert err is None or isinstance(err, stoker.StokerError), repr(err)
+        assert err is None or case["damage"], f"undamaged files failed: {err!r}"
+        if err is not None:
+            assert err.path is not None and err.path in str(err), f"{type(err).__name__} names no file: {err}"
+        return len(got), _check_rows(case, paths, ds, got), err
+
+    c = split["shards"]
+    try:
+        ds = stoker.Dataset({n: field_for(tmp, p) for n, p in case["plans"].items()})
+        whole = run(make(case["batch_size"], (0, 1)))[1:]
+        shards = [run(make(case["batch_size"], (i, c)))[1:] for i in range(c)]
+        s = split["resumed_shard"] % c
+        with make(case["batch_size"], (s, c)) as probe:
+            cut = round(split["cut"] * 2 * len(probe))
+        first = make(case["batch_size"], (s, c))
+        _, before, err_before = run(itertools.islice(first, cut))
+        state = json.loads(json.dumps(first.state_dict()))
+        first.close()
+        _, after, err_after = run(make(split["resume_batch_size"] or case["batch_size"], (s, c), state))
+    except stoker.StokerError as e:  # the Dataset, a loader or len() refused the damaged files
+        event(f"refused: {type(e).__name__}")
+        assert case["damage"], f"undamaged files refused: {e!r}"
+        assert e.path is not None or isinstance(e, stoker.SpecError), f"{type(e).__name__} names no file: {e}"
+        return
+    errors = [whole[1], *(e for _, e in shards), err_before, err_after]
+    event("all runs complete" if not any(errors) else "some run ended by a StokerError")
+    if any(errors):
+        return
+    sequence, _ = whole
+    per_epoch = len(sequence) // 2
+    epochs = [sequence[:per_epoch], sequence[per_epoch:]]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(set(epochs[0]))
+    shortest = per_epoch // c
+    for i, (seen, _) in enumerate(shards):
+        want = [r for e in epochs for r in (e[i::c][:shortest] if split["even"] else e[i::c])]
+        assert seen == want, f"shard {i} of {c} is not positions {i}, {i}+{c}, ... of the unsharded run"
+    assert before + after == shards[s][0], f"resumed after {cut} batches: not the rest of the run"
