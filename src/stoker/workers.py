@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .engine import AlignedPool, OrderedMap, Stopped
+from .engine import AlignedPool, OrderedMap, StopFlag, Stopped
 from .errors import SpecError, StokerError
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ class _Worker:
         self.sock = parent
         self.dead = False
 
-    def call(self, batch: Batch, plan: BatchPlan, closing: threading.Event) -> Batch:
+    def call(self, batch: Batch, plan: BatchPlan, closing: StopFlag) -> Batch:
         keep: list[np.ndarray] = []
         layout, fds = _describe_arrays(batch, keep)
         try:
@@ -284,7 +284,7 @@ class _Pool:
         self.context = context
         self.workers: list[_Worker] = []
         self.idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
-        self.closing = threading.Event()
+        self.closing = StopFlag()  # set by close(), which a Ctrl-C may interrupt (see stoker.engine)
         self._lock = threading.Lock()
         self._started = False
 
