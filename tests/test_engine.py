@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 import threading
 import time
 
@@ -172,3 +173,46 @@ def test_cleared_pool_keeps_live_arrays_valid_and_pools_nothing() -> None:
     gc.collect()
     pool.array((10,), np.dtype(np.int32))
     assert pool.allocated == 2
+
+
+def test_dropping_a_pool_array_runs_no_python_code() -> None:
+    """Python reports a Ctrl-C landing in a finalizer as "Exception ignored" and never raises it;
+    the consumer drops a batch every step, so that drop must run no Python code."""
+    pool = AlignedPool(1 << 20)
+    a = pool.array((100,), np.dtype(np.float32))
+    calls: list[str] = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        del a
+    finally:
+        sys.setprofile(None)
+    assert calls == []
+    pool.array((100,), np.dtype(np.float32))
+    assert pool.allocated == 1  # recycled all the same
+
+
+def test_the_consumer_side_of_an_ordered_map_runs_no_python_locking_code() -> None:
+    """A Ctrl-C lands in the main thread at any bytecode: threading's Python code that takes a lock
+    (Condition, Event, Thread.start waiting on one) could be left holding it, and every worker with it."""
+    entered: set[str] = set()
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        code = frame.f_code  # type: ignore[attr-defined]
+        if event == "call" and code.co_filename == threading.__file__:
+            entered.add(code.co_name)
+
+    om = ThreadExecutor(2).map_ordered(_jitter, range(200), window=3)
+    sys.setprofile(profile)
+    try:
+        got = [next(om) for _ in range(50)]
+        om.add_worker()
+        om.set_window(5)
+        got += [next(om) for _ in range(50)]
+        om.retire_worker()
+        got += [next(om) for _ in range(50)]
+        om.close()
+    finally:
+        sys.setprofile(None)
+    assert got == [_jitter(i) for i in range(150)]
+    assert not entered & {"__enter__", "__exit__", "wait", "wait_for", "set", "start", "_acquire_restore"}, entered
+    assert wait_no_stoker_threads() == []

@@ -18,10 +18,12 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import traceback
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -675,6 +677,36 @@ def test_keyboard_interrupt_during_iteration_stops_every_thread(tmp_path: Path, 
         assert r["batches"] > 0, run
         assert r["threads"] == [], f"{run}: threads left {r['threads']}"
         assert r["fds"] == fds_before, run
+
+
+# What a Ctrl-C may interrupt: threading's Python code that takes a lock (Condition and Event,
+# Thread.start waiting on one) can be left holding it. Thread.join handles an interrupt itself.
+_LOCKING = {"__enter__", "__exit__", "wait", "wait_for", "set", "start", "_acquire_restore", "_release_save"}
+
+
+@pytest.mark.parametrize("threads", [3, None])
+def test_the_consumer_and_close_run_no_python_locking_code(tmp_path: Path, threads: int | None) -> None:
+    write_dataset(tmp_path, [200, 150, 90], PAIR)
+    ds = _pair_ds(tmp_path)
+    len(ds)
+    entered: set[str] = set()
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_filename == threading.__file__:
+            entered.add(frame.f_code.co_name)
+
+    loader = ds.loader(4, epochs=None, threads=threads, shuffle="files", seed=1)
+    sys.setprofile(profile)  # this thread only: the consumer's side
+    try:
+        it = iter(loader)
+        until = time.monotonic() + 0.5  # autotune (threads=None) measures windows of 0.15 s
+        while time.monotonic() < until:
+            next(it)
+        loader.close()
+    finally:
+        sys.setprofile(None)
+    assert not entered & _LOCKING, sorted(entered)
+    assert wait_no_stoker_threads() == []
 
 
 def _ends(how: str, loader: stoker.Loader) -> None:
