@@ -157,11 +157,13 @@ def test_readahead_advises_only_ranges_that_are_not_cached_already(tmp_path: Pat
         os.fsync(fd)  # written back, so the kernel can drop its pages below
         os.pread(fd, size, 0)  # every page cached: the advice would cost time and buy nothing
         warm = Readahead(drop_behind=False)
-        warm.after_read(fd, None, size, 0, 1 << 20)
+        assert warm.after_read(fd, None, size, 0, 1 << 20) is True  # the rest is cached: stop advising
         assert warm.advised == 0
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: the range ahead must be asked for
         cold = Readahead(drop_behind=False)
-        cold.after_read(fd, None, size, 0, 1 << 20)
+        assert cold.after_read(fd, None, size, 0, 1 << 20) is False
+        assert cold.advised == 1
+        assert cold.after_read(fd, None, size, 1 << 20, 1 << 20, ahead=False) is False  # caller said stop
         assert cold.advised == 1
         cold.after_read(fd, None, size, size - (1 << 20), 1 << 20)  # nothing left ahead of the end
         assert cold.advised == 1

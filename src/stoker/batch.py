@@ -55,7 +55,7 @@ def _reading(name: str, info: FileInfo, group: int, start: int, stop: int) -> st
 
 
 class _RawFile:
-    __slots__ = ("done", "fd", "map", "refs", "size")
+    __slots__ = ("done", "fd", "map", "refs", "size", "warm")
 
     def __init__(self, fd: int, size: int, mapped: mmap.mmap | None) -> None:
         self.fd = fd
@@ -63,6 +63,7 @@ class _RawFile:
         self.map = mapped
         self.refs = 0
         self.done = False
+        self.warm = False  # the rest of the file was found in the page cache: no advice ahead
 
     def close(self) -> None:
         if self.map is not None:
@@ -481,7 +482,8 @@ class Assembler:
                                     offset=offset).reshape(span, *spec.shape)  # fmt: skip
                 np.copyto(dst, src[:: run.step], casting="unsafe")
                 del src
-            self.readahead.after_read(f.fd, f.map, f.size, offset, (run.stop - run.start) * rb)
+            nread = (run.stop - run.start) * rb
+            f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
             self.counters.add("read+cast" if self._cast[name] else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)

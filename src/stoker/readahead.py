@@ -4,8 +4,8 @@ Ahead: ``POSIX_FADV_WILLNEED`` on the next ``AHEAD_BYTES`` of the file after eac
 cold file is already on its way from the disk when the next run asks for it. The advice is not
 free even when every page is cached (the kernel walks the range: about 100 us per 16 MiB here,
 a tenth of a W1 int8 batch), so it is given only where it can help: two one-byte reads with
-``RWF_NOWAIT`` (about 1 us each, they never touch the disk) probe the first and the last page
-of the range, and a range whose both ends are cached is left alone.
+``RWF_NOWAIT`` (about 1 us each, they never touch the disk) probe the page after the run and
+the file's last page, and a file whose both are cached gets no more advice ahead this epoch.
 
 Behind: when the dataset's raw files are larger than half of this machine's RAM, the pages
 a run has finished with are dropped (``MADV_DONTNEED`` on our mapping, then
@@ -61,14 +61,24 @@ class Readahead:
         # starts below the mark and resets it.
         self._dropped: dict[int, int] = {}
 
-    def after_read(self, fd: int, mapped: mmap.mmap | None, size: int, offset: int, nbytes: int) -> None:
+    def after_read(
+        self, fd: int, mapped: mmap.mmap | None, size: int, offset: int, nbytes: int, *, ahead: bool = True
+    ) -> bool:
+        """Advise after a run; True when the rest of the file is cached (``ahead`` can stop).
+
+        The caller keeps that answer per open file and passes ``ahead=False`` from then on, so a
+        warm file costs two probes per epoch, not two per run: each probe is a system call that
+        gives up the GIL, and a consumer running Python holds it for up to the switch interval.
+        """
         if not self.enabled:
-            return
+            return False
         end = offset + nbytes
-        if end < size:
-            ahead = min(AHEAD_BYTES, size - end)
-            if not (self._cached(fd, end) and self._cached(fd, end + ahead - 1)):
-                os.posix_fadvise(fd, end, ahead, os.POSIX_FADV_WILLNEED)
+        rest_cached = False
+        if ahead and end < size:
+            if self._cached(fd, end) and self._cached(fd, size - 1):
+                rest_cached = True
+            else:
+                os.posix_fadvise(fd, end, min(AHEAD_BYTES, size - end), os.POSIX_FADV_WILLNEED)
                 self.advised += 1
         if self.drop_behind:
             upto = (offset - BEHIND_SLACK) // _PAGE * _PAGE
@@ -80,6 +90,7 @@ class Readahead:
                     mapped.madvise(mmap.MADV_DONTNEED, done, upto - done)
                 os.posix_fadvise(fd, done, upto - done, os.POSIX_FADV_DONTNEED)
                 self._dropped[fd] = upto
+        return rest_cached
 
     def _cached(self, fd: int, offset: int) -> bool:
         """Whether the page holding ``offset`` is in the page cache (False when unknown)."""
