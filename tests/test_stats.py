@@ -217,12 +217,13 @@ def test_autotuned_threads_change_nothing_in_the_sequence_and_show_in_stats(tmp_
         assert np.array_equal(a["__group__"], b["__group__"]) and np.array_equal(a["__index__"], b["__index__"])
 
 
-def test_a_slow_consumer_stops_autotune_where_it_started(pair_ds: stoker.Dataset) -> None:
+def test_a_slow_consumer_makes_autotune_step_down_to_the_fewest_workers_that_keep_up(
+    pair_ds: stoker.Dataset,
+) -> None:
     with pair_ds.loader(2, epochs=None) as loader:
-        start = loader.threads
         _until_tuned(loader, sleep=0.03)
-        assert loader.threads == start and f"consumer-bound at {start} thread(s)" in loader.tuning
-        assert loader.stats().threads == start
+        assert loader.threads == 1 and loader.stats().threads == 1
+        assert "consumer-bound" in loader.tuning and "leave the consumer its CPU" in loader.tuning
 
 
 def test_given_threads_are_not_tuned(pair_ds: stoker.Dataset) -> None:
@@ -286,3 +287,43 @@ def test_low_worker_cpu_is_storage_bound_only_when_the_bytes_came_from_the_disk(
     assert verdict(starved).startswith("CPU-starved: workers (read+cast of field 'wide') ran on a CPU only 10%")
     cold = dataclasses.replace(starved, disk_read_bytes=s.source_bytes)
     assert verdict(cold).startswith("storage-bound: reads of field 'wide' wait on the disk")
+
+
+def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it_drops() -> None:
+    from stoker.autotune import ThreadTuner
+
+    class Workers:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def add_worker(self) -> None:
+            self.calls.append("add")
+
+        def retire_worker(self) -> None:
+            self.calls.append("retire")
+
+        def set_window(self, window: int) -> None:
+            self.calls.append(f"window {window}")
+
+    def run(waits: dict[int, float]) -> tuple[ThreadTuner, list[str]]:
+        # The consumer keeps every batch 5 ms (a training step on the host) and then waits
+        # ``waits[threads]`` for the next one.
+        tuner, w, now = ThreadTuner(start=3, max_threads=6, tune_prefetch=True, fits=100), Workers(), 0.0
+        for _ in range(2000):
+            if tuner.done:
+                break
+            last, now = now, now + 0.005
+            asked, now = now, now + waits[tuner.threads]
+            tuner.observe(w, asked, now, last, 16)
+        assert tuner.done
+        return tuner, w.calls
+
+    # Any worker count keeps up: each step down holds the rate, down to one worker.
+    tuner, calls = run({3: 0.0, 2: 0.0, 1: 0.0})
+    assert tuner.threads == 1 and calls == ["retire", "window 2", "retire", "window 2"]
+    assert "1 thread(s) keep up" in tuner.reason
+    # One worker no longer keeps up (the consumer waits 10 ms a batch): the step is taken back.
+    tuner, calls = run({3: 0.0, 2: 0.0, 1: 0.010})
+    assert tuner.threads == 2 and calls == ["retire", "window 2", "retire", "window 2", "add", "window 2"]
+    assert "so 2 kept" in tuner.reason
+

@@ -4,10 +4,12 @@ When ``threads`` is None the first pass starts with one worker per core and clim
 measuring window (at least ``MIN_BATCHES`` batches and ``MIN_SECONDS`` seconds, as the
 consumer sees them) it adds a worker while that raised records/s by more than ``GAIN``,
 up to ``2 x cores`` (threads that wait on a cold disk leave their core to others). A step
-that did not pay is taken back and the climb stops. It stops at once when the consumer is
-the limit (it kept batches longer than it waited for them): more workers would only take
-CPU from it. ``prefetch``, when None, follows :func:`default_prefetch` (one batch per worker, at least 2,
-deeper for small batches) within ``memory_budget``.
+that did not pay is taken back and the climb stops. When the consumer is the limit (it kept
+batches longer than it waited for them) it never climbs: it steps down instead, one worker at a
+time while the records/s hold (within ``GAIN``), so a consumer computing on the host keeps its
+core; a step that costs more than that is taken back. ``prefetch``, when None, follows
+:func:`default_prefetch` (one batch per worker, at least 2, deeper for small batches) within
+``memory_budget``.
 
 Starting lower, at one worker, was measured worse on this loaded 2-core machine: 0.93x the
 records/s of a fixed one-per-core (median of 5 alternated rounds of 2.5 s on W1), as
@@ -75,6 +77,7 @@ class ThreadTuner:
         self._wait = 0.0
         self._used = 0.0
         self._since: float | None = None
+        self._down: float | None = None  # records/s before a step down (consumer-bound), until judged
 
     def prefetch_for(self, threads: int) -> int:
         """The loader's default for ``threads`` workers (:func:`default_prefetch`)."""
@@ -101,7 +104,26 @@ class ThreadTuner:
         self._rows = self._batches = 0
         self._wait = self._used = 0.0
         self._since = got
+        if self._down is not None:  # the last window ran one worker fewer, the consumer being the limit
+            before, self._down = self._down, None
+            if rate * GAIN < before:  # that cost more than noise: the worker goes back
+                self.threads += 1
+                workers.add_worker()
+                self._resize(workers)
+                self._finish(
+                    f"consumer-bound; {self.threads - 1} thread(s) gave {rate / before:.2f}x of {self.threads}, "
+                    f"so {self.threads} kept"
+                )
+                return
+            if consumer_bound and self.threads > 1:
+                self._step_down(workers, rate)
+                return
+            self._finish(f"consumer-bound: {self.threads} thread(s) keep up and leave the consumer its CPU")
+            return
         if consumer_bound:
+            if self.threads > 1:
+                self._step_down(workers, rate)
+                return
             self._finish(f"consumer-bound at {self.threads} thread(s): more workers would take its CPU")
             return
         if len(self.history) >= 2 and rate <= self.history[-2][1] * GAIN:
@@ -115,6 +137,19 @@ class ThreadTuner:
             return
         self.threads += 1
         workers.add_worker()
+        self._resize(workers)
+
+    def _step_down(self, workers: Workers, rate: float) -> None:
+        """The consumer is the limit: try one worker fewer, which leaves it more of the CPU.
+
+        A consumer that runs Python or numpy on the host shares the cores with the workers; when
+        the pipeline already outpaces it, every worker beyond what keeps up only takes its CPU
+        (W1-busy: two workers and a consumer burning 5 ms per batch on 2 cores). Kept when the
+        next window is no slower than noise, taken back otherwise.
+        """
+        self._down = rate
+        self.threads -= 1
+        workers.retire_worker()
         self._resize(workers)
 
     def _resize(self, workers: Workers) -> None:
