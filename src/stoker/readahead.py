@@ -93,7 +93,11 @@ class Readahead:
         return rest_cached
 
     def _cached(self, fd: int, offset: int) -> bool:
-        """Whether the page holding ``offset`` is in the page cache (False when unknown)."""
+        """Whether the page holding ``offset`` is in the page cache (False when unknown).
+
+        A probe that misses returns at once, but the kernel starts its own readahead from that
+        page: on a cold file the probe is the first request, never a wasted one.
+        """
         if not self.probing or _preadv is None:
             return False
         byte = bytearray(1)
