@@ -33,7 +33,7 @@ import dataclasses
 import importlib
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -565,19 +565,48 @@ class Stage:
             if one is not None:
                 self.kernels[name] = one
 
-    def run(self, batch: Mapping[str, np.ndarray], plan: BatchPlan, allocate: Allocate) -> Batch:
-        """The transformed batch; errors carry a note naming the transform and the batch."""
+    def record_fields(self, fields: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Fields the assembler may transform as it reads them: the delivered (shape, dtype) of each.
+
+        Those the compiled kernel runs whose records are read in their stored dtype.
+        """
+        return {
+            name: self.records[name]
+            for name, one in self.kernels.items()
+            if name in fields and np.dtype(fields[name].dtype) == one.src
+        }
+
+    def draws(self, plan: BatchPlan) -> dict[int, Any]:
+        """Every fused transform's random parameters for the batch ``plan``."""
         first = first_position(plan, self.shard)
-        n = plan.rows
+        draws: dict[int, Any] = {}
+        for chain in self.chains.values():
+            for k, op, shape in chain:
+                if k not in draws:
+                    draws[k] = op.draw(batch_rng(self.seed, plan.epoch, first, k), plan.rows, shape)
+        return draws
+
+    def put(self, name: str, src: np.ndarray, dst: np.ndarray, row: int, *, draws: Mapping[int, Any]) -> None:
+        """Stored records ``src`` (rows ``row..`` of the batch) transformed into ``dst`` (called by assembly)."""
+        self.kernels[name].run(src, dst, draws, row)
+
+    def run(
+        self, batch: Mapping[str, np.ndarray], plan: BatchPlan, allocate: Allocate, done: Collection[str] = ()
+    ) -> Batch:
+        """The transformed batch; errors carry a note naming the transform and the batch.
+
+        Fields in ``done`` were transformed by the assembly (``put``) and are passed on as they are.
+        """
+        first = first_position(plan, self.shard)
         out = dict(batch)
         k = 0
         try:
             draws: dict[int, Any] = {}
+            if any(name not in done for name in self.chains):
+                draws = self.draws(plan)
             for name, chain in self.chains.items():
-                for k, op, shape in chain:
-                    if k not in draws:
-                        draws[k] = op.draw(batch_rng(self.seed, plan.epoch, first, k), n, shape)
-                out[name] = self._fused(batch[name], name, chain, draws, allocate)
+                if name not in done:
+                    out[name] = self._fused(batch[name], name, chain, draws, allocate)
             for k in range(self.head, len(self.transforms)):
                 fn = self.transforms[k]
                 result = fn(out, batch_rng(self.seed, plan.epoch, first, k))
@@ -740,7 +769,7 @@ class Transformed:
     def __call__(self, task: Any) -> tuple[Batch, BatchPlan]:
         batch, plan = self.assemble(task)
         try:
-            return self.stage.run(batch, plan, self.allocate), plan
+            return self.stage.run(batch, plan, self.allocate, getattr(task, "fused", ())), plan
         except Stopped:
             raise
         except BaseException as e:

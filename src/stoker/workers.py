@@ -172,12 +172,12 @@ def _serve(sock: socket.socket, stage_bytes: bytes) -> None:
         out_fds: list[int] = []
         keep: list[np.ndarray] = []
         try:
-            plan, layout = pickle.loads(msg)
+            plan, layout, done = pickle.loads(msg)
             batch = _map_arrays(layout, fds)
             for fd in fds:
                 os.close(fd)
             fds = []
-            out = stage.run(batch, plan, _shared_array)
+            out = stage.run(batch, plan, _shared_array, done)
             same = [k for k, v in out.items() if batch.get(k) is v]
             produced = {k: v for k, v in out.items() if k not in same}
             out_layout, out_fds = _describe_arrays(produced, keep)
@@ -217,11 +217,11 @@ class _Worker:
         self.sock = parent
         self.dead = False
 
-    def call(self, batch: Batch, plan: BatchPlan, closing: StopFlag) -> Batch:
+    def call(self, batch: Batch, plan: BatchPlan, done: frozenset[str], closing: StopFlag) -> Batch:
         keep: list[np.ndarray] = []
         layout, fds = _describe_arrays(batch, keep)
         try:
-            socket.send_fds(self.sock, [pickle.dumps((plan, layout))], fds)
+            socket.send_fds(self.sock, [pickle.dumps((plan, layout, done))], fds)
             msg, rfds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 256)
         except OSError as e:
             if closing.is_set():
@@ -299,7 +299,7 @@ class _Pool:
                 self.workers.append(w)
                 self.idle.put(w)
 
-    def run(self, batch: Batch, plan: BatchPlan) -> Batch:
+    def run(self, batch: Batch, plan: BatchPlan, done: frozenset[str] = frozenset()) -> Batch:
         if not self._started:
             self._start()
         while True:
@@ -312,7 +312,7 @@ class _Pool:
             if not worker.dead:
                 break
         try:
-            return worker.call(batch, plan, self.closing)
+            return worker.call(batch, plan, done, self.closing)
         finally:
             if worker.dead:
                 self._replace(worker)
@@ -399,7 +399,7 @@ class ProcessExecutor:
             plan: BatchPlan
             batch, plan = fn(task)  # type: ignore[misc]
             try:
-                return pool.run(batch, stage.light(plan)), plan
+                return pool.run(batch, stage.light(plan), getattr(task, "fused", frozenset())), plan
             except Stopped:
                 raise
             except BaseException as e:
