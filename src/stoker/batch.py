@@ -516,7 +516,7 @@ class Assembler:
             nread = (run.stop - run.start) * rb
             f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
-            self.counters.add("read+cast" if self._cast[name] else "read", name, time.perf_counter() - t)
+            self.counters.add("read+cast" if self._cast[name] or put else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
 
     def _read_remote_raw(
