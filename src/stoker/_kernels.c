@@ -1,7 +1,8 @@
 /* One-pass normalize for stoker.transforms: records of a stored dtype in, float32/float64 out.
  *
  * Each record is read once (through a crop window, with an optional reversal of one axis)
- * and written once; the Normalize ops run on the just-written values while they are in L1.
+ * and written once, the first Normalize op computed on the way; any further ops run on the
+ * just-written values while they are in L1.
  * The arithmetic is the same IEEE operations numpy's reference does, in the same order
  * ((x - mean) / std or x * scale + offset, op after op), and the build keeps the compiler
  * from fusing multiply-add (-ffp-contract=off), so results are bit-identical to numpy's.
@@ -42,8 +43,32 @@ typedef struct {
     op_t ops[MAX_OPS];
 } job_t;
 
+/* x[i] = op0(src value), the first op fused into the converting copy (one pass for one op). */
+#define CONVERT(T, x, len, SRC, off)                                                   \
+    if (j->nops == 0) {                                                                \
+        for (Py_ssize_t i = 0; i < (len); i++) x[i] = (T)(SRC);                        \
+    } else {                                                                           \
+        const op_t *op_ = &j->ops[0];                                                  \
+        const T *f_ = (const T *)op_->first, *g_ = (const T *)op_->second;             \
+        if (op_->vector) {                                                             \
+            f_ += (off);                                                               \
+            g_ += (off);                                                               \
+            if (op_->divide)                                                           \
+                for (Py_ssize_t i = 0; i < (len); i++) x[i] = ((T)(SRC) - f_[i]) / g_[i]; \
+            else                                                                       \
+                for (Py_ssize_t i = 0; i < (len); i++) x[i] = (T)(SRC) * f_[i] + g_[i]; \
+        } else {                                                                       \
+            const T a_ = f_[0], b_ = g_[0];                                            \
+            if (op_->divide)                                                           \
+                for (Py_ssize_t i = 0; i < (len); i++) x[i] = ((T)(SRC) - a_) / b_;    \
+            else                                                                       \
+                for (Py_ssize_t i = 0; i < (len); i++) x[i] = (T)(SRC) * a_ + b_;      \
+        }                                                                              \
+    }
+
+/* The ops after the first, each a pass over x while it is in L1. */
 #define APPLY_OPS(T, x, len, off)                                                      \
-    for (int k_ = 0; k_ < j->nops; k_++) {                                             \
+    for (int k_ = 1; k_ < j->nops; k_++) {                                             \
         const op_t *op_ = &j->ops[k_];                                                 \
         const T *f_ = (const T *)op_->first, *g_ = (const T *)op_->second;             \
         if (op_->vector) {                                                             \
@@ -78,10 +103,10 @@ typedef struct {
                         T *x = d + b;                                                  \
                         if (flip) {                                                    \
                             const S *t = s + (M - 1 - b);                              \
-                            for (Py_ssize_t i = 0; i < len; i++) x[i] = (T)t[-i];      \
+                            CONVERT(T, x, len, t[-i], 0)                               \
                         } else {                                                       \
                             const S *t = s + b;                                        \
-                            for (Py_ssize_t i = 0; i < len; i++) x[i] = (T)t[i];       \
+                            CONVERT(T, x, len, t[i], 0)                                \
                         }                                                              \
                         APPLY_OPS(T, x, len, 0)                                        \
                     }                                                                  \
@@ -92,7 +117,7 @@ typedef struct {
                         for (Py_ssize_t b = 0; b < I; b += BLOCK) {                    \
                             const Py_ssize_t len = (I - b < BLOCK) ? I - b : BLOCK;    \
                             T *x = u + b;                                              \
-                            for (Py_ssize_t i = 0; i < len; i++) x[i] = (T)t[b + i];   \
+                            CONVERT(T, x, len, t[b + i], b)                            \
                             APPLY_OPS(T, x, len, b)                                    \
                         }                                                              \
                     }                                                                  \
