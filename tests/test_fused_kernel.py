@@ -126,6 +126,7 @@ def test_the_kernel_declines_what_it_cannot_do_in_one_pass() -> None:
     for why, fns in declined.items():
         assert "image" not in _stage(fns, (4, 6, 2), "int8").kernels, why
     assert "image" not in _stage([Normalize(2.0, fields="image")], (4, 6, 2), "int32").kernels, "int32 records"
+    assert "image" not in _stage([Normalize(2.0, fields="image")], (4, 6, 2), ">i2").kernels, "big-endian records"
 
 
 FRAME = FieldPlan("img", "int8", (6, 8, 1))
