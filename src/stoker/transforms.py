@@ -12,12 +12,15 @@ batches, and a resumed run draws exactly what an uninterrupted one would.
 Built-in transforms (:class:`Normalize`, :class:`Cast`, :class:`RandomFlip`,
 :class:`RandomCrop`) are plain callables with the same signature. Those at the head of the
 list are fused into batch assembly: a field they touch is read in its stored dtype when that
-is exact in the delivered one; each record is then copied once, cast on the way, from its
-cropped source into its (possibly reversed) place in the output, and elementwise ops run in
-place on up to 256 KiB of output at a time while it is in cache (``Stage._direct``). Where
-flips or crops do not commute with the elementwise ops, the ops run one after the other on
-such chunks (``Stage._runs`` / op by op). Either way the result equals calling the transforms
-one after the other on the unfused batch.
+is exact in the delivered one. Chains the compiled kernel takes (:class:`OnePass`: Normalize
+with crops and a flip of one axis) run as the records are read from the file's memory map,
+each record read once and written once (``Stage.put``, called by the assembler). Otherwise,
+after assembly, each record is copied once, cast on the way, from its cropped source into its
+(possibly reversed) place in the output, and elementwise ops run in place on up to 256 KiB of
+output at a time while it is in cache (``Stage._direct``); where flips or crops do not commute
+with the elementwise ops, the ops run one after the other on such chunks (``Stage._runs``).
+Every way gives the result of calling the transforms one after the other on the unfused batch,
+bit for bit.
 
 Example (the seed's int8 frames to float32 in [-1, 1], flipped left-right half the time):
     >>> from stoker.transforms import Normalize, RandomFlip

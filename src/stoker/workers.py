@@ -7,8 +7,9 @@ transform stage runs in worker processes. Batches travel in shared memory, never
   that never appears in ``/dev/shm`` and that the kernel frees when the last mapping and
   descriptor are gone, so nothing can leak there, whatever way the loader ends;
 - a batch is sent as descriptors (``SCM_RIGHTS`` over a Unix socket) plus a few bytes of
-  layout; the worker maps them, runs the stage, writes outputs into memfd regions of its
-  own and sends their descriptors back; an output that is an input unchanged is not copied;
+  layout; the worker maps them (keeping each mapping for the next batch the loader's pool
+  puts in that region), runs the stage, writes outputs into memfd regions of its own and
+  sends their descriptors back; an output that is an input unchanged is not copied;
 - workers hold only the pickled transforms: no dataset, no file, no copy of anything that
   grows with the data (the per-worker duplication of pytorch#13246 cannot happen).
 
