@@ -10,7 +10,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml setup.py src/stoker/_kernels.c | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev,tf,torch,jax,ray,remote,bench]'
 	touch $(STAMP)
 

@@ -5,16 +5,19 @@ batch 256). Contenders, each in a fresh process, alternated round by round:
 
 - ``none``: float32 images (``cast={"image": "float32"}``), no transform: the baseline;
 - ``normalize+flip``: ``Normalize(mean=-0.5, std=127.5)`` (int8 -> float32 in [-1, 1]) and
-  ``RandomFlip`` left-right, fused into assembly;
+  ``RandomFlip`` left-right, fused into assembly (the compiled one-pass kernel);
+- ``normalize+flip numpy``: the same without the compiled kernel (its pure-numpy fallback);
 - ``python thread xN`` / ``python process xN``: a GIL-bound pure-Python transform (a loop
   over 1,024 values of each frame) on N worker threads or N worker processes;
 - ``wait process xN``: a transform that sleeps 20 ms (no CPU): whether N workers overlap.
 
-Timing starts at the first batch (worker processes take a moment to spawn). Prints the
+Timing starts after a few batches (two per worker and two more: worker processes take a
+moment to spawn, and all of them must be up). Prints the
 medians and the per-round ratios (normalize+flip / none, process x2 / process x1, ...), and
 records per CPU-second of the loader's process and its workers (from /proc): on a machine
 whose cores are taken by other work, throughput cannot grow with workers, but this shows
-whether a worker's share of the work costs the same.
+whether a worker's share of the work costs the same. The load average before and after the
+rounds is printed with the figures.
 
     python benchmarks/transforms.py [--rounds 5] [--seconds 3] [--only "python process x1,python process x2"]
                                     [--out benchmarks/results/transforms.md]
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 
 import stoker
+import stoker.transforms as transforms
 from stoker.sample import cached_sample
 from stoker.transforms import Normalize, RandomFlip
 
@@ -64,6 +68,7 @@ def wait_20ms(batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[st
 CONTENDERS: dict[str, dict[str, Any]] = {
     "none": {"cast": {"image": "float32"}},
     "normalize+flip": {"transform": "normalize+flip"},
+    "normalize+flip numpy": {"transform": "normalize+flip", "kernel": False},
     "python thread x2": {"transform": "python", "workers": "thread", "threads": 2},
     "python process x1": {"transform": "python", "workers": "process", "threads": 1},
     "python process x2": {"transform": "python", "workers": "process", "threads": 2},
@@ -85,11 +90,14 @@ def child(name: str, data: str, seconds: float) -> dict[str, float]:
         transform = [python_checksum]
     elif cfg.get("transform") == "wait":
         transform = [wait_20ms]
+    if cfg.get("kernel") is False:
+        transforms._kernels = None  # the pure-numpy path, as where no C compiler built it
     kw = {k: v for k, v in cfg.items() if k in ("cast", "workers", "threads")}
     n = 0
     with ds.loader(256, epochs=None, seed=0, transform=transform, **kw) as loader:
         it = iter(loader)
-        next(it)  # spawn and warm up outside the timing
+        for _ in range(2 * cfg.get("threads", 1) + 2):  # spawn every worker and warm up outside the timing
+            next(it)
         cpu0 = cpu_seconds()
         start = time.perf_counter()
         for batch in it:
@@ -148,6 +156,7 @@ def main() -> int:
         return 0
     data = cached_sample(args.data)
     names = args.only.split(",") if args.only else list(CONTENDERS)
+    load_before = os.getloadavg()
     rates: dict[str, list[float]] = {name: [] for name in names}
     per_cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
@@ -166,6 +175,10 @@ def main() -> int:
         f"# Transforms on W1 ({time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()}, {cores} cores, "
         f"{args.rounds} alternated rounds of {args.seconds:g}s, warm page cache, batch 256)",
         "",
+        "Load average (1, 5, 15 min) before the rounds: {:.2f} {:.2f} {:.2f}; after: {:.2f} {:.2f} {:.2f}.".format(
+            *load_before, *os.getloadavg()
+        ),
+        "",
         "| contender | records/s median | min | max | records per CPU-second |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -177,6 +190,7 @@ def main() -> int:
     lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
     for a, b in (
         ("normalize+flip", "none"),
+        ("normalize+flip numpy", "none"),
         ("python process x2", "python process x1"),
         ("python process x2", "python thread x2"),
         ("wait process x2", "wait process x1"),

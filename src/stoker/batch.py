@@ -10,6 +10,7 @@ order, so parallel workers still read each stream front to back exactly once.
 from __future__ import annotations
 
 import bisect
+import functools
 import mmap
 import os
 import stat
@@ -18,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -136,6 +138,9 @@ class Task:
 
     plan: BatchPlan
     tickets: dict[tuple[int, str], tuple[_Stream, int]] = field(default_factory=dict)
+    # Fields whose transforms ran during assembly (see Assembler.fused), with their draws.
+    fused: frozenset[str] = frozenset()
+    draws: Any = None
 
     def __repr__(self) -> str:
         return f"batch {self.plan.index} of epoch {self.plan.epoch} ({self.plan.rows} records)"
@@ -198,6 +203,11 @@ class Assembler:
         self._closed = False
         self.counters = Counters()  # the loader swaps in its own; see stoker.stats
         self.readahead = Readahead(drop_behind=False)  # the loader sets drop_behind for big datasets
+        # The loader's transform stage (stoker.transforms.Stage), if any: fields it can run
+        # record by record are transformed as they are read from the file's memory map, so
+        # their stored records never land in a buffer of their own.
+        self.fused: Any = None
+        self._fusable: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
     def prepare(self, plan: BatchPlan) -> Task:
@@ -232,8 +242,12 @@ class Assembler:
         plan = task.plan
         began, began_cpu = time.perf_counter(), time.thread_time()
         out: dict[str, np.ndarray] = {}
+        fused = self._fused_fields(plan)
+        if fused:
+            task.fused, task.draws = frozenset(fused), self.fused.draws(plan)
         for name, spec in self.fields.items():
-            out[name] = self.allocator.array((plan.rows, *spec.shape), self.out_dtypes[name])
+            shape, dtype = fused.get(name, (spec.shape, self.out_dtypes[name]))
+            out[name] = self.allocator.array((plan.rows, *shape), dtype)
         if self.with_index:
             out[GROUP_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
             out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
@@ -257,6 +271,17 @@ class Assembler:
         self.counters.batch_done(time.perf_counter() - began, time.thread_time() - began_cpu)
         return out, plan
 
+    def _fused_fields(self, plan: BatchPlan) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Fields transformed while read: local raw files only, not for gathers or padding."""
+        if self.fused is None or plan.gather is not None or plan.valid is not None:
+            return {}
+        if self._fusable is None:
+            local = {n for n in self.fields if not any(
+                infos[n].compression is not None or is_remote(infos[n].path) for infos in self.catalog.files
+            )}  # fmt: skip
+            self._fusable = {n: rec for n, rec in self.fused.record_fields(self.fields).items() if n in local}
+        return self._fusable
+
     def _read_run(
         self, task: Task, i: int, run: Run, out: dict[str, np.ndarray], taken: set[tuple[int, str]]
     ) -> None:
@@ -267,7 +292,8 @@ class Assembler:
             info = infos[name]
             try:
                 if info.compression is None:
-                    self._read_raw(plan.epoch, name, spec, info, run, dst)
+                    put = functools.partial(self.fused.put, name, draws=task.draws) if name in task.fused else None
+                    self._read_raw(plan.epoch, name, spec, info, run, dst, put)
                 else:
                     stream, ticket = task.tickets[(i, name)]
                     try:
@@ -442,7 +468,9 @@ class Assembler:
                     del self._files[(epoch, info.path)]
                 f.close()
 
-    def _read_raw(self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray) -> None:
+    def _read_raw(
+        self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, put: Any = None
+    ) -> None:
         rb = spec.record_bytes
         offset = spec.header_bytes + run.start * rb
         nbytes = run.count * rb
@@ -461,7 +489,7 @@ class Assembler:
         f = self._acquire(epoch, name, info)
         t = time.perf_counter()
         try:
-            if not self._cast[name] and run.step == 1:
+            if not self._cast[name] and run.step == 1 and put is None:
                 view = memoryview(dst).cast("B")  # type: ignore[arg-type]
                 done = 0
                 while done < nbytes:
@@ -480,12 +508,15 @@ class Assembler:
                     raise self._truncated(name, info, spec, run, min(f.size, os.fstat(f.fd).st_size))
                 src = np.frombuffer(f.map, dtype=spec.dtype, count=span * (rb // spec.dtype.itemsize),
                                     offset=offset).reshape(span, *spec.shape)  # fmt: skip
-                np.copyto(dst, src[:: run.step], casting="unsafe")
+                if put is None:
+                    np.copyto(dst, src[:: run.step], casting="unsafe")
+                else:
+                    put(src[:: run.step], dst, run.row)
                 del src
             nread = (run.stop - run.start) * rb
             f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
-            self.counters.add("read+cast" if self._cast[name] else "read", name, time.perf_counter() - t)
+            self.counters.add("read+cast" if self._cast[name] or put else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
 
     def _read_remote_raw(

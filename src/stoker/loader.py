@@ -447,6 +447,7 @@ class _Pass:
         self._assembler.seek_fields = loader._seek_fields
         self._assembler.counters = self._counters = loader._counters
         self._assembler.readahead = Readahead(drop_behind=loader.drop_behind)
+        self._assembler.fused = loader._stage  # built-in transforms run as records are read
         self._last: float | None = None  # when __next__ last returned a batch
         first_epoch, start = loader._resume
         tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start))

@@ -12,12 +12,15 @@ batches, and a resumed run draws exactly what an uninterrupted one would.
 Built-in transforms (:class:`Normalize`, :class:`Cast`, :class:`RandomFlip`,
 :class:`RandomCrop`) are plain callables with the same signature. Those at the head of the
 list are fused into batch assembly: a field they touch is read in its stored dtype when that
-is exact in the delivered one; each record is then copied once, cast on the way, from its
-cropped source into its (possibly reversed) place in the output, and elementwise ops run in
-place on up to 256 KiB of output at a time while it is in cache (``Stage._direct``). Where
-flips or crops do not commute with the elementwise ops, the ops run one after the other on
-such chunks (``Stage._runs`` / op by op). Either way the result equals calling the transforms
-one after the other on the unfused batch.
+is exact in the delivered one. Chains the compiled kernel takes (:class:`OnePass`: Normalize
+with crops and a flip of one axis) run as the records are read from the file's memory map,
+each record read once and written once (``Stage.put``, called by the assembler). Otherwise,
+after assembly, each record is copied once, cast on the way, from its cropped source into its
+(possibly reversed) place in the output, and elementwise ops run in place on up to 256 KiB of
+output at a time while it is in cache (``Stage._direct``); where flips or crops do not commute
+with the elementwise ops, the ops run one after the other on such chunks (``Stage._runs``).
+Every way gives the result of calling the transforms one after the other on the unfused batch,
+bit for bit.
 
 Example (the seed's int8 frames to float32 in [-1, 1], flipped left-right half the time):
     >>> from stoker.transforms import Normalize, RandomFlip
@@ -30,9 +33,10 @@ Example (the seed's int8 frames to float32 in [-1, 1], flipped left-right half t
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -331,6 +335,145 @@ class RandomCrop(Transform):
         return f"RandomCrop({self.size}, fields={list(self.fields)}, axes={self.axes})"
 
 
+# The one-pass compiled kernel (src/stoker/_kernels.c, built by setup.py where a C compiler
+# is found); without it the numpy path below gives the same numbers, slower.
+_kernels: Any
+try:
+    _kernels = importlib.import_module("stoker._kernels")
+except ImportError:  # pragma: no cover - built without a C compiler
+    _kernels = None
+
+_KERNEL_SOURCES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float32)}
+_KERNEL_SOURCES_F64 = {**_KERNEL_SOURCES, np.dtype(np.float64): "d"}
+
+
+def _address(x: np.ndarray) -> int:
+    return int(x.__array_interface__["data"][0])
+
+
+class OnePass:
+    """A fused chain run by the compiled kernel: each record read once, written once.
+
+    Applies to chains of crops, flips of one axis, ``Normalize`` ops of one dtype and at most
+    one trailing ``Cast``, on records of int8/uint8/int16/uint16/float32 (float64 too into
+    float64), whose parameters vary at most along the axes after the flipped one (per channel,
+    say). ``plan`` returns None for anything else, which then takes the numpy path.
+    """
+
+    def __init__(
+        self,
+        chain: list[tuple[int, Transform, tuple[int, ...]]],
+        src: np.dtype,
+        shape: tuple[int, ...],
+        compute: np.dtype,
+        out: np.dtype,
+        layout: tuple[int, int, int, int],
+        ops: list[tuple[int, int, np.ndarray, np.ndarray]],
+    ) -> None:
+        self.flips = [k for k, op, _ in chain if isinstance(op, RandomFlip)]
+        self.crops = [(k, op) for k, op, _ in chain if isinstance(op, RandomCrop)]
+        self.src, self.shape, self.compute, self.out = src, shape, compute, out
+        self.outer, self.units, self.unit, self.row_axis = layout
+        self.ops = ops  # (divide, vector, first, second); addresses taken per call (pickling moves them)
+        self.record = chain[0][2]  # the stored record, before any crop
+        strides = np.cumprod((1, *self.record[::-1]))[:-1][::-1] * src.itemsize
+        self.strides = [int(s) for s in strides]
+
+    @staticmethod
+    def plan(chain: list[tuple[int, Transform, tuple[int, ...]]], src: np.dtype) -> OnePass | None:
+        if _kernels is None or not chain:
+            return None
+        record = chain[0][2]
+        norms = [op for _, op, _ in chain if isinstance(op, Normalize)]
+        casts = [op for _, op, _ in chain if isinstance(op, Cast)]
+        if not norms or len({n.dtype for n in norms}) != 1 or len(casts) > 1:
+            return None
+        compute = norms[0].dtype
+        elementwise = [op for _, op, _ in chain if isinstance(op, Normalize | Cast)]
+        if casts and elementwise[-1] is not casts[0]:
+            return None
+        out = casts[0].dtype if casts else compute
+        if src not in (_KERNEL_SOURCES_F64 if compute == np.float64 else _KERNEL_SOURCES):
+            return None
+        axes = {op.axis for _, op, _ in chain if isinstance(op, RandomFlip)}
+        if len(axes) > 1:
+            return None
+        shape = list(record)
+        cropped: set[int] = set()
+        for _, op, _ in chain:
+            if isinstance(op, RandomCrop):
+                for a, size in zip(op.axes, op.size, strict=True):
+                    shape[a] = size
+                cropped.update(a for a, size in zip(op.axes, op.size, strict=True) if size != record[a])
+        if not shape or 0 in shape:
+            return None
+        d = len(shape)
+        flip = axes.pop() if axes else None
+        if flip is not None:
+            if any(i in cropped for i in range(flip + 1, d)):
+                return None  # the unit must be contiguous
+            row = flip
+        else:
+            row = max(cropped, default=0)
+        if any(i in cropped for i in range(1, row)):
+            return None  # the rows before must be one stride apart
+        outer, length = math.prod(shape[:row]), math.prod(shape[row:])
+        units, unit = (shape[row], math.prod(shape[row + 1 :])) if flip is not None else (1, length)
+        ops = []
+        for n in norms:
+            vecs = []
+            for p in (n.first, n.second):
+                full = np.broadcast_to(p, shape).reshape(outer, units, unit)
+                if np.all(full == full.flat[0]):
+                    vecs.append(np.ascontiguousarray(full.flat[0:1], compute))
+                elif np.all(full == full[:1, :1]):
+                    vecs.append(np.ascontiguousarray(full[0, 0], compute))
+                else:
+                    return None
+            vector = int(len(vecs[0]) > 1 or len(vecs[1]) > 1)
+            if vector:
+                vecs = [np.ascontiguousarray(np.broadcast_to(v, (unit,))) for v in vecs]
+            ops.append((int(n.divide), vector, vecs[0], vecs[1]))
+        return OnePass(chain, src, tuple(shape), compute, out, (outer, units, unit, row), ops)
+
+    def run(self, x: np.ndarray, y: np.ndarray, draws: Mapping[int, Any], row0: int) -> None:
+        """Records ``x`` (rows ``row0..`` of the batch, any record stride) into ``y``."""
+        n = len(x)
+        if n == 0:
+            return
+        if x.dtype != self.src or x.shape[1:] != self.record or not x[0].flags.c_contiguous:
+            raise AssertionError(f"kernel planned for {self.src} {self.record}, got {x.dtype} {x.shape}")
+        if y.shape != (n, *self.shape) or not y.flags.c_contiguous or y.dtype != self.out:
+            raise AssertionError(f"kernel output {self.out} {self.shape}, got {y.dtype} {y.shape}")
+        rows = slice(row0, row0 + n)
+        extra = None
+        if self.crops:
+            extra = np.zeros(n, np.int64)
+            for k, op in self.crops:
+                offsets = np.asarray(draws[k][rows], np.int64)
+                extra += offsets @ np.asarray([self.strides[a] for a in op.axes], np.int64)
+        flips = None
+        if self.flips:
+            mask = np.zeros(n, bool)
+            for k in self.flips:
+                mask ^= np.asarray(draws[k][rows], bool)
+            flips = mask.view(np.uint8)
+        args = tuple((divide, vector, _address(p), _address(q)) for divide, vector, p, q in self.ops)
+        row_stride = self.strides[self.row_axis - 1] if self.row_axis else 0
+        per = n if self.out == self.compute else max(1, CHUNK_BYTES // (math.prod(self.shape) * self.compute.itemsize))
+        scratch = None if self.out == self.compute else np.empty((min(n, per), *self.shape), self.compute)
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            dst = y[a:b] if scratch is None else scratch[: b - a]
+            _kernels.normalize(
+                self.src.char, self.compute.char, _address(x[a:b]), b - a, x.strides[0],
+                0 if extra is None else _address(extra[a:b]), row_stride, self.outer, self.units, self.unit,
+                0 if flips is None else _address(flips[a:b]), _address(dst), args,
+            )  # fmt: skip
+            if scratch is not None:
+                np.copyto(y[a:b], dst, casting="unsafe")
+
+
 def _name(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
@@ -418,20 +561,55 @@ class Stage:
             if src is not None and np.can_cast(src, records[name][1], "safe"):
                 self.assembly[name] = np.dtype(src)
         self.exact = all(isinstance(fn, Transform) for fn in fns)
+        # Fields whose chain the compiled kernel runs in one pass (see OnePass).
+        self.kernels: dict[str, OnePass] = {}
+        for name in self.direct:
+            one = OnePass.plan(self.chains[name], self.assembly[name])
+            if one is not None:
+                self.kernels[name] = one
 
-    def run(self, batch: Mapping[str, np.ndarray], plan: BatchPlan, allocate: Allocate) -> Batch:
-        """The transformed batch; errors carry a note naming the transform and the batch."""
+    def record_fields(self, fields: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Fields the assembler may transform as it reads them: the delivered (shape, dtype) of each.
+
+        Those the compiled kernel runs whose records are read in their stored dtype.
+        """
+        return {
+            name: self.records[name]
+            for name, one in self.kernels.items()
+            if name in fields and np.dtype(fields[name].dtype) == one.src
+        }
+
+    def draws(self, plan: BatchPlan) -> dict[int, Any]:
+        """Every fused transform's random parameters for the batch ``plan``."""
         first = first_position(plan, self.shard)
-        n = plan.rows
+        draws: dict[int, Any] = {}
+        for chain in self.chains.values():
+            for k, op, shape in chain:
+                if k not in draws:
+                    draws[k] = op.draw(batch_rng(self.seed, plan.epoch, first, k), plan.rows, shape)
+        return draws
+
+    def put(self, name: str, src: np.ndarray, dst: np.ndarray, row: int, *, draws: Mapping[int, Any]) -> None:
+        """Stored records ``src`` (rows ``row..`` of the batch) transformed into ``dst`` (called by assembly)."""
+        self.kernels[name].run(src, dst, draws, row)
+
+    def run(
+        self, batch: Mapping[str, np.ndarray], plan: BatchPlan, allocate: Allocate, done: Collection[str] = ()
+    ) -> Batch:
+        """The transformed batch; errors carry a note naming the transform and the batch.
+
+        Fields in ``done`` were transformed by the assembly (``put``) and are passed on as they are.
+        """
+        first = first_position(plan, self.shard)
         out = dict(batch)
         k = 0
         try:
             draws: dict[int, Any] = {}
+            if any(name not in done for name in self.chains):
+                draws = self.draws(plan)
             for name, chain in self.chains.items():
-                for k, op, shape in chain:
-                    if k not in draws:
-                        draws[k] = op.draw(batch_rng(self.seed, plan.epoch, first, k), n, shape)
-                out[name] = self._fused(batch[name], name, chain, draws, allocate)
+                if name not in done:
+                    out[name] = self._fused(batch[name], name, chain, draws, allocate)
             for k in range(self.head, len(self.transforms)):
                 fn = self.transforms[k]
                 result = fn(out, batch_rng(self.seed, plan.epoch, first, k))
@@ -460,6 +638,10 @@ class Stage:
         shape, dtype = self.records[name]
         n = len(x)
         y = allocate((n, *shape), dtype)
+        one = self.kernels.get(name)
+        if one is not None and x.dtype == one.src and n and x[0].flags.c_contiguous:
+            one.run(x, y, draws, 0)
+            return y
         per = max(1, CHUNK_BYTES // max(1, math.prod(shape) * max(dtype.itemsize, 4)))
         if name in self.direct:
             self._direct(x, y, chain, draws, per)
@@ -590,7 +772,7 @@ class Transformed:
     def __call__(self, task: Any) -> tuple[Batch, BatchPlan]:
         batch, plan = self.assemble(task)
         try:
-            return self.stage.run(batch, plan, self.allocate), plan
+            return self.stage.run(batch, plan, self.allocate, getattr(task, "fused", ())), plan
         except Stopped:
             raise
         except BaseException as e:

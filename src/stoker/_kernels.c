@@ -1,0 +1,210 @@
+/* One-pass normalize for stoker.transforms: records of a stored dtype in, float32/float64 out.
+ *
+ * Each record is read once (through a crop window, with an optional reversal of one axis)
+ * and written once, the first Normalize op computed on the way; any further ops run on the
+ * just-written values while they are in L1.
+ * The arithmetic is the same IEEE operations numpy's reference does, in the same order
+ * ((x - mean) / std or x * scale + offset, op after op), and the build keeps the compiler
+ * from fusing multiply-add (-ffp-contract=off), so results are bit-identical to numpy's.
+ * The Python side (stoker.transforms) validates every address and size before calling.
+ *
+ * A record is O rows of M units of I elements; row o starts row_stride bytes after row o-1
+ * and is contiguous in the source; a flipped record has its units in reverse order.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* One build, the widest vectors the CPU has (chosen once at load time). */
+#define STOKER_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define STOKER_CLONES
+#endif
+
+#define MAX_OPS 8
+#define BLOCK 2048 /* elements: a block of float64 is 16 KiB, in L1 while the ops run */
+
+typedef struct {
+    int divide;         /* (x - first) / second, else x * first + second */
+    int vector;         /* parameters per element of a unit (length I), else one value */
+    const void *first;
+    const void *second;
+} op_t;
+
+typedef struct {
+    const char *src;
+    Py_ssize_t n, rec_stride, row_stride, O, M, I;
+    const int64_t *extra; /* per-record byte offset of the window, or NULL */
+    const uint8_t *flips; /* per record: reverse the units, or NULL */
+    char *dst;            /* contiguous (n, O, M, I) */
+    int nops;
+    op_t ops[MAX_OPS];
+} job_t;
+
+/* x[i] = op0(src value), the first op fused into the converting copy (one pass for one op). */
+#define CONVERT(T, x, len, SRC, off)                                                   \
+    if (j->nops == 0) {                                                                \
+        for (Py_ssize_t i = 0; i < (len); i++) x[i] = (T)(SRC);                        \
+    } else {                                                                           \
+        const op_t *op_ = &j->ops[0];                                                  \
+        const T *f_ = (const T *)op_->first, *g_ = (const T *)op_->second;             \
+        if (op_->vector) {                                                             \
+            f_ += (off);                                                               \
+            g_ += (off);                                                               \
+            if (op_->divide)                                                           \
+                for (Py_ssize_t i = 0; i < (len); i++) x[i] = ((T)(SRC) - f_[i]) / g_[i]; \
+            else                                                                       \
+                for (Py_ssize_t i = 0; i < (len); i++) x[i] = (T)(SRC) * f_[i] + g_[i]; \
+        } else {                                                                       \
+            const T a_ = f_[0], b_ = g_[0];                                            \
+            if (op_->divide)                                                           \
+                for (Py_ssize_t i = 0; i < (len); i++) x[i] = ((T)(SRC) - a_) / b_;    \
+            else                                                                       \
+                for (Py_ssize_t i = 0; i < (len); i++) x[i] = (T)(SRC) * a_ + b_;      \
+        }                                                                              \
+    }
+
+/* The ops after the first, each a pass over x while it is in L1. */
+#define APPLY_OPS(T, x, len, off)                                                      \
+    for (int k_ = 1; k_ < j->nops; k_++) {                                             \
+        const op_t *op_ = &j->ops[k_];                                                 \
+        const T *f_ = (const T *)op_->first, *g_ = (const T *)op_->second;             \
+        if (op_->vector) {                                                             \
+            f_ += (off);                                                               \
+            g_ += (off);                                                               \
+            if (op_->divide)                                                           \
+                for (Py_ssize_t i_ = 0; i_ < (len); i_++) x[i_] = (x[i_] - f_[i_]) / g_[i_]; \
+            else                                                                       \
+                for (Py_ssize_t i_ = 0; i_ < (len); i_++) x[i_] = x[i_] * f_[i_] + g_[i_]; \
+        } else {                                                                       \
+            const T a_ = f_[0], b_ = g_[0];                                            \
+            if (op_->divide)                                                           \
+                for (Py_ssize_t i_ = 0; i_ < (len); i_++) x[i_] = (x[i_] - a_) / b_;   \
+            else                                                                       \
+                for (Py_ssize_t i_ = 0; i_ < (len); i_++) x[i_] = x[i_] * a_ + b_;     \
+        }                                                                              \
+    }
+
+#define DEFINE_KERNEL(NAME, S, T)                                                      \
+    STOKER_CLONES static void NAME(const job_t *j) {                                   \
+        const Py_ssize_t O = j->O, M = j->M, I = j->I;                                 \
+        for (Py_ssize_t r = 0; r < j->n; r++) {                                        \
+            const char *rec = j->src + r * j->rec_stride + (j->extra ? j->extra[r] : 0); \
+            const int flip = j->flips ? j->flips[r] : 0;                               \
+            T *drec = (T *)j->dst + r * O * M * I;                                     \
+            for (Py_ssize_t o = 0; o < O; o++) {                                       \
+                const S *s = (const S *)(rec + o * j->row_stride);                     \
+                T *d = drec + o * M * I;                                               \
+                if (I == 1) {                                                          \
+                    for (Py_ssize_t b = 0; b < M; b += BLOCK) {                        \
+                        const Py_ssize_t len = (M - b < BLOCK) ? M - b : BLOCK;        \
+                        T *x = d + b;                                                  \
+                        if (flip) {                                                    \
+                            const S *t = s + (M - 1 - b);                              \
+                            CONVERT(T, x, len, t[-i], 0)                               \
+                        } else {                                                       \
+                            const S *t = s + b;                                        \
+                            CONVERT(T, x, len, t[i], 0)                                \
+                        }                                                              \
+                        APPLY_OPS(T, x, len, 0)                                        \
+                    }                                                                  \
+                } else {                                                               \
+                    for (Py_ssize_t m = 0; m < M; m++) {                               \
+                        const S *t = s + m * I;                                        \
+                        T *u = d + (flip ? M - 1 - m : m) * I;                         \
+                        for (Py_ssize_t b = 0; b < I; b += BLOCK) {                    \
+                            const Py_ssize_t len = (I - b < BLOCK) ? I - b : BLOCK;    \
+                            T *x = u + b;                                              \
+                            CONVERT(T, x, len, t[b + i], b)                            \
+                            APPLY_OPS(T, x, len, b)                                    \
+                        }                                                              \
+                    }                                                                  \
+                }                                                                      \
+            }                                                                          \
+        }                                                                              \
+    }
+
+DEFINE_KERNEL(k_i8_f32, int8_t, float)
+DEFINE_KERNEL(k_u8_f32, uint8_t, float)
+DEFINE_KERNEL(k_i16_f32, int16_t, float)
+DEFINE_KERNEL(k_u16_f32, uint16_t, float)
+DEFINE_KERNEL(k_f32_f32, float, float)
+DEFINE_KERNEL(k_i8_f64, int8_t, double)
+DEFINE_KERNEL(k_u8_f64, uint8_t, double)
+DEFINE_KERNEL(k_i16_f64, int16_t, double)
+DEFINE_KERNEL(k_u16_f64, uint16_t, double)
+DEFINE_KERNEL(k_f32_f64, float, double)
+DEFINE_KERNEL(k_f64_f64, double, double)
+
+typedef void (*kernel_t)(const job_t *);
+
+/* Source codes (numpy dtype chars): b int8, B uint8, h int16, H uint16, f float32, d float64. */
+static kernel_t pick(int src, int out) {
+    if (out == 'f') {
+        switch (src) {
+        case 'b': return k_i8_f32;
+        case 'B': return k_u8_f32;
+        case 'h': return k_i16_f32;
+        case 'H': return k_u16_f32;
+        case 'f': return k_f32_f32;
+        }
+    } else if (out == 'd') {
+        switch (src) {
+        case 'b': return k_i8_f64;
+        case 'B': return k_u8_f64;
+        case 'h': return k_i16_f64;
+        case 'H': return k_u16_f64;
+        case 'f': return k_f32_f64;
+        case 'd': return k_f64_f64;
+        }
+    }
+    return NULL;
+}
+
+static PyObject *normalize(PyObject *self, PyObject *args) {
+    (void)self;
+    int src_code, out_code;
+    unsigned long long src, extra, flips, dst;
+    job_t j;
+    PyObject *ops;
+    if (!PyArg_ParseTuple(args, "CCKnnKnnnnKKO!", &src_code, &out_code, &src, &j.n, &j.rec_stride, &extra,
+                          &j.row_stride, &j.O, &j.M, &j.I, &flips, &dst, &PyTuple_Type, &ops))
+        return NULL;
+    kernel_t kernel = pick(src_code, out_code);
+    if (kernel == NULL) {
+        PyErr_Format(PyExc_ValueError, "no kernel from dtype %c to %c", src_code, out_code);
+        return NULL;
+    }
+    j.src = (const char *)(uintptr_t)src;
+    j.extra = (const int64_t *)(uintptr_t)extra;
+    j.flips = (const uint8_t *)(uintptr_t)flips;
+    j.dst = (char *)(uintptr_t)dst;
+    j.nops = (int)PyTuple_GET_SIZE(ops);
+    if (j.nops > MAX_OPS) {
+        PyErr_Format(PyExc_ValueError, "at most %d ops", MAX_OPS);
+        return NULL;
+    }
+    for (int k = 0; k < j.nops; k++) {
+        unsigned long long first, second;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(ops, k), "iiKK", &j.ops[k].divide, &j.ops[k].vector, &first, &second))
+            return NULL;
+        j.ops[k].first = (const void *)(uintptr_t)first;
+        j.ops[k].second = (const void *)(uintptr_t)second;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    kernel(&j);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"normalize", normalize, METH_VARARGS,
+     "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stoker._kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

@@ -1,0 +1,178 @@
+"""The one-pass fused path (compiled kernel, and numpy where it is absent) against plain numpy.
+
+Every expected value here is written out with numpy ufuncs on the whole batch, in the order
+the transforms are documented to compute, and compared bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import stoker.transforms as transforms
+from conftest import LAB_GZ, FieldPlan, build
+from stoker.plan import BatchPlan
+from stoker.testing import assert_same_batches
+from stoker.transforms import Cast, Normalize, RandomCrop, RandomFlip, Stage, batch_rng
+
+SEED = 5
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the compiled kernel (built by ``make test``) and with the numpy path."""
+    if request.param == "kernel":
+        assert transforms._kernels is not None, "stoker._kernels was not built: run `pip install -e .`"
+    else:
+        monkeypatch.setattr(transforms, "_kernels", None)
+    return str(request.param)
+
+
+def _values(dtype: Any, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return (rng.normal(size=shape) * 50).astype(dt)
+    info = np.iinfo(dt)  # 16-bit ones kept small enough that / 0.2 stays finite in float16
+    lo, hi = max(int(info.min), -9000), min(int(info.max), 9000)
+    return rng.integers(lo, hi, size=shape, endpoint=True).astype(dt)
+
+
+def _plain(
+    x: np.ndarray, first: Any, second: Any, divide: bool, flip_axis: int | None, out: Any, first_row: int = 0
+) -> np.ndarray:
+    """The documented computation, op by op on the whole batch, in float32."""
+    y = x.astype(np.float32)
+    a, b = np.asarray(first, np.float64).astype(np.float32), np.asarray(second, np.float64).astype(np.float32)
+    y = (y - a) / b if divide else y * a + b
+    if flip_axis is not None:  # RandomFlip is transform 1: its draw is rng.random(n) < 0.5
+        flips = batch_rng(SEED, 0, first_row, 1).random(len(x)) < 0.5
+        y[flips] = np.flip(y[flips], axis=flip_axis + 1)
+    return y.astype(out)
+
+
+def _stage(fns: list[Any], shape: tuple[int, ...], dtype: Any) -> Stage:
+    record = {"image": (shape, np.dtype(dtype))}
+    return Stage(fns, seed=SEED, shard=(0, 1), records=record, stored={"image": np.dtype(dtype)})
+
+
+def _run(stage: Stage, x: np.ndarray) -> np.ndarray:
+    plan = BatchPlan(epoch=0, index=0, position=len(x), rows=len(x), runs=())
+    return stage.run({"image": x}, plan, lambda shape, dt: np.empty(shape, dt))["image"]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "float32"])
+@pytest.mark.parametrize("params", ["mean/std", "per-channel mean/std", "per-channel scale/offset"])
+@pytest.mark.parametrize("flip_axis", [None, 0, 1])
+@pytest.mark.parametrize("out", ["float32", "float16", "bfloat16"])
+def test_fused_normalize_flip_equals_the_plain_numpy_formula(
+    implementation: str, dtype: str, params: str, flip_axis: int | None, out: str
+) -> None:
+    shape = (5, 8, 3)
+    rng = np.random.default_rng([len(dtype), len(params), flip_axis or 9, len(out)])
+    x = _values(dtype, (11, *shape), rng)
+    if params == "mean/std":
+        first, second, divide = -0.5, 127.5, True
+        norm = Normalize(mean=first, std=second, fields="image")
+    elif params == "per-channel mean/std":
+        first, second, divide = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], True
+        norm = Normalize(mean=first, std=second, fields="image")
+    else:
+        first, second, divide = [1 / 255, 2.5, -3.0], [-1.0, 0.0, 0.125], False
+        norm = Normalize(first, second, fields="image")
+    fns: list[Any] = [norm]
+    if flip_axis is not None:
+        fns.append(RandomFlip(fields="image", axis=flip_axis))
+    if out != "float32":
+        fns.append(Cast(out, fields="image"))
+    stage = _stage(fns, shape, dtype)
+    assert ("image" in stage.kernels) == (implementation == "kernel")
+    want = _plain(x, first, second, divide, flip_axis, ml_dtypes.bfloat16 if out == "bfloat16" else out)
+    got = _run(stage, x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit, NaN-free data
+
+
+@pytest.mark.parametrize("flip_axis", [None, 1])
+def test_fused_crop_normalize_flip_takes_each_records_window(implementation: str, flip_axis: int | None) -> None:
+    shape = (7, 9, 1)
+    x = _values("int8", (13, *shape), np.random.default_rng(3))
+    fns: list[Any] = [RandomCrop((4, 5), fields="image"), Normalize(mean=-0.5, std=127.5, fields="image")]
+    if flip_axis is not None:
+        fns.append(RandomFlip(fields="image", axis=flip_axis))
+    got = _run(_stage(fns, shape, "int8"), x)
+    offsets = RandomCrop((4, 5), fields="image").draw(batch_rng(SEED, 0, 0, 0), len(x), shape)
+    want = np.stack([x[j, h : h + 4, w : w + 5] for j, (h, w) in enumerate(offsets.tolist())])
+    want = (want.astype(np.float32) + np.float32(0.5)) / np.float32(127.5)
+    if flip_axis is not None:
+        flips = batch_rng(SEED, 0, 0, 2).random(len(x)) < 0.5
+        want[flips] = want[flips][:, :, ::-1]
+    assert np.array_equal(got, want)
+
+
+def test_the_kernel_declines_what_it_cannot_do_in_one_pass() -> None:
+    if transforms._kernels is None:
+        pytest.fail("stoker._kernels was not built: run `pip install -e .`")
+    per_channel = Normalize(mean=[1.0, 2.0], std=[3.0, 4.0], fields="image")
+    declined = {
+        "flip of the channel axis under per-channel parameters": [per_channel, RandomFlip(fields="image", axis=2)],
+        "no Normalize": [RandomFlip(fields="image"), Cast("float32", fields="image")],
+        "a Cast before Normalize": [Cast("float64", fields="image"), Normalize(2.0, fields="image")],
+        "flips of two axes": [per_channel, RandomFlip(fields="image", axis=0), RandomFlip(fields="image", axis=1)],
+    }
+    for why, fns in declined.items():
+        assert "image" not in _stage(fns, (4, 6, 2), "int8").kernels, why
+    assert "image" not in _stage([Normalize(2.0, fields="image")], (4, 6, 2), "int32").kernels, "int32 records"
+    assert "image" not in _stage([Normalize(2.0, fields="image")], (4, 6, 2), ">i2").kernels, "big-endian records"
+
+
+FRAME = FieldPlan("img", "int8", (6, 8, 1))
+FRAME_GZ = FieldPlan("img", "uint8", (6, 8, 1), kind="gzip")
+
+
+def _augment() -> list[Any]:
+    return [Normalize(mean=-0.5, std=127.5, fields="image"), RandomFlip(fields="image", axis=1)]
+
+
+@pytest.mark.parametrize("shuffle", [False, "global"])
+@pytest.mark.parametrize("frame", [FRAME, FRAME_GZ], ids=["raw", "gzip"])
+def test_loader_with_the_kernel_equals_the_plain_formula(
+    tmp_path: Path, implementation: str, shuffle: Any, frame: FieldPlan
+) -> None:
+    ds = build(tmp_path, [13, 0, 21, 7], {"image": frame, "label": LAB_GZ})  # 41 records: the last batch pads
+    kw: dict[str, Any] = {"shuffle": shuffle, "seed": SEED, "pad_last": True}
+    with ds.loader(8, **kw) as plain_loader:
+        plain = [dict(b) for b in plain_loader]
+    want = []
+    for i, b in enumerate(plain):
+        image = _plain(b["image"], -0.5, 127.5, True, 1, np.float32, first_row=8 * i)  # padding rows too
+        want.append({**b, "image": image})
+    with ds.loader(8, transform=_augment(), threads=3, **kw) as loader:
+        got = [dict(b) for b in loader]
+    assert_same_batches(want, got)
+
+
+def test_assembly_runs_the_kernel_on_local_raw_records(tmp_path: Path) -> None:
+    if transforms._kernels is None:
+        pytest.fail("stoker._kernels was not built: run `pip install -e .`")
+    ds = build(tmp_path, [13, 0, 21], {"image": FRAME, "label": LAB_GZ})
+    with ds.loader(8, seed=SEED, transform=_augment(), threads=1) as loader:
+        it = iter(loader)
+        first = next(it)
+        assembler = it._assembler  # type: ignore[attr-defined]
+        assert assembler._fused_fields(loader._plan.batches(1).__next__()) == {"image": ((6, 8, 1), np.float32)}
+    with ds.loader(8) as plain_loader:
+        x = next(iter(plain_loader))["image"]
+    assert np.array_equal(first["image"], _plain(x, -0.5, 127.5, True, 1, np.float32))
+
+
+def test_process_workers_deliver_what_the_fused_threads_do(tmp_path: Path) -> None:
+    ds = build(tmp_path, [13, 21], {"image": FRAME, "label": LAB_GZ})
+    with ds.loader(8, seed=SEED, transform=_augment(), threads=2) as loader:
+        want = [dict(b) for b in loader]
+    with ds.loader(8, seed=SEED, transform=_augment(), workers="process", threads=2) as loader:
+        got = [dict(b) for b in loader]
+    assert_same_batches(want, got)
