@@ -60,11 +60,12 @@ def test_element_spec_is_exact_with_static_batch_when_dropping_remainder(sample:
     loader = sample.loader(32, cast={"image": "float32"}, drop_remainder=True, with_index=True)
     spec = loader.to_tf().element_spec
     assert spec == {
-        "image": tf.TensorSpec((32, 16, 16, 1), tf.float32, name="image"),
-        "label": tf.TensorSpec((32,), tf.float32, name="label"),
-        "__group__": tf.TensorSpec((32,), tf.int64, name="__group__"),
-        "__index__": tf.TensorSpec((32,), tf.int64, name="__index__"),
+        "image": tf.TensorSpec((32, 16, 16, 1), tf.float32),
+        "label": tf.TensorSpec((32,), tf.float32),
+        "__group__": tf.TensorSpec((32,), tf.int64),
+        "__index__": tf.TensorSpec((32,), tf.int64),
     }
+    assert spec == stoker.tf.element_spec(loader)
     loose = sample.loader(32).to_tf().element_spec
     assert loose["image"].shape.as_list() == [None, 16, 16, 1] and loose["image"].dtype == tf.int8
     assert loose["label"].shape.as_list() == [None]  # a field of shape () is (n,)

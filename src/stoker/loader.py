@@ -376,11 +376,11 @@ class Loader:
 
         return to_jax(self, **kwargs)
 
-    def to_tf(self) -> Any:
+    def to_tf(self, **kwargs: Any) -> Any:
         """This loader as a ``tf.data.Dataset`` (zero-copy via DLPack); see :mod:`stoker.tf`."""
         from .tf import to_tf
 
-        return to_tf(self)
+        return to_tf(self, **kwargs)
 
     def close(self) -> None:
         """Stop every pass's threads and close its files; idempotent."""
