@@ -377,7 +377,7 @@ class Loader:
         return to_jax(self, **kwargs)
 
     def to_tf(self, **kwargs: Any) -> Any:
-        """This loader as a ``tf.data.Dataset`` (zero-copy via DLPack); see :mod:`stoker.tf`."""
+        """This loader as a ``tf.data.Dataset`` (zero-copy); see :mod:`stoker.tf`."""
         from .tf import to_tf
 
         return to_tf(self, **kwargs)
