@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, write_dataset
+from conftest import IMG, LAB_GZ, FieldPlan, build, write_dataset
 
 
 def _raw(path: Path, n: int, record: int = 4) -> Path:
@@ -297,56 +297,3 @@ def test_zlib_counts_settle_when_the_group_opens(tmp_path: Path) -> None:
 def test_records_in_out_of_range_raises_index_error(pair_ds: stoker.Dataset) -> None:
     with pytest.raises(IndexError):
         pair_ds.records_in(pair_ds.num_groups)
-
-
-def _member(data: bytes) -> bytes:
-    return gzip.compress(data, compresslevel=1, mtime=0)
-
-
-def test_one_gzip_member_is_proved_by_the_absence_of_a_second_member_header(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from stoker import files
-
-    one = tmp_path / "one.gz"
-    one.write_bytes(_member(np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()))
-    two = tmp_path / "two.gz"
-    two.write_bytes(_member(b"a" * 1000) + _member(b"b" * 1000))
-    assert files.one_gzip_member(str(one), one.stat().st_size)
-    assert not files.one_gzip_member(str(two), two.stat().st_size)
-    # A second member's header cut by the scan's chunk boundary is still found.
-    first = _member(b"x" * 5000)
-    cut = tmp_path / "cut.gz"
-    cut.write_bytes(first + _member(b"y" * 100))
-    for chunk in range(len(first) - 3, len(first) + 8):  # the magic or its header across the boundary
-        monkeypatch.setattr(files, "_SCAN_CHUNK", chunk)
-        assert not files.one_gzip_member(str(cut), cut.stat().st_size), chunk
-    # Bytes that look like the magic but not like a header (XFL 7) prove nothing wrong.
-    fake = tmp_path / "fake.gz"
-    fake.write_bytes(_member(b"z" * 100) + b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x07\x03")
-    monkeypatch.setattr(files, "_SCAN_CHUNK", 8 << 20)
-    assert files.one_gzip_member(str(fake), fake.stat().st_size)
-
-
-def test_compressed_only_groups_of_single_members_are_counted_by_their_trailers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from stoker import inflate
-
-    made: list[str] = []
-    original = inflate.Inflater.__init__
-
-    def counting(self: inflate.Inflater, path: str, *args: object, **kw: object) -> None:
-        made.append(path)
-        original(self, path, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(inflate.Inflater, "__init__", counting)
-    img_gz = FieldPlan("img", "int8", (6, 6, 1), kind="gzip")
-    ds = build(tmp_path, [9, 4], {"image": img_gz, "label": LAB_GZ})
-    assert [g.records for g in ds.groups] == [9, 4] and made == []  # no file inflated to count it
-    with ds.loader(4, with_index=True) as loader:
-        check_batches(ds, loader)  # every record against an independent reading; streams end-checked
-    # One multi-member field in the group: it is counted by inflating it, as before.
-    made.clear()
-    ds = build(tmp_path / "m", [9, 4], {"image": img_gz, "label": FieldPlan("out", "float32", kind="multi")})
-    assert [g.records for g in ds.groups] == [9, 4] and made

@@ -75,9 +75,7 @@ def test_opening_with_the_index_decompresses_nothing(tmp_path: Path, inflaters: 
     assert inflaters == []
     without = stoker.Dataset(ds.fields, index="ignore")
     assert len(without) == sum(COUNTS)
-    # Without it: the gzip images are single members, counted by their trailers; the zlib
-    # labels have no trailer, so each is decompressed to count it.
-    assert sorted(path for path, _ in inflaters) == sorted(infos["label"].path for infos in ds.files)
+    assert len(inflaters) == 2 * len(COUNTS)  # every file decompressed to count it
 
 
 def test_the_index_is_what_counts_not_the_data(tmp_path: Path) -> None:

@@ -43,50 +43,6 @@ class FileInfo:
     records_hint: int | None
 
 
-# Deflate inflates at most 1032:1, so a gzip file this small decodes to under 2**32 bytes and
-# its trailer's ISIZE (the size mod 2**32) is the size itself.
-_ISIZE_EXACT_BYTES = ((1 << 32) - 1) // 1032
-_SCAN_CHUNK = 8 << 20
-
-
-def one_gzip_member(path: str, size: int) -> bool:
-    """True when the gzip file at ``path`` provably holds a single member.
-
-    A second member starts with the magic ``1f 8b 08`` followed by a valid header: flag bits
-    5-7 clear, XFL 0, 2 or 4, OS at most 13 or 255. The scan looks for any such header after
-    byte 0, at memory speed; compressed data matches one about once per 10 GiB, and a match
-    only means the file is counted the slow way. Remote or unreadable files are not proved.
-    """
-    if is_remote(path) or size < 18:
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return False
-    try:
-        offset, tail = 0, b""
-        while offset < size:
-            chunk = tail + os.pread(fd, _SCAN_CHUNK, offset)
-            base = offset - len(tail)
-            if len(chunk) == len(tail):
-                break
-            pos = chunk.find(b"\x1f\x8b\x08", 1 if base == 0 else 0)
-            while pos >= 0:
-                header = chunk[pos : pos + 10]
-                if len(header) < 10:
-                    break  # read again with the next chunk
-                if not header[3] & 0xE0 and header[8] in (0, 2, 4) and (header[9] <= 13 or header[9] == 255):
-                    return False
-                pos = chunk.find(b"\x1f\x8b\x08", pos + 1)
-            offset += len(chunk) - len(tail)
-            tail = chunk[-9:]
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
 class Group:
     """The aligned files of one group: ``paths[field]`` and the shared record count."""
@@ -385,25 +341,11 @@ class Catalog:
         # (two multi-member files can agree and both be wrong).
         raw = [i.records_hint for i in infos.values() if i.compression is None]
         known = raw[0] if raw else None
-        # No raw field: a gzip file proved to be one member holds its true size in its trailer
-        # (mod 2**32, exact when the file is too small to inflate past that), so the group is
-        # counted without inflating it; W2's 64 MiB images were inflated twice otherwise.
-        single: dict[str, bool] = {}
-        if known is None:
-            for name, info in infos.items():
-                if (g, name) not in self._exact and info.records_hint is not None and info.compression == "gzip":
-                    single[name] = one_gzip_member(info.path, info.size)
-                    if single[name] and info.size <= _ISIZE_EXACT_BYTES:
-                        known = info.records_hint
-                        break
         counts: dict[str, int | None] = {}
         for name, info in infos.items():
             if (g, name) in self._exact:
                 counts[name] = self._exact[(g, name)]
-            elif info.compression is None or (
-                info.records_hint is not None and info.records_hint == known
-                and (raw or single.get(name) or one_gzip_member(info.path, info.size))
-            ):  # fmt: skip
+            elif info.compression is None or (info.records_hint is not None and info.records_hint == known):
                 counts[name] = info.records_hint
             else:
                 counts[name] = self._count_by_decompressing(name, info)
