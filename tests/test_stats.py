@@ -259,21 +259,24 @@ def test_autotuned_prefetch_stays_within_the_memory_budget(tmp_path: Path) -> No
         assert loader.prefetch * batch_bytes <= 5 * batch_bytes // 2
 
 
+class Workers:
+    """What the tuner asks of the pass's workers, recorded in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def add_worker(self) -> None:
+        self.calls.append("add")
+
+    def retire_worker(self) -> None:
+        self.calls.append("retire")
+
+    def set_window(self, window: int) -> None:
+        self.calls.append(f"window {window}")
+
+
 def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
     from stoker.autotune import ThreadTuner
-
-    class Workers:
-        def __init__(self) -> None:
-            self.calls: list[str] = []
-
-        def add_worker(self) -> None:
-            self.calls.append("add")
-
-        def retire_worker(self) -> None:
-            self.calls.append("retire")
-
-        def set_window(self, window: int) -> None:
-            self.calls.append(f"window {window}")
 
     tuner = ThreadTuner(start=1, max_threads=4, tune_prefetch=True, fits=100)
     w = Workers()
@@ -308,19 +311,6 @@ def test_low_worker_cpu_is_storage_bound_only_when_the_bytes_came_from_the_disk(
 
 def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it_drops() -> None:
     from stoker.autotune import ThreadTuner
-
-    class Workers:
-        def __init__(self) -> None:
-            self.calls: list[str] = []
-
-        def add_worker(self) -> None:
-            self.calls.append("add")
-
-        def retire_worker(self) -> None:
-            self.calls.append("retire")
-
-        def set_window(self, window: int) -> None:
-            self.calls.append(f"window {window}")
 
     def run(waits: dict[int, float]) -> tuple[ThreadTuner, list[str]]:
         # The consumer keeps every batch 5 ms (a training step on the host) and then waits
