@@ -115,11 +115,10 @@ class ThreadTuner:
                     f"so {self.threads} kept"
                 )
                 return
-            if consumer_bound and self.threads > 1:
-                self._step_down(workers, rate)
+            if not consumer_bound or self.threads == 1:
+                self._finish(f"consumer-bound: {self.threads} thread(s) keep up and leave the consumer its CPU")
                 return
-            self._finish(f"consumer-bound: {self.threads} thread(s) keep up and leave the consumer its CPU")
-            return
+            # Still the consumer's limit with workers to spare: step down again, below.
         if consumer_bound:
             if self.threads > 1:
                 self._step_down(workers, rate)
