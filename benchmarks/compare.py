@@ -299,7 +299,7 @@ def run_one(kind: str, workload: str, data: Path, seconds: float) -> dict[str, A
         w2 = workload == "W2"
         paths = sorted(str(p) for p in data.glob("img_*.bin.gz" if w2 else "img_*.bin"))
         cfg = {"paths": paths, "header": 0, "shape": [RES, RES, 1], "src_dtype": "|i1", "out_dtype": dtype,
-               "batch": BATCH, "loop": "inflate_cast" if w2 else "mmap_cast", "threads": cores(),
+               "batch": BATCH, "loop": "inflate_cast" if w2 else "mmap_stream", "threads": cores(),
                "seconds": seconds}  # fmt: skip
         return {"rate": run_child("ceiling", cfg).records_per_s}
     proc = subprocess.run(

@@ -27,6 +27,7 @@ from .engine import Allocator, StopFlag, Stopped
 from .errors import CorruptDataError, ReadError, StokerError
 from .files import Catalog, FileInfo, open_local
 from .inflate import Inflater, TruncatedStreamError
+from .kernels import cast_into
 from .plan import BatchPlan, Run
 from .readahead import Readahead
 from .remote import is_remote
@@ -509,7 +510,7 @@ class Assembler:
                 src = np.frombuffer(f.map, dtype=spec.dtype, count=span * (rb // spec.dtype.itemsize),
                                     offset=offset).reshape(span, *spec.shape)  # fmt: skip
                 if put is None:
-                    np.copyto(dst, src[:: run.step], casting="unsafe")
+                    cast_into(dst, src[:: run.step])
                 else:
                     put(src[:: run.step], dst, run.row)
                 del src
@@ -718,7 +719,7 @@ class Assembler:
                     assert err is not None
                     raise err
                 t = time.perf_counter()
-                np.copyto(dst, arr[run.start : run.stop : run.step], casting="unsafe")
+                cast_into(dst, arr[run.start : run.stop : run.step])
                 self.counters.add("cast" if self._cast[name] else "copy", name, time.perf_counter() - t)
             if run.final and final_err is not None:
                 raise final_err
@@ -806,7 +807,7 @@ class Assembler:
         if cast:
             t = time.perf_counter()
             src = np.frombuffer(staging, dtype=spec.dtype).reshape(span, *spec.shape)
-            np.copyto(dst, src[:: run.step], casting="unsafe")
+            cast_into(dst, src[:: run.step])
             del src
             self.counters.add("cast", name, time.perf_counter() - t)
         stream.pos += span

@@ -11,7 +11,10 @@ dtype, batch by batch:
 - ``mmap_cast``: ``np.copyto`` with casting straight from a memory map of the file into
   an output buffer reused per thread (one pass; the fastest we know when casting);
 - ``mmap_cast_fresh``: the same into a fresh ``np.empty`` per batch;
-- ``preadv_cast``: whole-batch ``os.preadv`` into a staging buffer, then ``np.copyto``.
+- ``preadv_cast``: whole-batch ``os.preadv`` into a staging buffer, then ``np.copyto``;
+- ``mmap_stream``: ``stoker.kernels.cast_into`` (the compiled cast stoker itself uses, with
+  streaming stores; a plain ``memcpy`` when no cast) straight from a memory map into an
+  output buffer reused per thread. Without the compiled kernels it is ``mmap_cast`` again.
 
 For a compressed field the ceiling is ``inflate_cast``: each file inflated front to back, a
 batch at a time, by the fastest inflate installed (isal, else zlib) straight into a reused
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .kernels import cast_into
 
 __all__ = ["CEILING_LOOPS", "COMPRESSED_CEILING_LOOPS", "Measurement", "burn", "measure", "run_child", "summarize"]
 
@@ -96,7 +101,10 @@ def _ceiling_worker(
                         out = np.empty((batch, *shape), out_dt)
                     if m is not None:
                         src = np.frombuffer(m, src_dt, count=k * rb // src_dt.itemsize, offset=header + i * rb)
-                        np.copyto(out[:k], src.reshape(k, *shape), casting="unsafe")
+                        if loop == "mmap_stream":
+                            cast_into(out[:k], src.reshape(k, *shape))
+                        else:
+                            np.copyto(out[:k], src.reshape(k, *shape), casting="unsafe")
                         del src
                     else:
                         view = memoryview(staging)[: k * rb]  # type: ignore[arg-type]
@@ -114,7 +122,7 @@ def _ceiling_worker(
     counts.append(n)
 
 
-CEILING_LOOPS = ("mmap_cast", "mmap_cast_fresh", "preadv_cast")
+CEILING_LOOPS = ("mmap_cast", "mmap_cast_fresh", "preadv_cast", "mmap_stream")
 COMPRESSED_CEILING_LOOPS = ("inflate_cast",)
 
 

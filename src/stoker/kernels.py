@@ -1,0 +1,53 @@
+"""The optional compiled kernels (``stoker._kernels``, built by setup.py where a C compiler is
+found) and the copy into a batch that uses them; without them numpy gives the same values.
+
+``cast_into`` is ``np.copyto(dst, src, casting="unsafe")`` for the copies that fill a batch.
+Where the output is large it writes with streaming (non-temporal) stores: a batch is read by
+its consumer later, after others have gone through the cache, so ordinary stores would first
+read every cache line of the output only to overwrite it. Measured on W1 (int8 frames cast
+to float32, 2 threads, batches rotating through a pool): 2.2x the records/s of the same cast
+with ordinary stores (``benchmarks/w1.py`` has the figures).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STREAM_MIN_BYTES", "address", "cast_into", "compiled"]
+
+_kernels: Any
+try:
+    _kernels = importlib.import_module("stoker._kernels")
+except ImportError:  # pragma: no cover - built without a C compiler
+    _kernels = None
+
+# Outputs at least this large are streamed past the cache; smaller ones (labels, a few
+# records) stay cached, where the next step may read them soon.
+STREAM_MIN_BYTES = 1 << 20
+
+# Native-order dtypes the kernel reads, and what it writes from each (besides a plain copy).
+_CODES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float32, np.float64)}
+_CASTS = {(s, o) for s in "bBhHf" for o in "fd"} | {("d", "d")}
+
+
+def compiled() -> bool:
+    """True when the compiled kernels are installed (else numpy does their work)."""
+    return _kernels is not None
+
+
+def address(x: np.ndarray) -> int:
+    return int(x.__array_interface__["data"][0])
+
+
+def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src, casting="unsafe")``, by the compiled kernel where it applies."""
+    if _kernels is not None and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous:
+        s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
+        if s is not None and o is not None and (s == o or (s, o) in _CASTS) and dst.flags.writeable:
+            if dst.size:
+                _kernels.convert(s, o, address(src), address(dst), src.size, dst.nbytes >= STREAM_MIN_BYTES)
+            return
+    np.copyto(dst, src, casting="unsafe")
