@@ -176,3 +176,17 @@ def test_process_workers_deliver_what_the_fused_threads_do(tmp_path: Path) -> No
     with ds.loader(8, seed=SEED, transform=_augment(), workers="process", threads=2) as loader:
         got = [dict(b) for b in loader]
     assert_same_batches(want, got)
+
+
+def test_a_batch_large_enough_to_stream_is_bit_identical(implementation: str) -> None:
+    """1 MiB and more of output is written with streaming stores (stoker.kernels): same bits."""
+    from stoker.kernels import STREAM_MIN_BYTES
+
+    shape = (32, 64, 3)
+    x = _values("uint8", (STREAM_MIN_BYTES // (4 * 32 * 64 * 3) + 3, *shape), np.random.default_rng(4))
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    stage = _stage([Normalize(mean=mean, std=std, fields="image"), RandomFlip(fields="image", axis=1)], shape, "uint8")
+    got = _run(stage, x)
+    assert got.nbytes >= STREAM_MIN_BYTES
+    want = _plain(x, mean, std, True, 1, np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -291,7 +291,7 @@ def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
         tuner.observe(w, now, now + step, now, 16)
         now += step
     assert tuner.done and tuner.threads == 2
-    assert w.calls == ["add", "window 2", "add", "window 3", "retire", "window 2"]
+    assert w.calls == ["add", "window 4", "add", "window 5", "retire", "window 4"]
     assert "3 threads gave" in tuner.reason
 
 
@@ -327,10 +327,10 @@ def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it
 
     # Any worker count keeps up: each step down holds the rate, down to one worker.
     tuner, calls = run({3: 0.0, 2: 0.0, 1: 0.0})
-    assert tuner.threads == 1 and calls == ["retire", "window 2", "retire", "window 2"]
+    assert tuner.threads == 1 and calls == ["retire", "window 4", "retire", "window 3"]
     assert "1 thread(s) keep up" in tuner.reason
     # One worker no longer keeps up (the consumer waits 10 ms a batch): the step is taken back.
     tuner, calls = run({3: 0.0, 2: 0.0, 1: 0.010})
-    assert tuner.threads == 2 and calls == ["retire", "window 2", "retire", "window 2", "add", "window 2"]
+    assert tuner.threads == 2 and calls == ["retire", "window 4", "retire", "window 3", "add", "window 4"]
     assert "so 2 kept" in tuner.reason
 

@@ -1,8 +1,9 @@
 """Decode and cast into the output: executes one planned batch into fresh aligned arrays.
 
 Raw fields are read in bulk: straight into the batch with ``os.preadv`` when no cast is
-needed, else cast by ``np.copyto`` from a memory map of the file (measured fastest of the
-simple loops: one pass, no staging buffer). Compressed fields are read by one stream per
+needed, else cast from a memory map of the file by ``stoker.kernels.cast_into`` (one pass, no
+staging buffer, streaming stores into large batches; ``np.copyto`` where the compiled kernel
+does not apply). Compressed fields are read by one stream per
 (epoch, group, field); batches take their turn on a stream by tickets handed out in plan
 order, so parallel workers still read each stream front to back exactly once.
 """

@@ -43,6 +43,7 @@ import numpy as np
 
 from .engine import Stopped
 from .errors import SpecError
+from .kernels import STREAM_MIN_BYTES, cast_into
 
 if TYPE_CHECKING:
     from .files import Catalog
@@ -469,9 +470,10 @@ class OnePass:
                 self.src.char, self.compute.char, _address(x[a:b]), b - a, x.strides[0],
                 0 if extra is None else _address(extra[a:b]), row_stride, self.outer, self.units, self.unit,
                 0 if flips is None else _address(flips[a:b]), _address(dst), args,
+                scratch is None and dst.nbytes >= STREAM_MIN_BYTES,  # the batch itself: streamed (see stoker.kernels)
             )  # fmt: skip
             if scratch is not None:
-                np.copyto(y[a:b], dst, casting="unsafe")
+                cast_into(y[a:b], dst)
 
 
 def _name(fn: object) -> str:

@@ -1,0 +1,86 @@
+"""stoker.kernels.cast_into (the compiled copy that fills batches) against np.copyto, bit for bit.
+
+Outputs of at least STREAM_MIN_BYTES are written with streaming stores; both sides of that
+threshold, unaligned outputs and odd lengths (the vector loop's head and tail) are covered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import LAB_GZ, FieldPlan, build, check_batches
+from stoker import kernels
+
+SOURCES = ["int8", "uint8", "int16", "uint16", "float32", "float64"]
+OUTPUTS = ["int8", "uint8", "int16", "uint16", "float32", "float64"]
+STREAMED = kernels.STREAM_MIN_BYTES // 4 + 37  # float32 values: just over the threshold
+
+
+def test_the_compiled_kernels_are_built() -> None:
+    """`make test` builds them; losing the build would silently halve W1's float32 records/s."""
+    assert kernels.compiled(), "stoker._kernels was not built: run `pip install -e .`"
+
+
+def _values(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return (rng.normal(size=n) * 1e3).astype(dt)
+    info = np.iinfo(dt)
+    return rng.integers(info.min, info.max, size=n, endpoint=True).astype(dt)
+
+
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("out", OUTPUTS)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, STREAMED])
+@pytest.mark.parametrize("misalign", [0, 1, 3])
+def test_cast_into_equals_copyto(src: str, out: str, n: int, misalign: int) -> None:
+    rng = np.random.default_rng(n + misalign)
+    x = _values(src, n, rng)
+    # The output starts `misalign` elements into its buffer: not 16- or 32-byte aligned.
+    got = np.full(n + misalign + 5, 7, out)[misalign : misalign + n]
+    want = np.empty(n, out)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.copyto(want, x, casting="unsafe")
+        kernels.cast_into(got, x)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert np.all(got.base[:misalign] == 7) and np.all(got.base[misalign + n :] == 7)  # nothing written outside
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (64, 128, 129)])
+def test_cast_into_takes_records_of_any_shape(shape: tuple[int, ...]) -> None:
+    x = _values("int8", int(np.prod(shape)), np.random.default_rng(1)).reshape(shape)
+    got = np.empty(shape, np.float32)
+    kernels.cast_into(got, x)
+    assert np.array_equal(got, x.astype(np.float32))
+
+
+def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
+    rng = np.random.default_rng(2)
+    x = _values("int16", 4096, rng).reshape(64, 64)
+    for src, dst in [
+        (x[::2], np.empty((32, 64), np.float32)),  # strided source
+        (x, np.empty((64, 128), np.float32)[:, ::2]),  # strided output
+        (x.astype(">i2"), np.empty((64, 64), np.float32)),  # not native byte order
+        (x, np.empty((64, 64), np.complex64)),  # a dtype the kernel does not write
+        (x.astype(np.float64), np.empty((64, 64), np.float32)),  # a cast it does not do
+    ]:
+        kernels.cast_into(dst, src)
+        assert np.array_equal(dst, src.astype(dst.dtype))
+    read_only = np.zeros((64, 64), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        kernels.cast_into(read_only, x)
+
+
+def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
+    """A 64 x 64 x 64 int8 record cast to float32 is 1 MiB: every run of a batch is streamed."""
+    img = FieldPlan("img", "int8", (64, 64, 64))
+    ds = build(tmp_path, [5, 3, 4], {"image": img, "label": LAB_GZ})
+    assert kernels.STREAM_MIN_BYTES <= 64 * 64 * 64 * 4
+    with ds.loader(4, cast={"image": "float32"}, with_index=True, threads=2) as loader:
+        check_batches(ds, list(loader), cast={"image": "float32"})
+    with ds.loader(4, cast="float64", with_index=True, shuffle="global", seed=3) as loader:
+        check_batches(ds, list(loader), cast={"image": "float64", "label": "float64"})
