@@ -75,6 +75,31 @@ def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
         kernels.cast_into(read_only, x)
 
 
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("out", ["int8", "float32", "float64"])
+@pytest.mark.parametrize("record", [(3,), (64, 64, 17)])
+def test_gather_into_equals_fancy_indexing(src: str, out: str, record: tuple[int, ...]) -> None:
+    """dst[rows] = src[index]: rows a permutation's prefix, records in any order and repeated."""
+    rng = np.random.default_rng(len(src) + len(out))
+    x = _values(src, 40 * int(np.prod(record)), rng).reshape(40, *record)
+    rows = rng.permutation(30)[:25]
+    index = rng.integers(0, 40, size=25)
+    got, want = np.full((30, *record), 9, out), np.full((30, *record), 9, out)
+    with np.errstate(invalid="ignore", over="ignore"):
+        kernels.gather_into(got, rows, x, index)
+        want[rows] = x[index]
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_gather_into_refuses_rows_or_records_out_of_range() -> None:
+    x = np.zeros((4, 8), np.int8)
+    dst = np.zeros((3, 8), np.float32)
+    with pytest.raises(IndexError, match="out of range"):
+        kernels.gather_into(dst, np.array([0, 3]), x, np.array([0, 1]))
+    with pytest.raises(IndexError, match="out of range"):
+        kernels.gather_into(dst, np.array([0, 1]), x, np.array([0, 4]))
+
+
 def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
     """A 64 x 64 x 64 int8 record cast to float32 is 1 MiB: every run of a batch is streamed."""
     img = FieldPlan("img", "int8", (64, 64, 64))

@@ -50,7 +50,8 @@ typedef struct {
     Py_ssize_t n, rec_stride, row_stride, O, M, I;
     const int64_t *extra; /* per-record byte offset of the window, or NULL */
     const uint8_t *flips; /* per record: reverse the units, or NULL */
-    char *dst;            /* contiguous (n, O, M, I) */
+    const int64_t *rows;  /* per record: its row of dst (a scatter), or NULL for row r */
+    char *dst;            /* contiguous (n, O, M, I), or (rows, O, M, I) with rows */
     int stream;           /* write dst with streaming stores (see stream_bytes) */
     int nops;
     op_t ops[MAX_OPS];
@@ -133,7 +134,7 @@ static void stream_fence(void) {
         for (Py_ssize_t r = 0; r < j->n; r++) {                                        \
             const char *rec = j->src + r * j->rec_stride + (j->extra ? j->extra[r] : 0); \
             const int flip = j->flips ? j->flips[r] : 0;                               \
-            T *drec = (T *)j->dst + r * O * M * I;                                     \
+            T *drec = (T *)j->dst + (j->rows ? j->rows[r] : r) * O * M * I;            \
             for (Py_ssize_t o = 0; o < O; o++) {                                       \
                 const S *s = (const S *)(rec + o * j->row_stride);                     \
                 T *d = drec + o * M * I;                                               \
@@ -209,7 +210,7 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
     (void)self;
     int src_code, out_code;
     unsigned long long src, extra, flips, dst;
-    job_t j;
+    job_t j = {0};
     PyObject *ops;
     j.stream = 0;
     if (!PyArg_ParseTuple(args, "CCKnnKnnnnKKO!|p", &src_code, &out_code, &src, &j.n, &j.rec_stride, &extra,
@@ -317,10 +318,68 @@ static PyObject *convert(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream): record k
+ * (rec_elems values of dtype src at base + offsets[k] bytes) cast or copied into row rows[k] of
+ * dst (dtype out). Global shuffle's gathers: one pass per record, no staging array. */
+static PyObject *gather(PyObject *self, PyObject *args) {
+    (void)self;
+    int src_code, out_code, stream;
+    unsigned long long base, offsets, rows, dst;
+    Py_ssize_t n, elems;
+    if (!PyArg_ParseTuple(args, "CCKKKnnKp", &src_code, &out_code, &base, &offsets, &rows, &n, &elems, &dst, &stream))
+        return NULL;
+    if (n < 0 || elems < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative count");
+        return NULL;
+    }
+    const int64_t *off = (const int64_t *)(uintptr_t)offsets, *row = (const int64_t *)(uintptr_t)rows;
+    if (src_code == out_code) {
+        static const struct { char code; int size; } sizes[] = {{'b', 1}, {'B', 1}, {'h', 2}, {'H', 2}, {'f', 4}, {'d', 8}};
+        size_t size = 0;
+        for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++)
+            if (sizes[k].code == src_code) size = (size_t)sizes[k].size;
+        if (size == 0) {
+            PyErr_Format(PyExc_ValueError, "no copy for dtype %c", src_code);
+            return NULL;
+        }
+        const size_t rec = size * (size_t)elems;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < n; k++) {
+            char *d = (char *)(uintptr_t)dst + (size_t)row[k] * rec;
+            const char *s = (const char *)(uintptr_t)base + off[k];
+            if (stream)
+                stream_bytes(d, s, rec);
+            else
+                memcpy(d, s, rec);
+        }
+        if (stream) stream_fence();
+        Py_END_ALLOW_THREADS
+        Py_RETURN_NONE;
+    }
+    kernel_t kernel = pick(src_code, out_code);
+    if (kernel == NULL) {
+        PyErr_Format(PyExc_ValueError, "no kernel from dtype %c to %c", src_code, out_code);
+        return NULL;
+    }
+    job_t j = {0};
+    j.src = (const char *)(uintptr_t)base;
+    j.n = n, j.O = 1, j.M = elems, j.I = 1;
+    j.extra = off;
+    j.rows = row;
+    j.dst = (char *)(uintptr_t)dst;
+    j.stream = stream;
+    Py_BEGIN_ALLOW_THREADS
+    kernel(&j);
+    if (stream) stream_fence();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
     {"convert", convert, METH_VARARGS, "convert(src, out, src_addr, dst_addr, n, stream)"},
+    {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},
     {NULL, NULL, 0, NULL},
 };
 

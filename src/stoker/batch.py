@@ -28,7 +28,7 @@ from .engine import Allocator, StopFlag, Stopped
 from .errors import CorruptDataError, ReadError, StokerError
 from .files import Catalog, FileInfo, open_local
 from .inflate import Inflater, TruncatedStreamError
-from .kernels import cast_into
+from .kernels import cast_into, gather_into
 from .plan import BatchPlan, Run
 from .readahead import Readahead
 from .remote import is_remote
@@ -343,7 +343,7 @@ class Assembler:
                         elems = n * (spec.record_bytes // spec.dtype.itemsize)
                         src = np.frombuffer(f.map, dtype=spec.dtype, count=elems, offset=spec.header_bytes)
                         src = src.reshape(n, *spec.shape)
-                        out[name][rows] = src[local]
+                        gather_into(out[name], rows, src, local)
                         del src
                     except (StokerError, Stopped):
                         raise

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STREAM_MIN_BYTES", "address", "cast_into", "compiled"]
+__all__ = ["STREAM_MIN_BYTES", "address", "cast_into", "compiled", "gather_into"]
 
 _kernels: Any
 try:
@@ -51,3 +51,28 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
                 _kernels.convert(s, o, address(src), address(dst), src.size, dst.nbytes >= STREAM_MIN_BYTES)
             return
     np.copyto(dst, src, casting="unsafe")
+
+
+def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.ndarray) -> None:
+    """``dst[rows] = src[index]`` (cast as ``np.copyto`` casts), one pass per record where the
+    compiled kernel applies; numpy's fancy indexing otherwise (a copy of the records, then a
+    second pass to scatter and cast them)."""
+    if (
+        _kernels is not None and len(rows) == len(index) and dst.shape[1:] == src.shape[1:]
+        and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable
+    ):  # fmt: skip
+        s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
+        if s is not None and o is not None and (s == o or (s, o) in _CASTS):
+            if len(index):
+                rows = np.ascontiguousarray(rows, np.int64)
+                index = np.asarray(index, np.int64)
+                if rows.min() < 0 or rows.max() >= len(dst) or index.min() < 0 or index.max() >= len(src):
+                    raise IndexError(f"gather: rows or records out of range ({len(dst)} rows, {len(src)} records)")
+                elems = src[0].size
+                offsets = np.ascontiguousarray(index * (elems * src.dtype.itemsize))
+                _kernels.gather(
+                    s, o, address(src), address(offsets), address(rows), len(index), elems, address(dst),
+                    dst.nbytes >= STREAM_MIN_BYTES,
+                )  # fmt: skip
+            return
+    dst[rows] = src[index]
