@@ -34,7 +34,7 @@ def _values(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
 
 @pytest.mark.parametrize("src", SOURCES)
 @pytest.mark.parametrize("out", OUTPUTS)
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, STREAMED])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, STREAMED, kernels.STREAM_MIN_BYTES + 37])
 @pytest.mark.parametrize("misalign", [0, 1, 3])
 def test_cast_into_equals_copyto(src: str, out: str, n: int, misalign: int) -> None:
     rng = np.random.default_rng(n + misalign)
@@ -47,6 +47,23 @@ def test_cast_into_equals_copyto(src: str, out: str, n: int, misalign: int) -> N
         kernels.cast_into(got, x)
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
     assert np.all(got.base[:misalign] == 7) and np.all(got.base[misalign + n :] == 7)  # nothing written outside
+
+
+@pytest.mark.parametrize("apart", [0, 16, 100, 2048, 4096 - 16])
+@pytest.mark.parametrize("dtype", ["int8", "float32"])
+def test_streamed_copies_at_every_page_offset_between_source_and_output(apart: int, dtype: str) -> None:
+    """A source near the output's page offset is copied plainly (streaming stores would stall on it)."""
+    n = kernels.STREAM_MIN_BYTES + 4099
+    page = np.empty(n + 8192, np.uint8)
+    start = -page.ctypes.data % 4096
+    x = page[start : start + n]
+    x[:] = np.random.default_rng(apart).integers(0, 256, n, dtype=np.uint8)
+    out = np.empty(n + 8192, np.uint8)
+    at = (-out.ctypes.data % 4096) + apart
+    got = out[at : at + n].view(dtype) if dtype == "int8" else out[at : at + n // 4 * 4].view(dtype)
+    src = x.view(dtype) if dtype == "int8" else x[: n // 4 * 4].view(dtype)
+    kernels.cast_into(got, src)
+    assert np.array_equal(got.view(np.uint8), src.view(np.uint8))
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (64, 128, 129)])
