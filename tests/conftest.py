@@ -23,7 +23,8 @@ import pytest
 
 import stoker
 
-SUFFIX = {"raw": ".bin", "gzip": ".bin.gz", "zlib": ".bin.zz", "multi": ".bin.gz", "gzip-nosuffix": ".dat"}
+SUFFIX = {"raw": ".bin", "gzip": ".bin.gz", "zlib": ".bin.zz", "multi": ".bin.gz", "gzip-nosuffix": ".dat",
+          "gzip-empty": ".bin.gz"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class FieldPlan:
     prefix: str
     dtype: str
     shape: tuple[int, ...] = ()
-    kind: str = "raw"  # raw | gzip | zlib | multi (gzip, 3 members) | gzip-nosuffix
+    # raw | gzip | zlib | multi (gzip, 3 members) | gzip-nosuffix | gzip-empty (an empty member follows)
+    kind: str = "raw"
     header: int = 0
     footer: int = 0
     byte_order: str = "little"
@@ -76,6 +78,8 @@ def encode(plan: FieldPlan, values: np.ndarray) -> bytes:
         return gzip.compress(body, compresslevel=plan.level) + b"\0" * plan.pad
     if plan.kind == "zlib":
         return zlib.compress(body, plan.level)
+    if plan.kind == "gzip-empty":
+        return gzip.compress(body, compresslevel=plan.level) + gzip.compress(b"", mtime=0) + b"\0" * plan.pad
     if plan.kind == "multi":
         cuts = [0, len(body) // 3, 2 * len(body) // 3, len(body)]
         members = (gzip.compress(body[a:b], compresslevel=plan.level) for a, b in zip(cuts, cuts[1:]))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, LAB_GZ, FieldPlan, build, write_dataset
+from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, consume, write_dataset
 
 
 def _raw(path: Path, n: int, record: int = 4) -> Path:
@@ -297,3 +297,172 @@ def test_zlib_counts_settle_when_the_group_opens(tmp_path: Path) -> None:
 def test_records_in_out_of_range_raises_index_error(pair_ds: stoker.Dataset) -> None:
     with pytest.raises(IndexError):
         pair_ds.records_in(pair_ds.num_groups)
+
+
+# -- groups of gzip fields only: counted by their trailers when provably single members -------
+
+
+def _member(data: bytes, **kw: int) -> bytes:
+    return gzip.compress(data, compresslevel=1, mtime=0, **kw)
+
+
+def _proved(path: Path) -> bool:
+    from stoker.files import one_gzip_member
+
+    return one_gzip_member(str(path), path.stat().st_size)
+
+
+def test_one_gzip_member_is_proved_by_the_absence_of_a_second_member_header(tmp_path: Path) -> None:
+    noise = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    cases = {
+        "one": (_member(noise), True),
+        "padded": (_member(noise) + bytes(5), True),  # one member; its zero trailer is refused elsewhere
+        "two": (_member(b"a" * 1000) + _member(b"b" * 1000), False),
+        "empty-after": (_member(noise) + _member(b""), False),
+        "empty-before": (_member(b"") + _member(noise), False),
+        # The magic with a header gzip(1) never writes (XFL 7): not a member the scan counts.
+        "fake": (_member(b"z" * 100) + b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x07\x03" + bytes(8), True),
+        "cut-header": (_member(b"z" * 100) + b"\x1f\x8b\x08\x00", False),  # too short to judge: not proved
+        "tiny": (b"\x1f\x8b\x08" + bytes(10), False),
+    }
+    for name, (data, want) in cases.items():
+        p = tmp_path / f"{name}.gz"
+        p.write_bytes(data)
+        assert _proved(p) is want, name
+    assert not __import__("stoker.files").files.one_gzip_member("s3://bucket/one.gz", 1 << 20)  # never remote
+
+
+def test_a_second_member_header_cut_by_the_scan_chunk_boundary_is_still_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stoker import files
+
+    first = _member(bytes(range(256)) * 20)
+    p = tmp_path / "cut.gz"
+    p.write_bytes(first + _member(b"y" * 100))
+    for chunk in range(len(first) - 12, len(first) + 12):  # the magic or its header across the boundary
+        monkeypatch.setattr(files, "_SCAN_CHUNK", chunk)
+        assert not _proved(p), chunk
+    q = tmp_path / "one.gz"
+    q.write_bytes(first)
+    for chunk in (1, 2, 9, 10, 11, 64):
+        monkeypatch.setattr(files, "_SCAN_CHUNK", chunk)
+        assert _proved(q), chunk
+
+
+IMG_GZ = FieldPlan("img", "int8", (6, 6, 1), kind="gzip")
+
+
+def _decompressions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from stoker import files
+
+    made: list[str] = []
+    original = files.decompressed_size
+
+    def counting(path: str, *a: object, **kw: object) -> int:
+        made.append(os.path.basename(path))
+        return original(path, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(files, "decompressed_size", counting)
+    return made
+
+
+@pytest.mark.parametrize(
+    ("plans", "why"),
+    [
+        ({"image": IMG_GZ}, "one gzip field: nothing to agree with"),
+        ({"image": IMG_GZ, "label": FieldPlan("out", "float32", kind="zlib")}, "zlib has no trailer"),
+        ({"image": IMG_GZ, "label": FieldPlan("out", "float32", kind="multi")}, "a multi-member field"),
+        ({"image": IMG_GZ, "label": FieldPlan("out", "float32", kind="gzip-empty")}, "an empty member follows"),
+        ({"image": IMG_GZ.__class__("img", "int8", (6, 6, 1), kind="gzip", pad=6),
+          "label": FieldPlan("out", "float32", kind="gzip", pad=6)}, "zero padding: trailers of 0"),
+        ({"image": IMG_GZ, "label": FieldPlan("out", "float32", kind="gzip", pad=1)}, "trailers disagree"),
+    ],
+)  # fmt: skip
+def test_gzip_only_groups_the_rule_cannot_prove_are_counted_by_decompressing_and_read_right(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plans: dict[str, FieldPlan], why: str
+) -> None:
+    made = _decompressions(monkeypatch)
+    ds = build(tmp_path, [9, 4, 0], plans)
+    assert [g.records for g in ds.groups] == [9, 4, 0], why
+    assert len(made) == 3 * len(plans), why  # every file of every group inflated to count it
+    with ds.loader(4, with_index=True) as loader:
+        check_batches(ds, loader)
+
+
+def test_agreeing_single_member_trailers_count_the_group_and_the_streams_are_still_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = _decompressions(monkeypatch)
+    ds = build(tmp_path, [9, 4], {"image": IMG_GZ, "label": LAB_GZ})
+    assert [g.records for g in ds.groups] == [9, 4] and made == []
+    with ds.loader(4, with_index=True) as loader:
+        check_batches(ds, loader)
+    # An image of 5 records whose trailer says 4, agreeing with its label: a second member
+    # whose header the scan does not take for one (XFL 7; zlib reads it all the same). The
+    # stream's end is checked, and the group fails there.
+    records = np.arange(5 * 36, dtype=np.int8).tobytes()
+    second = bytearray(_member(records[36:]))
+    second[8] = 7
+    (tmp_path / "img_0001.bin.gz").write_bytes(_member(records[:36]) + bytes(second))
+    ds = stoker.Dataset(ds.fields)
+    assert ds.records_in(1) == 4 and made == []
+    got, err = consume(ds.loader(4, with_index=True))
+    assert isinstance(err, stoker.CorruptDataError) and "img_0001.bin.gz" in str(err), err
+    check_batches(ds, got, complete=False)  # what came before the error is right
+
+
+def _lying_pair(tmp: Path, counts: list[int], lie: int) -> stoker.Dataset:
+    """Two gzip fields, 4-byte records, each file followed by one zero byte: with 256*k records
+    the last 4 bytes read as a trailer of k records in both fields, agreeing and nonzero."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    base = 0
+    for g, n in enumerate(counts):
+        pad = b"\0" if g == lie else b""
+        img = (np.arange(base * 4, (base + n) * 4) % 251).astype(np.int8)
+        (tmp / f"img_{g}.bin.gz").write_bytes(_member(img.tobytes()) + pad)
+        (tmp / f"out_{g}.bin.gz").write_bytes(_member(np.arange(base, base + n, dtype="<f4").tobytes()) + pad)
+        base += n
+    return stoker.Dataset(
+        image=stoker.Field(str(tmp / "img_*.bin.gz"), "int8", (4,)),
+        label=stoker.Field(str(tmp / "out_*.bin.gz"), "float32"),
+    )
+
+
+_LIES = [{}, {"drop_remainder": True}, {"shard": (0, 2)}, {"shard": (1, 2), "drop_remainder": True},
+         {"shard": (1, 3), "even": False}, {"cycle_length": 1}, {"shuffle": "files", "seed": 3},
+         {"shuffle": "global", "seed": 3}, {"pad_last": True, "shard": (1, 2)}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("lie", "kw"),
+    [(0, kw) for kw in _LIES] + [(2, kw) for kw in _LIES] + [(2, {"resume": 3}), (2, {"resume": 3, "shard": (1, 2)})],
+)
+def test_trailers_that_lie_alike_end_in_an_error_naming_the_file_never_in_missing_records(
+    tmp_path: Path, lie: int, kw: dict[str, object]
+) -> None:
+    """Both fields' trailers miscount group ``lie`` alike (2 records where 512 are), so the rule
+    trusts them; the group's streams are read to their end wherever its records go (shards,
+    a dropped remainder, a resumed run), and the error comes at the latest at the last batch."""
+    counts = [41, 30, 20]  # as believed, 73 or 52 records: the lying group's end in a remainder
+    counts[lie] = 512
+    ds = _lying_pair(tmp_path, counts, lie)
+    assert ds.records_in(lie) == 2  # the lie is believed when the group opens
+    kw = dict(kw)
+    resume = int(kw.pop("resume", 0))  # type: ignore[call-overload]
+    state = None
+    if resume:  # saved after a few batches that come before the lying group's end
+        with ds.loader(8, with_index=True, **kw) as first:  # type: ignore[arg-type]
+            batches = iter(first)
+            for _ in range(resume):
+                next(batches)
+            state = first.state_dict()
+    got, err = consume(ds.loader(8, with_index=True, state=state, **kw))  # type: ignore[arg-type]
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert f"_{lie}.bin.gz" in str(err) and err.path is not None and err.path.endswith(f"_{lie}.bin.gz")
+    rows = [(g, i) for b in got for g, i in zip(b["__group__"].tolist(), b["__index__"].tolist())]
+    real = [b for b in got if "__valid__" not in b] or [
+        {k: v[b["__valid__"]] for k, v in b.items()} for b in got
+    ]
+    check_batches(ds, real, complete=False)  # every record delivered is the one it says it is
+    assert len(rows) == len(set(rows))

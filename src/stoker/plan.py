@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -232,10 +232,17 @@ class Plan:
         index = 0
         taken = 0  # records this shard took since ``start``
         pos = 0  # epoch position of the piece's first record
+        # A full batch is held back until the next one is full, so that the ends of groups
+        # trimmed from the epoch (drop_remainder, even shards) can still ride on the last
+        # batch delivered: every stream is confirmed at its end (see _with_ends).
+        held: BatchPlan | None = None
+        trimmed: list[int] = []  # groups whose last piece the shard limit cut off
         for g, a, b in self.pieces(epoch):
             n = b - a
             end = self.count(g)
             if pos + n <= start or (limit is not None and taken >= limit):
+                if pos + n > start and b == end:
+                    trimmed.append(g)
                 pos += n
                 continue
             lo = max(pos, start)
@@ -256,17 +263,41 @@ class Plan:
                 local += take * c
                 if rows == size:
                     valid = size if cfg.pad_last else None  # pad_last: every batch says which rows are real
-                    yield BatchPlan(epoch, index, start + c * taken, rows, tuple(runs), None, valid)
+                    if held is not None:
+                        yield held
+                    held = BatchPlan(epoch, index, start + c * taken, rows, tuple(runs), None, valid)
                     index += 1
                     runs, rows = [], 0
             if b == end and not finished:
                 # The group's last record went to another shard (or was trimmed): tell the
                 # engine anyway, with an empty run, so it confirms the stream and lets go.
                 runs.append(Run(g, b, 0, rows, True, c))
+        tail = tuple(runs)
+        rest: list[BatchPlan] = []
         if cfg.pad_last:
-            yield from self._padded(epoch, index, start + c * taken, start, rows, tuple(runs))
+            rest = list(self._padded(epoch, index, start + c * taken, start, rows, tail))
         elif rows and not cfg.drop_remainder:
-            yield BatchPlan(epoch, index, start + c * taken, rows, tuple(runs))
+            rest = [BatchPlan(epoch, index, start + c * taken, rows, tail)]
+        carried = bool(rest) and rest[0].runs == tail
+        ends = trimmed + ([] if carried else [r.group for r in tail if r.final])
+        last = [held] if held is not None else []
+        yield from self._with_ends([*last, *rest], ends)
+
+    def _with_ends(self, batches: list[BatchPlan], groups: list[int]) -> list[BatchPlan]:
+        """``batches`` with empty final runs for ``groups`` added to the last one.
+
+        Those groups' last records are not delivered in this epoch (a dropped remainder,
+        the even-shard trim); the empty runs make the engine read on to each stream's end
+        and check it there, so a gzip trailer that miscounts a group (it can only be trusted
+        until its stream is read to the end) is an error, never records silently missing.
+        An epoch that delivers no batch at all has nothing to carry them.
+        """
+        if not groups or not batches:
+            return batches
+        last = batches[-1]
+        c = self.config.shard[1]
+        ends = tuple(Run(g, self.count(g), 0, last.rows, True, c) for g in groups)
+        return [*batches[:-1], replace(last, runs=last.runs + ends)]
 
     def padded_batches(self, total: int, start: int = 0) -> int:
         """pad_last: batches every shard yields from ``start``: enough for the longest shard."""
