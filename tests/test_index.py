@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, FieldPlan, build, reference
+from conftest import IMG, FieldPlan, build, check_batches, reference
 from stoker import batch, inflate, seekpoints
 from stoker.cli import main
 from stoker.index import INDEX_NAME, INDEX_VERSION
@@ -75,7 +75,27 @@ def test_opening_with_the_index_decompresses_nothing(tmp_path: Path, inflaters: 
     assert inflaters == []
     without = stoker.Dataset(ds.fields, index="ignore")
     assert len(without) == sum(COUNTS)
-    assert len(inflaters) == 2 * len(COUNTS)  # every file decompressed to count it
+    # Every file decompressed to count it: zlib labels have no trailer, so the gzip images'
+    # trailers have nothing to agree with (see the next test for a group they do count).
+    assert len(inflaters) == 2 * len(COUNTS)
+
+
+def test_without_an_index_agreeing_single_member_gzip_fields_open_with_no_inflate(
+    tmp_path: Path, inflaters: Made
+) -> None:
+    """W2's layout (gzip images, gzip labels, no raw field): each group is counted by its
+    trailers, since they agree on a nonzero count and every file is proved one member. An
+    empty group's trailers say 0, which is never trusted: its files are inflated to count
+    them. Reading inflates each other file once."""
+    ds = build(tmp_path, COUNTS, {"image": IMG_GZ, "label": LAB_GZ}, index="ignore")
+    assert len(ds) == sum(COUNTS) and [g.records for g in ds.groups] == COUNTS
+    empty = [infos[n].path for infos, c in zip(ds.files, COUNTS) if not c for n in ("image", "label")]
+    assert sorted(path for path, _ in inflaters) == sorted(empty)
+    inflaters.clear()
+    with ds.loader(4, with_index=True) as loader:
+        check_batches(ds, loader)
+    files = [infos[n].path for infos, c in zip(ds.files, COUNTS) if c for n in ("image", "label")]
+    assert sorted(path for path, _ in inflaters) == sorted(files)
 
 
 def test_the_index_is_what_counts_not_the_data(tmp_path: Path) -> None:

@@ -209,3 +209,39 @@ def test_loader_order_equals_reference_for_mixed_compressions(tmp_path: Path) ->
     for cycle, block in [(2, 3), (7, 1), (1, 2)]:
         batches = list(ds.loader(3, cycle_length=cycle, block_length=block, with_index=True))
         assert check_batches(ds, batches) == tf_interleave(counts, cycle, block)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    geometry,
+    st.integers(1, 3).flatmap(lambda c: st.tuples(st.integers(0, c - 1), st.just(c))),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 40),
+)
+def test_every_group_reached_gets_one_final_run_in_a_delivered_batch_after_its_other_runs(
+    geo, shard: tuple[int, int], even: bool, pad_last: bool, start: int
+) -> None:
+    """Streams are confirmed at their end on the final run, so every group the epoch reaches
+    (from ``start``) must get one, in a batch that is delivered, even where its last records
+    are trimmed (drop_remainder, even shards): a gzip trailer that miscounts a group is then
+    an error, never records silently missing. (An epoch that delivers no batch has none.)"""
+    counts, cycle, block, bs, drop = geo
+    cfg = PlanConfig(bs, drop and not pad_last, cycle, block, shard=shard, even=even, pad_last=pad_last)
+    batches = list(Plan(len(counts), counts.__getitem__, cfg).epoch(0, min(start, sum(counts))))
+    runs = [r for b in batches for r in b.runs]
+    if not batches:
+        return
+    pos, reached = 0, set()
+    for g, a, b in interleave(len(counts), counts.__getitem__, cycle, block):
+        if pos + b - a > min(start, sum(counts)) and b == counts[g]:
+            reached.add(g)
+        pos += b - a
+    finals = [r.group for r in runs if r.final]
+    assert sorted(finals) == sorted(reached)
+    for k, r in enumerate(runs):
+        if r.final:
+            assert not any(q.group == r.group for q in runs[k + 1 :]), "a run of the group after its final run"
+            assert r.count == 0 or r.stop <= counts[r.group]
+    for b in batches:
+        assert sum(r.count for r in b.runs) == (b.valid if b.valid is not None else b.rows)
