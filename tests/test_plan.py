@@ -245,3 +245,21 @@ def test_every_group_reached_gets_one_final_run_in_a_delivered_batch_after_its_o
             assert r.count == 0 or r.stop <= counts[r.group]
     for b in batches:
         assert sum(r.count for r in b.runs) == (b.valid if b.valid is not None else b.rows)
+
+
+@pytest.mark.parametrize("cfg", [PlanConfig(5, True, 1, 4), PlanConfig(5, False, 1, 4, shard=(0, 2), even=False),
+                                 PlanConfig(5, False, 1, 4, pad_last=True)])  # fmt: skip
+def test_a_batch_held_back_for_trimmed_ends_is_delivered_before_a_count_that_fails(cfg: PlanConfig) -> None:
+    """Where a full batch is held back (drop_remainder, shards, pad_last), a group whose count
+    fails when it opens still raises after every earlier batch, as the contract wants."""
+
+    def count(g: int) -> int:
+        if g == 1:
+            raise stoker.PairingError("group 1 has different record counts per field")
+        return 20
+
+    got = []
+    with pytest.raises(stoker.PairingError):
+        for b in Plan(2, count, cfg).epoch(0):
+            got.append(b)
+    assert sum(r.count for b in got for r in b.runs) == 20 // cfg.shard[1]

@@ -232,12 +232,24 @@ class Plan:
         index = 0
         taken = 0  # records this shard took since ``start``
         pos = 0  # epoch position of the piece's first record
-        # A full batch is held back until the next one is full, so that the ends of groups
-        # trimmed from the epoch (drop_remainder, even shards) can still ride on the last
-        # batch delivered: every stream is confirmed at its end (see _with_ends).
+        # Where the ends of groups can be trimmed from the epoch (drop_remainder, shards,
+        # pad_last), a full batch is held back until the next one is full, so those ends
+        # can still ride on the last batch delivered: every stream is confirmed at its end
+        # (see _with_ends). A count that fails (a group opening) releases the held batch
+        # first: it is delivered before the error, as without the hold.
+        hold = cfg.drop_remainder or c > 1 or cfg.pad_last
         held: BatchPlan | None = None
         trimmed: list[int] = []  # groups whose last piece the shard limit cut off
-        for g, a, b in self.pieces(epoch):
+        pieces = self.pieces(epoch)
+        while True:
+            try:
+                g, a, b = next(pieces)
+            except StopIteration:
+                break
+            except BaseException:
+                if held is not None:
+                    yield held
+                raise
             n = b - a
             end = self.count(g)
             if pos + n <= start or (limit is not None and taken >= limit):
@@ -263,9 +275,13 @@ class Plan:
                 local += take * c
                 if rows == size:
                     valid = size if cfg.pad_last else None  # pad_last: every batch says which rows are real
+                    full = BatchPlan(epoch, index, start + c * taken, rows, tuple(runs), None, valid)
                     if held is not None:
                         yield held
-                    held = BatchPlan(epoch, index, start + c * taken, rows, tuple(runs), None, valid)
+                    if hold:
+                        held = full
+                    else:
+                        yield full
                     index += 1
                     runs, rows = [], 0
             if b == end and not finished:
