@@ -121,3 +121,20 @@ def test_gzip_trailer_size_reads_isize_of_the_last_member(tmp_path: Path) -> Non
         assert gzip_trailer_size(fd, 17) is None
     finally:
         os.close(fd)
+
+
+def test_a_member_whose_magic_is_cut_by_a_read_boundary_is_still_a_member(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the first byte (1f) of the second member in one read: read on before judging it,
+    not take it for trailing garbage (a valid two-member file was refused)."""
+    from stoker import inflate
+
+    first = gzip.compress(bytes(range(256)) * 40, mtime=0)
+    second = gzip.compress(b"xyz" * 100, mtime=0)
+    path = tmp_path / "two.gz"
+    path.write_bytes(first + second)
+    for chunk in (len(first) - 1, len(first) + 1):  # the cut before 1f, and inside the magic
+        monkeypatch.setattr(inflate, "_CHUNK", chunk)
+        assert _read_all(path, "gzip") == bytes(range(256)) * 40 + b"xyz" * 100, chunk
+        assert decompressed_size(str(path), "gzip") == 256 * 40 + 300

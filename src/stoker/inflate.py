@@ -167,6 +167,8 @@ class Inflater:
                 self._tail = b""
                 if not rest:
                     rest = self._read_input()
+                if len(rest) == 1:  # a member's magic cut by the end of a read: judge it whole
+                    rest += self._read_input()
                 if not rest:
                     self._eof = True
                     return False
