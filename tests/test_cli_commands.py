@@ -75,4 +75,4 @@ def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytes
                  "--field", f"label={tmp_path}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
-    assert "records/s" in out and "ceiling:mmap_cast" in out and "stoker / ceiling: median" in out
+    assert "records/s" in out and "ceiling:mmap_stream" in out and "stoker / ceiling: median" in out
