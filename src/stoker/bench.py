@@ -18,7 +18,8 @@ dtype, batch by batch:
 
 For a compressed field the ceiling is ``inflate_cast``: each file inflated front to back, a
 batch at a time, by the fastest inflate installed (isal, else zlib) straight into a reused
-staging buffer, then cast into the output (no engine, no pairing, no checks).
+staging buffer, then cast into the output by ``stoker.kernels.cast_into`` (no engine, no
+pairing, no checks).
 With ``evict`` in the config, every file's pages are dropped from the page cache first
 (cold-cache runs: the ceiling is then a cold read plus the cast).
 """
@@ -82,7 +83,7 @@ def _ceiling_worker(
                         k = inf.readinto(memoryview(staging)) // rb  # type: ignore[arg-type]
                         if k == 0:
                             break
-                        np.copyto(out[:k], staging[: k * rb].view(src_dt).reshape(k, *shape), casting="unsafe")
+                        cast_into(out[:k], staging[: k * rb].view(src_dt).reshape(k, *shape))
                         n += k
                 if time.perf_counter() >= until:
                     break
