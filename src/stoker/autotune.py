@@ -1,6 +1,7 @@
 """Threads and prefetch chosen by measuring the loader's own throughput, once per loader.
 
-When ``threads`` is None the first pass starts with one worker per core and climbs: after each
+When ``threads`` is None the first pass starts with one worker per core and, once the first fill
+of the look-ahead has been delivered (start-up costs stay out of the measurements), climbs: after each
 measuring window (at least ``MIN_BATCHES`` batches and ``MIN_SECONDS`` seconds, as the
 consumer sees them) it adds a worker while that raised records/s by more than ``GAIN``,
 up to ``2 x cores`` (threads that wait on a cold disk leave their core to others). A step
@@ -80,6 +81,7 @@ class ThreadTuner:
         self._wait = 0.0
         self._used = 0.0
         self._since: float | None = None
+        self._warm = 0  # batches seen before the first window (start-up)
         self._down: float | None = None  # records/s before a step down (consumer-bound), until judged
 
     def prefetch_for(self, threads: int) -> int:
@@ -90,8 +92,15 @@ class ThreadTuner:
         """One batch left ``__next__``; at a window's end, maybe change the worker count."""
         if self.done:
             return
-        if self._since is None:  # the first batch carries start-up: the window starts after it
-            self._since = got
+        if self._since is None:
+            # Start-up: the first batches wait for the threads, the first pages of each file and
+            # fresh buffers until the pool recycles (W1: 13-104 ms each for the first three,
+            # ~2 ms after). A first window holding them made 2 workers look 2-10x slower than
+            # they are, and the climb went on to 3 or 4 threads on 2 cores. The window starts
+            # once the first fill of the look-ahead has been delivered.
+            self._warm += 1
+            if self._warm > self.prefetch_for(self.threads):
+                self._since = got
             return
         self._rows += rows
         self._batches += 1
