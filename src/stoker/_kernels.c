@@ -143,14 +143,34 @@ static void stream_fence(void) {
     STOKER_CLONES static void NAME(const job_t *j) {                                   \
         const Py_ssize_t O = j->O, M = j->M, I = j->I;                                 \
         char tmp[BLOCK * sizeof(T) + 4096] STOKER_ALIGNED; /* a streamed block, built in L1 */ \
-        /* Streamed only in pieces of 4 KiB or more: short rows (a flip along W of 128-wide \
-         * frames writes 512 bytes at a time) ran 2x slower streamed, one call per row. */ \
+        /* Streamed in pieces of 4 KiB or more: short rows (a flip along W of 128-wide frames \
+         * writes 512 bytes at a time) ran 2x slower streamed one call per row. */         \
         const int stream = j->stream && (I == 1 ? M : I) * (Py_ssize_t)sizeof(T) >= 4096; \
+        /* Short rows of one value per unit (a flip along W) are packed, several rows to a    \
+         * block (a record's rows are contiguous in dst), and the block is streamed at once. */ \
+        const Py_ssize_t pack = (j->stream && !stream && I == 1 && M <= BLOCK) ? BLOCK / M : 0; \
         for (Py_ssize_t r = 0; r < j->n; r++) {                                        \
             const char *rec = j->src + r * j->rec_stride + (j->extra ? j->extra[r] : 0); \
             const int flip = j->flips ? j->flips[r] : 0;                               \
             T *drec = (T *)j->dst + (j->rows ? j->rows[r] : r) * O * M * I;            \
-            for (Py_ssize_t o = 0; o < O; o++) {                                       \
+            for (Py_ssize_t o0 = 0; pack && o0 < O; o0 += pack) {                      \
+                const Py_ssize_t k = (O - o0 < pack) ? O - o0 : pack;                  \
+                T *base = (T *)away_from(tmp, drec + o0 * M);                          \
+                for (Py_ssize_t o = o0; o < o0 + k; o++) {                             \
+                    const S *s = (const S *)(rec + o * j->row_stride);                 \
+                    T *x = base + (o - o0) * M;                                        \
+                    if (flip) {                                                        \
+                        const S *t = s + (M - 1);                                      \
+                        CONVERT(T, x, M, t[-i], 0)                                     \
+                    } else {                                                           \
+                        const S *t = s;                                                \
+                        CONVERT(T, x, M, t[i], 0)                                      \
+                    }                                                                  \
+                    APPLY_OPS(T, x, M, 0)                                              \
+                }                                                                      \
+                stream_bytes((char *)(drec + o0 * M), (const char *)base, k * M * sizeof(T)); \
+            }                                                                          \
+            for (Py_ssize_t o = 0; !pack && o < O; o++) {                              \
                 const S *s = (const S *)(rec + o * j->row_stride);                     \
                 T *d = drec + o * M * I;                                               \
                 if (I == 1) {                                                          \
