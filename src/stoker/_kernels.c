@@ -241,6 +241,25 @@ static kernel_t pick(int src, int out) {
     return NULL;
 }
 
+/* pick(), or NULL with a ValueError set. */
+static kernel_t pick_or_raise(int src, int out) {
+    kernel_t kernel = pick(src, out);
+    if (kernel == NULL) PyErr_Format(PyExc_ValueError, "no kernel from dtype %c to %c", src, out);
+    return kernel;
+}
+
+/* Bytes per value of a dtype code the plain copies take, or 0 with a ValueError set. */
+static size_t copy_size(int code) {
+    switch (code) {
+    case 'b': case 'B': return 1;
+    case 'h': case 'H': return 2;
+    case 'f': return 4;
+    case 'd': return 8;
+    }
+    PyErr_Format(PyExc_ValueError, "no copy for dtype %c", code);
+    return 0;
+}
+
 static PyObject *normalize(PyObject *self, PyObject *args) {
     (void)self;
     int src_code, out_code;
@@ -251,11 +270,8 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "CCKnnKnnnnKKO!|p", &src_code, &out_code, &src, &j.n, &j.rec_stride, &extra,
                           &j.row_stride, &j.O, &j.M, &j.I, &flips, &dst, &PyTuple_Type, &ops, &j.stream))
         return NULL;
-    kernel_t kernel = pick(src_code, out_code);
-    if (kernel == NULL) {
-        PyErr_Format(PyExc_ValueError, "no kernel from dtype %c to %c", src_code, out_code);
-        return NULL;
-    }
+    kernel_t kernel = pick_or_raise(src_code, out_code);
+    if (kernel == NULL) return NULL;
     j.src = (const char *)(uintptr_t)src;
     j.extra = (const int64_t *)(uintptr_t)extra;
     j.flips = (const uint8_t *)(uintptr_t)flips;
@@ -316,29 +332,20 @@ static PyObject *convert(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (src_code == out_code) {
-        static const struct { char code; int size; } sizes[] = {{'b', 1}, {'B', 1}, {'h', 2}, {'H', 2}, {'f', 4}, {'d', 8}};
-        int size = 0;
-        for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++)
-            if (sizes[k].code == src_code) size = sizes[k].size;
-        if (size == 0) {
-            PyErr_Format(PyExc_ValueError, "no copy for dtype %c", src_code);
-            return NULL;
-        }
+        const size_t size = copy_size(src_code);
+        if (size == 0) return NULL;
         Py_BEGIN_ALLOW_THREADS
         if (stream) {
-            stream_bytes((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n * (size_t)size);
+            stream_bytes((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n * size);
             stream_fence();
         } else {
-            memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n * (size_t)size);
+            memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)n * size);
         }
         Py_END_ALLOW_THREADS
         Py_RETURN_NONE;
     }
-    kernel_t kernel = pick(src_code, out_code);
-    if (kernel == NULL) {
-        PyErr_Format(PyExc_ValueError, "no kernel from dtype %c to %c", src_code, out_code);
-        return NULL;
-    }
+    kernel_t kernel = pick_or_raise(src_code, out_code);
+    if (kernel == NULL) return NULL;
     Py_BEGIN_ALLOW_THREADS
 #ifdef STOKER_X86
     if (stream && out_code == 'f' && (src_code == 'b' || src_code == 'B') && __builtin_cpu_supports("avx2")) {
@@ -374,14 +381,8 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     }
     const int64_t *off = (const int64_t *)(uintptr_t)offsets, *row = (const int64_t *)(uintptr_t)rows;
     if (src_code == out_code) {
-        static const struct { char code; int size; } sizes[] = {{'b', 1}, {'B', 1}, {'h', 2}, {'H', 2}, {'f', 4}, {'d', 8}};
-        size_t size = 0;
-        for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++)
-            if (sizes[k].code == src_code) size = (size_t)sizes[k].size;
-        if (size == 0) {
-            PyErr_Format(PyExc_ValueError, "no copy for dtype %c", src_code);
-            return NULL;
-        }
+        const size_t size = copy_size(src_code);
+        if (size == 0) return NULL;
         const size_t rec = size * (size_t)elems;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t k = 0; k < n; k++) {
@@ -396,11 +397,8 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
         Py_RETURN_NONE;
     }
-    kernel_t kernel = pick(src_code, out_code);
-    if (kernel == NULL) {
-        PyErr_Format(PyExc_ValueError, "no kernel from dtype %c to %c", src_code, out_code);
-        return NULL;
-    }
+    kernel_t kernel = pick_or_raise(src_code, out_code);
+    if (kernel == NULL) return NULL;
     job_t j = {0};
     j.src = (const char *)(uintptr_t)base;
     j.n = n, j.O = 1, j.M = elems, j.I = 1;

@@ -42,37 +42,42 @@ def address(x: np.ndarray) -> int:
     return int(x.__array_interface__["data"][0])
 
 
+def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
+    """The kernel's (source, output) dtype codes for a copy of ``src`` into ``dst``, or None
+    where the kernel does not apply (no build, a dtype or cast it lacks, a strided or
+    read-only array)."""
+    if _kernels is None or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
+        return None
+    s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
+    if s is None or o is None or (s != o and (s, o) not in _CASTS):
+        return None
+    return s, o
+
+
 def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src, casting="unsafe")``, by the compiled kernel where it applies."""
-    if _kernels is not None and dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous:
-        s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
-        if s is not None and o is not None and (s == o or (s, o) in _CASTS) and dst.flags.writeable:
-            if dst.size:
-                _kernels.convert(s, o, address(src), address(dst), src.size, dst.nbytes >= STREAM_MIN_BYTES)
-            return
-    np.copyto(dst, src, casting="unsafe")
+    codes = _codes(dst, src) if dst.shape == src.shape else None
+    if codes is None:
+        np.copyto(dst, src, casting="unsafe")
+    elif dst.size:
+        _kernels.convert(*codes, address(src), address(dst), src.size, dst.nbytes >= STREAM_MIN_BYTES)
 
 
 def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.ndarray) -> None:
     """``dst[rows] = src[index]`` (cast as ``np.copyto`` casts), one pass per record where the
     compiled kernel applies; numpy's fancy indexing otherwise (a copy of the records, then a
     second pass to scatter and cast them)."""
-    if (
-        _kernels is not None and len(rows) == len(index) and dst.shape[1:] == src.shape[1:]
-        and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable
-    ):  # fmt: skip
-        s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
-        if s is not None and o is not None and (s == o or (s, o) in _CASTS):
-            if len(index):
-                rows = np.ascontiguousarray(rows, np.int64)
-                index = np.asarray(index, np.int64)
-                if rows.min() < 0 or rows.max() >= len(dst) or index.min() < 0 or index.max() >= len(src):
-                    raise IndexError(f"gather: rows or records out of range ({len(dst)} rows, {len(src)} records)")
-                elems = src[0].size
-                offsets = np.ascontiguousarray(index * (elems * src.dtype.itemsize))
-                _kernels.gather(
-                    s, o, address(src), address(offsets), address(rows), len(index), elems, address(dst),
-                    dst.nbytes >= STREAM_MIN_BYTES,
-                )  # fmt: skip
-            return
-    dst[rows] = src[index]
+    codes = _codes(dst, src) if len(rows) == len(index) and dst.shape[1:] == src.shape[1:] else None
+    if codes is None:
+        dst[rows] = src[index]
+    elif len(index):
+        rows = np.ascontiguousarray(rows, np.int64)
+        index = np.asarray(index, np.int64)
+        if rows.min() < 0 or rows.max() >= len(dst) or index.min() < 0 or index.max() >= len(src):
+            raise IndexError(f"gather: rows or records out of range ({len(dst)} rows, {len(src)} records)")
+        elems = src[0].size
+        offsets = np.ascontiguousarray(index * (elems * src.dtype.itemsize))
+        _kernels.gather(
+            *codes, address(src), address(offsets), address(rows), len(index), elems, address(dst),
+            dst.nbytes >= STREAM_MIN_BYTES,
+        )  # fmt: skip

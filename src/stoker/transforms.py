@@ -33,7 +33,6 @@ Example (the seed's int8 frames to float32 in [-1, 1], flipped left-right half t
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -41,9 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import kernels as _compiled
 from .engine import Stopped
 from .errors import SpecError
-from .kernels import STREAM_MIN_BYTES, cast_into
+from .kernels import STREAM_MIN_BYTES, address, cast_into
 
 if TYPE_CHECKING:
     from .files import Catalog
@@ -336,20 +336,12 @@ class RandomCrop(Transform):
         return f"RandomCrop({self.size}, fields={list(self.fields)}, axes={self.axes})"
 
 
-# The one-pass compiled kernel (src/stoker/_kernels.c, built by setup.py where a C compiler
-# is found); without it the numpy path below gives the same numbers, slower.
-_kernels: Any
-try:
-    _kernels = importlib.import_module("stoker._kernels")
-except ImportError:  # pragma: no cover - built without a C compiler
-    _kernels = None
+# The one-pass compiled kernel (src/stoker/_kernels.c, loaded by stoker.kernels; None where no
+# C compiler was found); without it the numpy path below gives the same numbers, slower.
+_kernels: Any = _compiled._kernels
 
 _KERNEL_SOURCES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float32)}
 _KERNEL_SOURCES_F64 = {**_KERNEL_SOURCES, np.dtype(np.float64): "d"}
-
-
-def _address(x: np.ndarray) -> int:
-    return int(x.__array_interface__["data"][0])
 
 
 class OnePass:
@@ -459,7 +451,7 @@ class OnePass:
             for k in self.flips:
                 mask ^= np.asarray(draws[k][rows], bool)
             flips = mask.view(np.uint8)
-        args = tuple((divide, vector, _address(p), _address(q)) for divide, vector, p, q in self.ops)
+        args = tuple((divide, vector, address(p), address(q)) for divide, vector, p, q in self.ops)
         row_stride = self.strides[self.row_axis - 1] if self.row_axis else 0
         per = n if self.out == self.compute else max(1, CHUNK_BYTES // (math.prod(self.shape) * self.compute.itemsize))
         scratch = None if self.out == self.compute else np.empty((min(n, per), *self.shape), self.compute)
@@ -467,9 +459,9 @@ class OnePass:
             b = min(n, a + per)
             dst = y[a:b] if scratch is None else scratch[: b - a]
             _kernels.normalize(
-                self.src.char, self.compute.char, _address(x[a:b]), b - a, x.strides[0],
-                0 if extra is None else _address(extra[a:b]), row_stride, self.outer, self.units, self.unit,
-                0 if flips is None else _address(flips[a:b]), _address(dst), args,
+                self.src.char, self.compute.char, address(x[a:b]), b - a, x.strides[0],
+                0 if extra is None else address(extra[a:b]), row_stride, self.outer, self.units, self.unit,
+                0 if flips is None else address(flips[a:b]), address(dst), args,
                 scratch is None and dst.nbytes >= STREAM_MIN_BYTES,  # the batch itself: streamed (see stoker.kernels)
             )  # fmt: skip
             if scratch is not None:
