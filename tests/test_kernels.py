@@ -6,7 +6,6 @@ threshold, unaligned outputs and odd lengths (the vector loop's head and tail) a
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -128,22 +127,3 @@ def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
     with ds.loader(4, cast="float64", with_index=True, shuffle="global", seed=3) as loader:
         check_batches(ds, list(loader), cast={"image": "float64", "label": "float64"})
 
-
-def test_runs_of_a_cached_file_are_copied_from_its_map(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Uncast runs use preadv until the rest of the file is known cached, then the streamed map copy."""
-    img = FieldPlan("img", "int8", (64, 64, 64))  # 256 KiB records: batches of 4 are 1 MiB, streamed
-    ds = build(tmp_path, [12, 8], {"image": img, "label": LAB_GZ})
-    real_preadv = os.preadv
-    calls: dict[str, int] = {}
-
-    def counting_preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        calls[path] = calls.get(path, 0) + 1
-        return real_preadv(fd, buffers, offset, *flags)
-
-    monkeypatch.setattr(os, "preadv", counting_preadv)
-    with ds.loader(4, epochs=2, cycle_length=1, with_index=True, threads=1) as loader:
-        check_batches(ds, list(loader), epochs=2)
-    # Each file's first run of each epoch (of 3 and 2), then the map: the files
-    # were just written, so the readahead probe finds the rest of each file cached.
-    assert calls == {str(tmp_path / "img_0000.bin"): 2, str(tmp_path / "img_0001.bin"): 2}

@@ -30,7 +30,6 @@ import pytest
 
 import stoker
 import stoker.batch
-import stoker.readahead
 from conftest import (
     IMG,
     LAB_GZ,
@@ -517,12 +516,6 @@ def test_an_os_error_in_a_worker_keeps_its_worker_traceback_and_names_the_file(t
     assert any("stoker-worker" in note and "batch 3 of epoch 0" in note for note in err.__notes__)
 
 
-def _reads_by_preadv(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep uncast runs on ``os.preadv``, where these tests inject their faults: a run of a file
-    found in the page cache is otherwise copied from the file's memory map (stoker.batch)."""
-    monkeypatch.setattr(stoker.readahead.Readahead, "_cached", lambda self, fd, offset: False)
-
-
 def test_an_unexpected_worker_exception_keeps_type_and_traceback_and_names_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -536,7 +529,6 @@ def test_an_unexpected_worker_exception_keeps_type_and_traceback_and_names_the_f
             raise RuntimeError("injected fault in the disk driver")
         return real_preadv(fd, buffers, offset)
 
-    _reads_by_preadv(monkeypatch)
     monkeypatch.setattr(os, "preadv", flaky_preadv)
     got, err = consume(ds.loader(6, cycle_length=1, threads=2, prefetch=3))
     assert type(err) is RuntimeError and str(err) == "injected fault in the disk driver"
@@ -572,7 +564,6 @@ def test_a_later_batch_failing_first_neither_hangs_nor_drops_an_earlier_one(
                 raise RuntimeError("batch 3 fails first")
         return real_preadv(fd, buffers, offset)
 
-    _reads_by_preadv(monkeypatch)
     monkeypatch.setattr(os, "preadv", preadv)
     got, err = consume(ds.loader(5, cycle_length=1, threads=2, prefetch=2, with_index=True), timeout=15)
     assert type(err) is RuntimeError and str(err) == "batch 3 fails first"
@@ -599,7 +590,6 @@ def test_an_io_error_is_a_read_error_naming_file_field_record_and_offset(
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_pread(fd, n, offset)
 
-    _reads_by_preadv(monkeypatch)
     monkeypatch.setattr(os, "preadv", preadv)
     got, err = consume(ds.loader(5, cycle_length=1, threads=2, with_index=True))
     assert isinstance(err, stoker.ReadError) and isinstance(err.__cause__, OSError), err

@@ -1,10 +1,9 @@
 """Decode and cast into the output: executes one planned batch into fresh aligned arrays.
 
-Raw fields are read in bulk from a memory map of the file by ``stoker.kernels.cast_into``
-(one pass, no staging buffer, streaming stores into large batches; ``np.copyto`` where the
-compiled kernel does not apply). A run that needs no cast is read with ``os.preadv`` instead
-until the rest of its file is known to be in the page cache: a page missing under a map is
-read by a fault, a few pages at a time, where preadv asks the disk for the whole run. Compressed fields are read by one stream per
+Raw fields are read in bulk: straight into the batch with ``os.preadv`` when no cast is
+needed, else cast from a memory map of the file by ``stoker.kernels.cast_into`` (one pass, no
+staging buffer, streaming stores into large batches; ``np.copyto`` where the compiled kernel
+does not apply). Compressed fields are read by one stream per
 (epoch, group, field); batches take their turn on a stream by tickets handed out in plan
 order, so parallel workers still read each stream front to back exactly once.
 """
@@ -410,7 +409,7 @@ class Assembler:
             # The geometry is the one the Dataset saw: a file grown since is read only up to its
             # old size; one cut short fails at the first record it no longer holds (in _read_raw).
             size = min(st.st_size, info.size)
-            # Mapped for every read but a plain run of a file not yet known to be cached (preadv).
+            # Mapped for cast copies, strided runs and gathers; plain runs use preadv.
             try:
                 mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
             except OSError as e:
@@ -492,9 +491,9 @@ class Assembler:
         f = self._acquire(epoch, name, info)
         t = time.perf_counter()
         try:
-            # Uncast runs of a warm file are copied from the map with streaming stores (W1 int8:
-            # about 1.15x preadv, whose kernel copy pulls every line of the batch into the cache).
-            if not self._cast[name] and run.step == 1 and put is None and not (f.warm and f.map is not None):
+            # Uncast runs: preadv measured 1.13x a streamed copy from the map in the loader (W1
+            # int8, 3 alternated rounds), though the map copy wins in a bare loop.
+            if not self._cast[name] and run.step == 1 and put is None:
                 view = memoryview(dst).cast("B")  # type: ignore[arg-type]
                 done = 0
                 while done < nbytes:
