@@ -83,9 +83,12 @@ def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
         (x.astype(">i2"), np.empty((64, 64), np.float32)),  # not native byte order
         (x, np.empty((64, 64), np.complex64)),  # a dtype the kernel does not write
         (x.astype(np.float64), np.empty((64, 64), np.float32)),  # a cast it does not do
+        (x[0], np.empty((64, 64), np.float32)),  # a shape that broadcasts
+        (x, np.empty((64, 64), ">f4")),  # an output not in native byte order
+        (x.astype(np.uint32), np.empty((64, 64), np.float32)),  # a source dtype it does not read
     ]:
         kernels.cast_into(dst, src)
-        assert np.array_equal(dst, src.astype(dst.dtype))
+        assert np.array_equal(dst, np.broadcast_to(src, dst.shape).astype(dst.dtype))
     read_only = np.zeros((64, 64), np.float32)
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):

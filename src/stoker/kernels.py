@@ -55,12 +55,14 @@ def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
 
 
 def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """``np.copyto(dst, src, casting="unsafe")``, by the compiled kernel where it applies."""
-    codes = _codes(dst, src) if dst.shape == src.shape else None
-    if codes is None:
+    """``np.copyto(dst, src, casting="unsafe")``, by the compiled kernel where it applies.
+
+    The kernel takes the arrays themselves and checks them in C (contiguity, shape, dtypes,
+    a writable output): on W1 the same checks in Python, with two ``__array_interface__``
+    lookups for the addresses, were ~5% of a worker's time.
+    """
+    if _kernels is None or not _kernels.cast_into(dst, src, STREAM_MIN_BYTES):
         np.copyto(dst, src, casting="unsafe")
-    elif dst.size:
-        _kernels.convert(*codes, address(src), address(dst), src.size, dst.nbytes >= STREAM_MIN_BYTES)
 
 
 def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.ndarray) -> None:
