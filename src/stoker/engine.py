@@ -335,7 +335,10 @@ class _State(Generic[T, R]):
                 result = _Failure(e)
             with lock:
                 self.results[seq] = result
-                self.signal()
+                # Only the result the consumer waits for wakes it: a wake-up it does not need
+                # costs it a sleep and a GIL hand-off (W1: 1.01x records/s, 5 alternated rounds).
+                if seq == self.delivered:
+                    self.signal()
             # Drop our references now: a batch must be recyclable as soon as its caller lets go.
             del task, result
 
