@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoker.bench import burn, run_child
+from stoker.bench import CEILING_LOOPS, burn, run_child
 from stoker.cli import main
 from stoker.sample import expected_label, write_sample
 from stoker.stats import LoaderStats
@@ -52,6 +52,16 @@ def test_inflate_ceiling_counts_the_records_it_decodes(tmp_path: Path) -> None:
            "out_dtype": "float32", "batch": 4, "loop": "inflate_cast", "threads": 1, "seconds": 0.05}  # fmt: skip
     m = run_child("ceiling", cfg)
     assert m.records > 0 and m.bytes_read == m.records * 64
+
+
+@pytest.mark.parametrize("loop", CEILING_LOOPS)
+def test_every_raw_ceiling_loop_copies_whole_records_of_every_file(sample: Path, loop: str) -> None:
+    paths = sorted(str(p) for p in sample.glob("img_*.bin"))
+    cfg = {"paths": paths, "header": 0, "shape": [16, 16, 1], "src_dtype": "|i1", "out_dtype": "float32",
+           "batch": 16, "loop": loop, "threads": 2, "seconds": 0.2}  # fmt: skip
+    m = run_child("ceiling", cfg)
+    # Each thread reads its own files front to back, again and again (mmap_kept: mapped once).
+    assert m.records > 2 * 64 and m.bytes_read == m.records * 16 * 16
 
 
 def test_burn_keeps_the_thread_on_the_cpu() -> None:

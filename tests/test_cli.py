@@ -146,4 +146,4 @@ def test_bench_on_a_tiny_dataset_prints_records_per_second_and_the_ceiling_ratio
     out = capsys.readouterr().out
     assert "records/s" in out
     assert "stoker / ceiling: median" in out
-    assert "ceiling:mmap_stream" in out
+    assert "ceiling:mmap_stream" in out and "ceiling:mmap_kept" in out

@@ -349,11 +349,14 @@ def test_an_unreadable_file_is_a_read_error_naming_it_at_build_and_at_its_batch(
 # -- files changing under the reader --------------------------------------------------------------
 
 
-def _open_everything(tmp: Path, epochs: int = 2) -> tuple[stoker.Dataset, Iterator[dict[str, np.ndarray]], list]:
+def _open_everything(
+    tmp: Path, epochs: int = 2, cast: str | None = None
+) -> tuple[stoker.Dataset, Iterator[dict[str, np.ndarray]], list]:
     """A pass whose first batch has opened every group (so every file is open), that first batch."""
     write_dataset(tmp, [60, 60, 60], PAIR)
     ds = _pair_ds(tmp)
-    it = iter(ds.loader(6, epochs=epochs, cycle_length=3, block_length=2, threads=2, prefetch=2, with_index=True))
+    it = iter(ds.loader(6, epochs=epochs, cycle_length=3, block_length=2, threads=2, prefetch=2, with_index=True,
+                        cast=cast))  # fmt: skip
     first = next(it)
     assert sorted(set(first["__group__"].tolist())) == [0, 1, 2]
     return ds, it, [first]
@@ -373,8 +376,11 @@ def test_a_file_deleted_while_open_is_read_to_its_end_and_its_next_open_names_it
     assert "img_0000.bin" in str(err) and "No such file" in str(err) and err.path == str(tmp_path / "img_0000.bin")
 
 
-def test_a_file_replaced_by_rename_is_read_to_its_end_and_the_new_one_from_the_next_epoch(tmp_path: Path) -> None:
-    ds, it, got = _open_everything(tmp_path)
+@pytest.mark.parametrize("cast", [None, "float32"])  # float32: read through the map kept from epoch 0
+def test_a_file_replaced_by_rename_is_read_to_its_end_and_the_new_one_from_the_next_epoch(
+    tmp_path: Path, cast: str | None
+) -> None:
+    ds, it, got = _open_everything(tmp_path, cast=cast)
     old = reference(ds)
     for g in range(3):
         for plan in PAIR.values():
@@ -390,6 +396,58 @@ def test_a_file_replaced_by_rename_is_read_to_its_end_and_the_new_one_from_the_n
     assert len(got) == 60
     _assert_rows(got[:30], old)
     _assert_rows(got[30:], new_ref)
+
+
+def _mappings(path: Path) -> int:
+    """Memory maps of ``path`` in this process (from /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith(" " + str(path)))
+
+
+@pytest.mark.parametrize("drop_behind", [False, True])
+def test_maps_of_finished_files_are_kept_for_the_next_epoch_only_while_the_dataset_fits_in_ram(
+    tmp_path: Path, drop_behind: bool
+) -> None:
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    fds = _fd_count()
+    # One group at a time, 4 batches each, one worker a batch ahead: when the second batch of
+    # group 1 arrives, group 0 of this epoch is done and the next epoch has not begun.
+    loader = ds.loader(10, epochs=2, cycle_length=1, cast="float32", threads=1, prefetch=1, with_index=True)
+    loader.drop_behind = drop_behind  # True: as for a dataset larger than half the RAM
+    first = tmp_path / "img_0000.bin"
+    got = []
+    with loader:
+        for batch in loader:
+            got.append(batch)
+            if len(got) == 6:
+                assert set(batch["__group__"].tolist()) == {1}
+                assert _mappings(first) == (0 if drop_behind else 1)
+    _assert_rows(got, ref)
+    assert len(got) == 16
+    assert _mappings(first) == 0 and _mappings(tmp_path / "img_0001.bin") == 0  # released with the pass
+    assert _fd_count() == fds
+
+
+def test_a_file_cut_between_epochs_is_not_read_through_the_map_kept_from_before(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    loader = ds.loader(10, epochs=2, cycle_length=1, cast="float32", threads=1, prefetch=1, with_index=True)
+    got = []
+    with loader:
+        it = iter(loader)
+        for _ in range(6):  # group 0 of epoch 0 done and its map kept; see the test above
+            got.append(next(it))
+        assert _mappings(tmp_path / "img_0000.bin") == 1
+        os.truncate(tmp_path / "img_0000.bin", 36 * 25 + 5)  # records 0..24 remain
+        more, err = consume(it)
+    got += more
+    assert isinstance(err, stoker.CorruptDataError), err
+    assert err.path == str(tmp_path / "img_0000.bin") and "img_0000.bin" in str(err) and err.index == 25
+    assert len(got) == 8 + 2  # epoch 0, then epoch 1's batches 0 and 1 (records 0..19)
+    _assert_rows(got, ref)
 
 
 def test_global_shuffle_sees_a_renamed_compressed_file_from_the_next_pass(tmp_path: Path) -> None:

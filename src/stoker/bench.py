@@ -15,6 +15,10 @@ dtype, batch by batch:
 - ``mmap_stream``: ``stoker.kernels.cast_into`` (the compiled cast stoker itself uses, with
   streaming stores; a plain ``memcpy`` when no cast) straight from a memory map into an
   output buffer reused per thread. Without the compiled kernels it is ``mmap_cast`` again.
+- ``mmap_kept``: ``mmap_stream`` with each file mapped once for the whole run instead of at
+  every visit, so a file read again finds its pages mapped already (no page faults, no
+  unmapping): 1.21x ``mmap_stream`` on W1 (float32, 2 threads). stoker keeps its maps across
+  epochs the same way where the dataset fits the page cache.
 
 For a compressed field the ceiling is ``inflate_cast``: each file inflated front to back, a
 batch at a time, by the fastest inflate installed (isal, else zlib) straight into a reused
@@ -89,20 +93,26 @@ def _ceiling_worker(
                     break
         counts.append(n)
         return
+    kept: dict[str, mmap.mmap] = {}
     while time.perf_counter() < until:
         for p in paths:
             fd = os.open(p, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
                 records = (size - header) // rb
-                m = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if loop != "preadv_cast" else None
+                if loop == "mmap_kept":
+                    m = kept.get(p)
+                    if m is None:
+                        m = kept[p] = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+                else:
+                    m = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if loop != "preadv_cast" else None
                 for i in range(0, records, batch):
                     k = min(batch, records - i)
                     if loop == "mmap_cast_fresh":
                         out = np.empty((batch, *shape), out_dt)
                     if m is not None:
                         src = np.frombuffer(m, src_dt, count=k * rb // src_dt.itemsize, offset=header + i * rb)
-                        if loop == "mmap_stream":
+                        if loop in ("mmap_stream", "mmap_kept"):
                             cast_into(out[:k], src.reshape(k, *shape))
                         else:
                             np.copyto(out[:k], src.reshape(k, *shape), casting="unsafe")
@@ -114,16 +124,18 @@ def _ceiling_worker(
                     n += k
                     if time.perf_counter() >= until:
                         break
-                if m is not None:
+                if m is not None and loop != "mmap_kept":
                     m.close()
             finally:
                 os.close(fd)
             if time.perf_counter() >= until:
                 break
+    for m in kept.values():
+        m.close()
     counts.append(n)
 
 
-CEILING_LOOPS = ("mmap_cast", "mmap_cast_fresh", "preadv_cast", "mmap_stream")
+CEILING_LOOPS = ("mmap_cast", "mmap_cast_fresh", "preadv_cast", "mmap_stream", "mmap_kept")
 COMPRESSED_CEILING_LOOPS = ("inflate_cast",)
 
 

@@ -240,7 +240,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         threads = len(os.sched_getaffinity(0))
         # The widest field bounds the copy; compressed, its decompression bounds it instead.
         compressed = any(i[widest].compression is not None for i in ds.files)
-        for loop in ("inflate_cast",) if compressed else ("mmap_stream", "preadv_cast"):
+        for loop in ("inflate_cast",) if compressed else ("mmap_kept", "mmap_stream", "preadv_cast"):
             contenders[f"ceiling:{loop}"] = {
                 "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": f.dtype.str,
                 "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": threads,
