@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import random
 import sys
 import threading
@@ -133,6 +134,20 @@ def test_pool_arrays_are_64_byte_aligned_and_writable(shape, dtype) -> None:
     assert arr.ctypes.data % ALIGNMENT == 0 and ALIGNMENT == 64
     arr[...] = 1
     assert type(arr) is np.ndarray
+
+
+@pytest.mark.parametrize("nbytes", [4096, 16 << 20])  # 16 MiB: advised to use huge pages
+def test_a_forked_process_writing_to_a_pool_array_never_changes_ours(nbytes: int) -> None:
+    pool = AlignedPool(64 << 20)
+    arr = pool.array((nbytes,), np.dtype(np.uint8))
+    arr[:] = 1
+    pid = os.fork()
+    if pid == 0:  # the child (a DataLoader worker, say) writes to its copy and leaves at once
+        arr[:] = 7
+        os._exit(0 if int(arr[-1]) == 7 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert int(arr.min()) == 1 and int(arr.max()) == 1
 
 
 def test_pool_reuses_a_buffer_only_after_every_view_is_dropped() -> None:
