@@ -136,7 +136,7 @@ def test_pool_arrays_are_64_byte_aligned_and_writable(shape, dtype) -> None:
     assert type(arr) is np.ndarray
 
 
-@pytest.mark.parametrize("nbytes", [4096, 16 << 20])  # 16 MiB: advised to use huge pages
+@pytest.mark.parametrize("nbytes", [4096, 16 << 20])
 def test_a_forked_process_writing_to_a_pool_array_never_changes_ours(nbytes: int) -> None:
     pool = AlignedPool(64 << 20)
     arr = pool.array((nbytes,), np.dtype(np.uint8))

@@ -53,11 +53,6 @@ class Allocator(Protocol):
         ...
 
 
-# Regions this large are advised to use transparent huge pages (2 MiB on x86-64 and arm64).
-HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
-
-
 class AlignedPool:
     """Page-aligned buffers, recycled LIFO once the caller has dropped every view of them.
 
@@ -107,18 +102,12 @@ class AlignedPool:
     def _new_region(self, nbytes: int) -> object:
         """A fresh region of ``nbytes``; subclasses supply other memory (pinned, shared).
 
-        Private anonymous memory, advised to use huge pages where it can hold one: a 16 MiB
-        batch written in 4 KiB pages walks 4096 page-table entries per batch, and the pool
-        keeps the same regions for the whole pass, so the one-off cost of huge pages pays
-        (bare 2-thread W1 cast loop rotating four 16 MiB buffers: 1.04x; the loader on W1
-        float32 1.04x, int8 0.99x; 4-5 alternated rounds each). Private, not shared: a process
-        forked from this one (a DataLoader worker) writes to its own copy, never to our batches.
+        Private anonymous memory: a process forked from this one (a DataLoader worker, say)
+        writes to its own copy, never into our batches. (Shared and private measured alike on
+        W1, 1.00x over 6 alternated rounds. Advising huge pages for the 16 MiB batch buffers
+        measured 1.04x in one A/B and 0.97x in the next, so it is not done.)
         """
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if nbytes >= HUGE_PAGE_BYTES and _MADV_HUGEPAGE is not None:
-            with contextlib.suppress(OSError):  # advice only: a kernel without THP says no
-                region.madvise(_MADV_HUGEPAGE)
-        return region
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def _as_array(self, region: object, nbytes: int) -> np.ndarray:
         """A uint8 array over the region whose ``.base`` is created anew for each call."""
