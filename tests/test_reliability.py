@@ -430,6 +430,27 @@ def test_maps_of_finished_files_are_kept_for_the_next_epoch_only_while_the_datas
     assert _fd_count() == fds
 
 
+def test_kept_maps_are_bounded_and_the_oldest_goes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stoker.batch, "_max_kept_maps", lambda: 1)  # as under a low descriptor limit
+    write_dataset(tmp_path, [40, 40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    fds = _fd_count()
+    loader = ds.loader(10, epochs=2, cycle_length=1, cast="float32", threads=1, prefetch=1, with_index=True)
+    got = []
+    with loader:
+        for batch in loader:
+            got.append(batch)
+            if len(got) == 10:  # group 2's second batch: groups 0 and 1 of this epoch are done
+                assert set(batch["__group__"].tolist()) == {2}
+                assert _mappings(tmp_path / "img_0000.bin") == 0
+                assert _mappings(tmp_path / "img_0001.bin") == 1
+    _assert_rows(got, ref)
+    assert len(got) == 24
+    assert all(_mappings(tmp_path / f"img_{g:04d}.bin") == 0 for g in range(3))
+    assert _fd_count() == fds
+
+
 def test_a_file_cut_between_epochs_is_not_read_through_the_map_kept_from_before(tmp_path: Path) -> None:
     write_dataset(tmp_path, [40, 40], PAIR)
     ds = _pair_ds(tmp_path)
