@@ -12,14 +12,17 @@ Workloads (all on the same files; batch 256):
 - ``W1-cold``: float32 out, ``os.sync()`` then every file evicted from the page cache
   (``posix_fadvise(DONTNEED)``) before each contender's run; ceiling = cold read + cast;
 - ``W2``: the images themselves gzip-compressed (smooth, compressible frames), float32 out;
-  ceiling = each file inflated whole (isal) + cast;
+  ceiling = each file inflated front to back (isal) + cast;
 - ``W3``: a global shuffle of all records, float32 out; ceiling = W1's sequential copy + cast;
 - ``W1-busy``: float32 out, the consumer keeps the CPU ``BUSY_MS`` per batch as a training step
   on the host would; ceiling = that consumer alone (batches cost nothing to load).
 
 Contenders, each in its fastest reasonable configuration we know:
 
-- ``ceiling``: stoker.bench's ceiling loop (mmap + ``np.copyto`` cast, one thread per core);
+- ``ceiling``: stoker.bench's fastest ceiling loop, one thread per core: ``mmap_kept`` (the
+  compiled streamed cast from memory maps made once per file for the run) for W1, W1-int8 and
+  W3; ``mmap_stream`` (maps made at each visit) for W1-cold's one cold pass; ``inflate_cast``
+  (isal inflate into a reused buffer, then the same cast) for W2;
 - ``tf.data seed`` / ``tf.data interleave``: the seed question's pipeline and its interleave version;
 - ``tf.data best``: ``stoker.tf.native_dataset`` (block reads, one decode per block, parallel interleave);
 - ``torch DataLoader``: a map-style dataset with ``__getitems__`` reading a whole batch per call
