@@ -344,15 +344,10 @@ DEFINE_BYTES_TO_F32(i8_f32_avx2, I8_WIDEN)
 DEFINE_BYTES_TO_F32(u8_f32_avx2, U8_WIDEN)
 #endif
 
-/* convert(src, out, src_addr, dst_addr, n, stream): n contiguous values of dtype src cast
- * into dtype out (numpy's C casts: a float32 copy of an int8 is exact), or copied when the
- * dtypes are equal. The Python side (stoker.kernels) validates addresses and sizes. */
-/* n values of src_code at src into out_code at dst; 0, or -1 with an exception set. */
+/* n contiguous values of dtype src_code at src cast into dtype out_code at dst (numpy's C
+ * casts: a float32 copy of an int8 is exact), or copied when the dtypes are equal; 0, or -1
+ * with an exception set. */
 static int convert_run(int src_code, int out_code, const char *src, char *dst, Py_ssize_t n, int stream) {
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative count");
-        return -1;
-    }
     if (src_code == out_code) {
         const size_t size = copy_size(src_code);
         if (size == 0) return -1;
@@ -385,18 +380,6 @@ static int convert_run(int src_code, int out_code, const char *src, char *dst, P
     if (stream) stream_fence();
     TAKE_GIL_BACK();
     return 0;
-}
-
-static PyObject *convert(PyObject *self, PyObject *args) {
-    (void)self;
-    int src_code, out_code, stream;
-    unsigned long long src, dst;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "CCKKnp", &src_code, &out_code, &src, &dst, &n, &stream))
-        return NULL;
-    if (convert_run(src_code, out_code, (const char *)(uintptr_t)src, (char *)(uintptr_t)dst, n, stream) < 0)
-        return NULL;
-    Py_RETURN_NONE;
 }
 
 /* The dtype code of a buffer this file converts (native order, one of b B h H f d), or 0. */
@@ -444,6 +427,9 @@ static PyObject *cast_arrays(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream): record k
+ * (rec_elems values of dtype src at base + offsets[k] bytes) cast or copied into row rows[k] of
+ * dst (dtype out). Global shuffle's gathers: one pass per record, no staging array. */
 static PyObject *gather(PyObject *self, PyObject *args) {
     (void)self;
     int src_code, out_code, stream;
@@ -492,7 +478,6 @@ static PyObject *gather(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
-    {"convert", convert, METH_VARARGS, "convert(src, out, src_addr, dst_addr, n, stream)"},
     {"cast_into", cast_arrays, METH_VARARGS, "cast_into(dst, src, stream_min_bytes) -> bool"},
     {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},
     {NULL, NULL, 0, NULL},

@@ -79,9 +79,9 @@ def _reading(name: str, info: FileInfo, group: int, start: int, stop: int) -> st
 class _RawFile:
     __slots__ = ("done", "fd", "ident", "map", "refs", "size", "warm")
 
-    def __init__(self, fd: int, size: int, mapped: mmap.mmap | None) -> None:
+    def __init__(self, fd: int, size: int, mapped: mmap.mmap | None, ident: _Identity) -> None:
         self.fd = fd
-        self.ident: _Identity = (0, 0, 0, size)
+        self.ident = ident  # what the map was made from (see Assembler._close_file)
         self.size = size
         self.map = mapped
         self.refs = 0
@@ -451,8 +451,7 @@ class Assembler:
         except BaseException:
             os.close(fd)
             raise
-        f = _RawFile(fd, size, mapped)
-        f.ident = ident
+        f = _RawFile(fd, size, mapped, ident)
         f.refs = 1
         with self._lock:
             other = self._files.get(key)
