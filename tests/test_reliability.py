@@ -451,11 +451,43 @@ def test_kept_maps_are_bounded_and_the_oldest_goes_first(tmp_path: Path, monkeyp
     assert _fd_count() == fds
 
 
-def test_a_file_cut_between_epochs_is_not_read_through_the_map_kept_from_before(tmp_path: Path) -> None:
+@pytest.mark.parametrize("drop_behind", [False, True])
+def test_uncast_runs_copy_from_a_kept_map_after_the_first_epoch_and_read_with_preadv_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop_behind: bool
+) -> None:
     write_dataset(tmp_path, [40, 40], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
-    loader = ds.loader(10, epochs=2, cycle_length=1, cast="float32", threads=1, prefetch=1, with_index=True)
+    images = {str(tmp_path / f"img_{g:04d}.bin") for g in range(2)}
+    real_preadv = os.preadv
+    reads: list[str] = []  # every image read by preadv
+
+    def preadv(fd: int, buffers: list, offset: int) -> int:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path in images:
+            reads.append(path)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    loader = ds.loader(10, epochs=2, cycle_length=1, threads=1, prefetch=1, with_index=True)
+    loader.drop_behind = drop_behind
+    with loader:
+        got = list(loader)
+    assert len(got) == 16
+    _assert_rows(got, ref)
+    assert all(b["image"].dtype == np.int8 for b in got)
+    # One run per batch. Epoch 0 reads each with preadv; epoch 1 opens each file after its
+    # epoch-0 runs are done (one group at a time), so finds its map kept, except under
+    # drop-behind, which keeps none.
+    assert len(reads) == (16 if drop_behind else 8)
+
+
+@pytest.mark.parametrize("cast", [None, "float32"])
+def test_a_file_cut_between_epochs_is_not_read_through_the_map_kept_from_before(tmp_path: Path, cast: str | None) -> None:
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    loader = ds.loader(10, epochs=2, cycle_length=1, cast=cast, threads=1, prefetch=1, with_index=True)
     got = []
     with loader:
         it = iter(loader)

@@ -7,7 +7,8 @@ enough to say what limits a pipeline (see :mod:`stoker.doctor`), and cheap enoug
 
 Stages (worker-seconds, summed over worker threads):
 
-- ``read``: raw bytes read into the batch (``preadv``) with no cast;
+- ``read``: raw bytes read into the batch with no cast (``preadv``, or a copy from a memory map
+  kept from an earlier epoch);
 - ``read+cast``: raw records copied from a memory map with the cast fused into the copy
   (one pass: the page-cache or disk read and the cast cannot be told apart);
 - ``decompress``: gzip/zlib inflate, skips included;
