@@ -6,6 +6,8 @@ threshold, unaligned outputs and odd lengths (the vector loop's head and tail) a
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +132,18 @@ def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
     with ds.loader(4, cast="float64", with_index=True, shuffle="global", seed=3) as loader:
         check_batches(ds, list(loader), cast={"image": "float64", "label": "float64"})
 
+
+
+def test_file_size_is_the_size_of_the_open_file_now(tmp_path: Path) -> None:
+    path = tmp_path / "img_0000.bin"
+    path.write_bytes(bytes(1000))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert kernels.file_size(fd) == 1000
+        os.truncate(path, 123)  # what the size check before a copy from a map must see
+        assert kernels.file_size(fd) == 123 == os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as err:
+        kernels.file_size(fd)  # closed
+    assert err.value.errno == errno.EBADF

@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
@@ -475,7 +476,20 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* file_size(fd) -> int: fstat's st_size, with the GIL held. os.fstat gives the GIL up for a
+ * call that takes a microsecond, and taking it back waits out whichever thread took it: on a
+ * W1 worker that was ~18 us per run, the size check before each copy from a memory map. */
+static PyObject *file_size(PyObject *self, PyObject *arg) {
+    (void)self;
+    const int fd = PyObject_AsFileDescriptor(arg);
+    if (fd < 0) return NULL;
+    struct stat st;
+    if (fstat(fd, &st) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLongLong((long long)st.st_size);
+}
+
 static PyMethodDef methods[] = {
+    {"file_size", file_size, METH_O, "file_size(fd) -> int (fstat's st_size, GIL held)"},
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
     {"cast_into", cast_arrays, METH_VARARGS, "cast_into(dst, src, stream_min_bytes) -> bool"},

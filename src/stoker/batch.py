@@ -28,7 +28,7 @@ from .engine import Allocator, StopFlag, Stopped
 from .errors import CorruptDataError, ReadError, StokerError
 from .files import Catalog, FileInfo, open_local
 from .inflate import Inflater, TruncatedStreamError
-from .kernels import cast_into, gather_into
+from .kernels import cast_into, file_size, gather_into
 from .plan import BatchPlan, Run
 from .readahead import Readahead
 from .remote import is_remote
@@ -359,8 +359,8 @@ class Assembler:
                         # Rows are sorted by record: local[-1] is the last record this batch needs.
                         n = int(local[-1]) + 1
                         needed = spec.header_bytes + n * spec.record_bytes
-                        if f.map is None or f.size < needed or os.fstat(f.fd).st_size < needed:
-                            size = min(f.size, os.fstat(f.fd).st_size)
+                        if f.map is None or f.size < needed or file_size(f.fd) < needed:
+                            size = min(f.size, file_size(f.fd))
                             held = max(0, size - spec.header_bytes) // spec.record_bytes
                             first = int(local[min(len(local) - 1, int(np.searchsorted(local, held)))])
                             raise self._truncated(name, info, spec, Run(g, first, len(local), 0, False), size)
@@ -572,8 +572,8 @@ class Assembler:
                 # A file cut short under a memory map would kill the process (SIGBUS) on
                 # access; check its size right before the copy so it becomes an error.
                 span = run.stop - run.start
-                if f.map is None or f.size < offset + span * rb or os.fstat(f.fd).st_size < offset + span * rb:
-                    raise self._truncated(name, info, spec, run, min(f.size, os.fstat(f.fd).st_size))
+                if f.map is None or f.size < offset + span * rb or file_size(f.fd) < offset + span * rb:
+                    raise self._truncated(name, info, spec, run, min(f.size, file_size(f.fd)))
                 src = np.frombuffer(f.map, dtype=spec.dtype, count=span * (rb // spec.dtype.itemsize),
                                     offset=offset).reshape(span, *spec.shape)  # fmt: skip
                 if put is None:
