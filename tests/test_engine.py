@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import stoker_threads, wait_no_stoker_threads
+from stoker import engine, kernels
 from stoker.engine import ALIGNMENT, AlignedPool, OrderedMap, ThreadExecutor
 
 
@@ -231,3 +232,45 @@ def test_the_consumer_side_of_an_ordered_map_runs_no_python_locking_code() -> No
     assert got == [_jitter(i) for i in range(150)]
     assert not entered & {"__enter__", "__exit__", "wait", "wait_for", "set", "start", "_acquire_restore"}, entered
     assert wait_no_stoker_threads() == []
+
+
+def _copy_then_square(x: int) -> int:
+    """A task that gives the GIL up in a kernel first, as the loader's assembler does."""
+    src = np.full(1 << 17, x % 100, np.int8)
+    dst = np.empty(src.shape, np.float32)
+    kernels.cast_into(dst, src)
+    assert dst[-1] == x % 100
+    return _jitter(x)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["signal", "lock-fallback"])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_deferred_wake_ups_deliver_every_result_in_order(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool, threads: int
+) -> None:
+    if not compiled:
+        monkeypatch.setattr(engine, "_kernels", None)  # as where the C kernels were not built
+    with ThreadExecutor(threads).map_ordered(_copy_then_square, range(80), window=3, defer_wake=True) as results:
+        assert isinstance(results._state.arrived, engine._LockWake) is (not compiled or not kernels.compiled())
+        assert list(results) == [x * x for x in range(80)]
+    assert wait_no_stoker_threads() == []
+
+
+def test_a_deferred_wake_up_waits_at_most_for_the_next_task_of_its_worker() -> None:
+    """With defer_wake, result 0's wake-up leaves with the worker's next kernel call; a task with
+    none sends it when it ends, so the consumer is not left to its 0.5 s poll."""
+    release = threading.Event()
+
+    def fn(x: int) -> int:
+        if x == 1:
+            release.wait(5)  # blocks in Python: no kernel gives the GIL up
+            time.sleep(0.05)
+        return x
+
+    with ThreadExecutor(1).map_ordered(fn, range(3), window=4, defer_wake=True) as results:
+        t = time.perf_counter()
+        threading.Timer(0.1, release.set).start()
+        assert next(results) == 0
+        waited = time.perf_counter() - t
+    # Result 0 arrives when task 1 ends (~0.15 s), not at the consumer's 0.5 s poll.
+    assert 0.1 <= waited < 0.45, waited

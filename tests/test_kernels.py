@@ -147,3 +147,46 @@ def test_file_size_is_the_size_of_the_open_file_now(tmp_path: Path) -> None:
     with pytest.raises(OSError) as err:
         kernels.file_size(fd)  # closed
     assert err.value.errno == errno.EBADF
+
+
+def test_a_signal_holds_one_wake_up_and_post_later_sends_it_when_a_kernel_gives_the_gil_up() -> None:
+    from stoker import _kernels  # type: ignore[attr-defined]
+
+    s = _kernels.Signal()
+    assert s.wait(0.01) is False  # nothing posted: times out
+    s.post()
+    s.post()
+    assert s.wait(0) is True and s.wait(0) is False  # a wake-up, not a count
+    small_src, small_dst = np.ones(1000, np.int8), np.empty(1000, np.float32)
+    big_src, big_dst = np.ones(1 << 17, np.int8), np.empty(1 << 17, np.float32)
+    s.post_later()
+    assert s.wait(0) is False
+    kernels.cast_into(small_dst, small_src)  # under 64 KiB: keeps the GIL, sends nothing
+    assert s.wait(0) is False
+    kernels.cast_into(big_dst, big_src)  # gives the GIL up: sends it
+    assert s.wait(0) is True and np.array_equal(big_dst, big_src)
+    s.post_later()
+    _kernels.flush()
+    assert s.wait(0) is True
+    other = _kernels.Signal()
+    s.post_later()
+    other.post_later()  # one deferred wake-up per thread: the earlier one leaves now
+    assert s.wait(0) is True and other.wait(0) is False
+    _kernels.flush()
+    assert other.wait(0) is True
+    with pytest.raises(TypeError):
+        _kernels.Signal(1)
+
+
+def test_a_thread_waiting_on_a_signal_wakes_from_another_thread() -> None:
+    import threading
+
+    from stoker import _kernels  # type: ignore[attr-defined]
+
+    s = _kernels.Signal()
+    woke = []
+    t = threading.Thread(target=lambda: woke.append(s.wait(5)))
+    t.start()
+    s.post()
+    t.join(5)
+    assert woke == [True]

@@ -483,7 +483,9 @@ def test_uncast_runs_copy_from_a_kept_map_after_the_first_epoch_and_read_with_pr
 
 
 @pytest.mark.parametrize("cast", [None, "float32"])
-def test_a_file_cut_between_epochs_is_not_read_through_the_map_kept_from_before(tmp_path: Path, cast: str | None) -> None:
+def test_a_file_cut_between_epochs_is_not_read_through_the_map_kept_from_before(
+    tmp_path: Path, cast: str | None
+) -> None:
     write_dataset(tmp_path, [40, 40], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
@@ -922,3 +924,31 @@ def test_the_readme_error_examples_are_what_stoker_says(tmp_path: Path, monkeypa
     loader = ds.loader(32, epochs=None, shuffle="global", seed=1)
     say(lambda: ds.loader(32, epochs=None, shuffle="global", seed=2, state=loader.state_dict()))
     assert said == _readme_examples()
+
+
+def test_a_ready_batch_is_not_held_back_while_its_worker_waits_on_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker sends the consumer's wake-up for a batch with its next copy kernel (see
+    stoker.engine); a read that may wait on the disk sends it first."""
+    write_dataset(tmp_path, [40], PAIR)
+    ds = _pair_ds(tmp_path)
+    image = str(tmp_path / "img_0000.bin")
+    real_preadv = os.preadv
+    got_first = threading.Event()
+
+    def preadv(fd: int, buffers: list, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == image and offset == 36 * 10:
+            got_first.wait(5)  # batch 1's read waits (a slow disk) until batch 0 is delivered
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with ds.loader(10, threads=1, prefetch=3, with_index=True) as loader:
+        it = iter(loader)
+        t = time.perf_counter()
+        first = next(it)
+        waited = time.perf_counter() - t
+        got_first.set()
+        rest = list(it)
+    assert waited < 0.4, waited  # not the consumer's 0.5 s poll
+    _assert_rows([first, *rest], reference(ds))

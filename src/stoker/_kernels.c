@@ -15,8 +15,11 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <errno.h>
+#include <semaphore.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
@@ -266,14 +269,51 @@ static size_t value_bytes(int code) {
     return 8;
 }
 
+/* Wake-ups: a Signal is the semaphore a consumer sleeps on while workers fill its batches.
+ *
+ * A worker that finishes the batch the consumer waits for could wake it at once, but it holds
+ * the GIL then and keeps it for the Python that starts its next batch: the consumer wakes only
+ * to sleep again on the GIL, and is woken a second time when the worker gives it up. Each
+ * wake-up costs both threads CPU (on W1's VM, ~20 us a futex wake). post_later() instead
+ * leaves the wake-up with the worker's thread, to be sent by the next kernel that gives the
+ * GIL up (just after giving it up: the consumer wakes to a free GIL), or by flush(). */
+typedef struct {
+    PyObject_HEAD
+    sem_t sem;
+} SignalObject;
+
+static __thread SignalObject *deferred_ = NULL; /* this thread's wake-up not yet sent (a reference) */
+
+static void signal_send(SignalObject *s) {
+    int v = 0;
+    if (sem_getvalue(&s->sem, &v) == 0 && v > 0) return; /* one is pending already: a wake-up, not a count */
+    sem_post(&s->sem);
+}
+
+/* Takes this thread's deferred wake-up; the caller sends it and drops the reference. */
+static SignalObject *take_deferred(void) {
+    SignalObject *d = deferred_;
+    deferred_ = NULL;
+    return d;
+}
+
 /* Small jobs keep the GIL. Given up, it goes to whichever thread wants it, and taking it back
  * waits out that thread's Python: in W1, two workers and the consumer made a 1 KiB label copy
- * take 40-150 us of wall time per batch. Jobs this size or larger give it up while they run. */
+ * take 40-150 us of wall time per batch. Jobs this size or larger give it up while they run,
+ * and send the thread's deferred wake-up once it is given up. */
 #define GIL_FREE_BYTES ((size_t)64 << 10)
-#define RELEASE_GIL_IF_BIG(bytes) PyThreadState *gil_ = ((size_t)(bytes) >= GIL_FREE_BYTES) ? PyEval_SaveThread() : NULL
+#define RELEASE_GIL_IF_BIG(bytes)                                                  \
+    SignalObject *woke_ = NULL;                                                    \
+    PyThreadState *gil_ = NULL;                                                    \
+    if ((size_t)(bytes) >= GIL_FREE_BYTES) {                                       \
+        woke_ = take_deferred();                                                   \
+        gil_ = PyEval_SaveThread();                                                \
+        if (woke_ != NULL) signal_send(woke_);                                     \
+    }
 #define TAKE_GIL_BACK()                            \
     do {                                           \
         if (gil_ != NULL) PyEval_RestoreThread(gil_); \
+        Py_XDECREF(woke_);                         \
     } while (0)
 
 /* Bytes per value of a dtype code the plain copies take, or 0 with a ValueError set. */
@@ -488,7 +528,117 @@ static PyObject *file_size(PyObject *self, PyObject *arg) {
     return PyLong_FromLongLong((long long)st.st_size);
 }
 
+static PyObject *signal_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if ((kwds != NULL && PyDict_GET_SIZE(kwds)) || !PyArg_ParseTuple(args, ":Signal")) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Signal() takes no arguments");
+        return NULL;
+    }
+    SignalObject *self = (SignalObject *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    if (sem_init(&self->sem, 0, 0) != 0) {
+        Py_DECREF(self);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return (PyObject *)self;
+}
+
+static void signal_dealloc(SignalObject *self) {
+    sem_destroy(&self->sem);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *signal_post(SignalObject *self, PyObject *unused) {
+    (void)unused;
+    signal_send(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *signal_post_later(SignalObject *self, PyObject *unused) {
+    (void)unused;
+    if (deferred_ != self) {
+        SignalObject *old = take_deferred();
+        if (old != NULL) {
+            signal_send(old);
+            Py_DECREF(old);
+        }
+        Py_INCREF(self);
+        deferred_ = self;
+    }
+    Py_RETURN_NONE;
+}
+
+/* wait(timeout) -> bool: take the wake-up, sleeping up to timeout seconds without the GIL.
+ * A signal handler that interrupts the sleep runs (a Ctrl-C raises KeyboardInterrupt here). */
+static PyObject *signal_wait(SignalObject *self, PyObject *arg) {
+    const double timeout = PyFloat_AsDouble(arg);
+    if (timeout == -1.0 && PyErr_Occurred()) return NULL;
+    if (sem_trywait(&self->sem) == 0) Py_RETURN_TRUE;
+    struct timespec until;
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+    clock_gettime(CLOCK_MONOTONIC, &until);
+#else
+    clock_gettime(CLOCK_REALTIME, &until);
+#endif
+    const double secs = timeout > 0 ? timeout : 0;
+    until.tv_sec += (time_t)secs;
+    until.tv_nsec += (long)((secs - (double)(time_t)secs) * 1e9);
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec += 1;
+        until.tv_nsec -= 1000000000L;
+    }
+    for (;;) {
+        int rc, err;
+        Py_BEGIN_ALLOW_THREADS
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+        rc = sem_clockwait(&self->sem, CLOCK_MONOTONIC, &until);
+#else
+        rc = sem_timedwait(&self->sem, &until); /* the deadline is then on CLOCK_REALTIME */
+#endif
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (rc == 0) Py_RETURN_TRUE;
+        if (err == EINTR) {
+            if (PyErr_CheckSignals() < 0) return NULL;
+            continue;
+        }
+        if (err == ETIMEDOUT) Py_RETURN_FALSE;
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+}
+
+static PyMethodDef signal_methods[] = {
+    {"post", (PyCFunction)signal_post, METH_NOARGS, "post(): wake the waiter now (at most one wake-up is pending)"},
+    {"post_later", (PyCFunction)signal_post_later, METH_NOARGS,
+     "post_later(): wake the waiter when this thread next gives the GIL up in a kernel, or at flush()"},
+    {"wait", (PyCFunction)signal_wait, METH_O, "wait(timeout) -> bool: take the wake-up, sleeping up to timeout s"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SignalType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stoker._kernels.Signal",
+    .tp_basicsize = sizeof(SignalObject),
+    .tp_dealloc = (destructor)signal_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A wake-up for one waiting thread; see stoker.engine.",
+    .tp_methods = signal_methods,
+    .tp_new = signal_new,
+};
+
+/* flush(): send this thread's deferred wake-up now. */
+static PyObject *flush(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    SignalObject *d = take_deferred();
+    if (d != NULL) {
+        signal_send(d);
+        Py_DECREF(d);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"flush", flush, METH_NOARGS, "flush(): send this thread's deferred wake-up (Signal.post_later) now"},
     {"file_size", file_size, METH_O, "file_size(fd) -> int (fstat's st_size, GIL held)"},
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
@@ -499,4 +649,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stoker._kernels", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+    if (PyType_Ready(&SignalType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&SignalType);
+    if (PyModule_AddObject(m, "Signal", (PyObject *)&SignalType) < 0) {
+        Py_DECREF(&SignalType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -69,7 +69,10 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     a writable output): on W1 the same checks in Python, with two ``__array_interface__``
     lookups for the addresses, were ~5% of a worker's time.
     """
-    if _kernels is None or not _kernels.cast_into(dst, src, STREAM_MIN_BYTES):
+    if _kernels is None:
+        np.copyto(dst, src, casting="unsafe")
+    elif not _kernels.cast_into(dst, src, STREAM_MIN_BYTES):
+        _kernels.flush()  # numpy may give the GIL up: send a deferred wake-up first (stoker.engine)
         np.copyto(dst, src, casting="unsafe")
 
 

@@ -462,7 +462,12 @@ class _Pass:
                                       tune_prefetch=loader._tune_prefetch, fits=loader._fits,
                                       batch_bytes=loader.batch_bytes)  # fmt: skip
             window = self._tuner.prefetch_for(loader.threads) if loader._tune_prefetch else window
-        self._batches = loader._executor.map_ordered(work, tasks, window=window)
+        if isinstance(loader._executor, ThreadExecutor):
+            # The assembler's first step that may give the GIL up or block is a copy kernel,
+            # or it flushes the wake-up before (stoker.engine.flush_wake): deferred wake-ups apply.
+            self._batches = loader._executor.map_ordered(work, tasks, window=window, defer_wake=True)
+        else:
+            self._batches = loader._executor.map_ordered(work, tasks, window=window)
         # One stop event: a worker waiting for its turn on a stream wakes when the map closes.
         self._assembler.stop = self._batches.stop
         self._batches.add_cleanup(self._assembler.close)

@@ -422,7 +422,11 @@ class ProcessExecutor:
                 "module level (not lambdas or nested functions), or use workers='thread'"
             ) from e
 
-    def map_ordered(self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int) -> OrderedMap[R]:
+    def map_ordered(
+        self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False
+    ) -> OrderedMap[R]:
+        """``defer_wake`` is ignored: a result's wake-up leaves at once, since the next task
+        may first wait on a worker process."""
         from .transforms import note_records
 
         # Regions a worker keeps mapped: every array of the batches in flight or pooled, with room.
