@@ -274,3 +274,36 @@ def test_a_deferred_wake_up_waits_at_most_for_the_next_task_of_its_worker() -> N
         waited = time.perf_counter() - t
     # Result 0 arrives when task 1 ends (~0.15 s), not at the consumer's 0.5 s poll.
     assert 0.1 <= waited < 0.45, waited
+
+
+def test_a_result_wakes_the_consumer_at_once_when_nothing_after_it_is_in_flight() -> None:
+    """A ready result waits for the next one only while another worker is on it (one wake-up for
+    both); with nothing after it in flight it is delivered at once."""
+
+    def fn(x: int) -> int:
+        if x == 1:
+            time.sleep(0.6)  # dispatched only once task 0 is published: one worker
+        return x
+
+    with ThreadExecutor(1).map_ordered(fn, range(3), window=4) as results:
+        t = time.perf_counter()
+        assert next(results) == 0
+        assert time.perf_counter() - t < 0.4  # neither task 1's 0.6 s nor the 0.5 s poll
+        assert list(results) == [1, 2]
+
+
+def test_a_ready_result_waits_at_most_for_the_one_in_flight_after_it() -> None:
+    done = threading.Event()
+
+    def fn(x: int) -> int:
+        if x == 1:
+            done.wait(5)
+            time.sleep(0.1)
+        return x
+
+    with ThreadExecutor(2).map_ordered(fn, range(6), window=4) as results:
+        threading.Timer(0.05, done.set).start()
+        t = time.perf_counter()
+        assert next(results) == 0
+        assert time.perf_counter() - t < 0.4  # task 1's end wakes it, not the 0.5 s poll
+        assert list(results) == [1, 2, 3, 4, 5]
