@@ -362,3 +362,21 @@ def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it
     assert tuner.threads == 2 and calls == ["retire", "window 4", "retire", "window 3", "add", "window 4"]
     assert "so 2 kept" in tuner.reason
 
+
+
+def test_cpu_seconds_count_the_consumer_burning_cpu_between_batches(tmp_path: Path) -> None:
+    """Process CPU is sampled every CPU_SAMPLE_SECONDS, not per batch; it still adds up."""
+    from stoker.bench import burn
+    from stoker.stats import CPU_SAMPLE_SECONDS
+
+    ds = build(tmp_path, [400], {"wide": WIDE_RAW})
+    with ds.loader(8, epochs=None, threads=1) as loader:
+        it = iter(loader)
+        for _ in range(40):
+            next(it)
+            burn(0.01)  # 0.4 s of the consumer's CPU in all
+        s = loader.stats()
+    assert s.wall_seconds >= 0.39 and 10 * CPU_SAMPLE_SECONDS < 40 * 0.01  # many samples in the span
+    # At least the consumer's share of the span (the first batch's burn is before the span).
+    assert 0.3 <= s.cpu_seconds <= s.wall_seconds * s.cores + 0.05, (s.cpu_seconds, s.wall_seconds)
+    assert 0.3 / s.cores <= s.cpu_utilization <= 1.05
