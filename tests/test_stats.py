@@ -380,3 +380,14 @@ def test_cpu_seconds_count_the_consumer_burning_cpu_between_batches(tmp_path: Pa
     # At least the consumer's share of the span (the first batch's burn is before the span).
     assert 0.3 <= s.cpu_seconds <= s.wall_seconds * s.cores + 0.05, (s.cpu_seconds, s.wall_seconds)
     assert 0.3 / s.cores <= s.cpu_utilization <= 1.05
+
+
+def test_worker_cpu_is_sampled_and_scaled_to_the_busy_time(tmp_path: Path) -> None:
+    """Workers read their CPU clock on one batch per CPU_SAMPLE_SECONDS; the busy CPU is the busy
+    time at those batches' CPU share, so a CPU-bound cast shows most of its busy time on a CPU."""
+    ds = build(tmp_path, [600] * 2, {"wide": WIDE_RAW})
+    with ds.loader(16, epochs=4, cast="float64", threads=1) as loader:
+        n = sum(1 for _ in loader)
+        s = loader.stats()
+    assert n == 4 * 75 and s.busy_seconds > 0
+    assert 0.2 < s.busy_cpu_seconds / s.busy_seconds <= 1.05, (s.busy_cpu_seconds, s.busy_seconds)

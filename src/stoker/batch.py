@@ -34,7 +34,7 @@ from .readahead import Readahead
 from .remote import is_remote
 from .seekpoints import SeekPoint
 from .spec import Field
-from .stats import Counters
+from .stats import CPU_SAMPLE_SECONDS, Counters
 
 __all__ = ["GROUP_KEY", "INDEX_KEY", "VALID_KEY", "Assembler", "Task", "fill_padding"]
 
@@ -266,7 +266,10 @@ class Assembler:
     # -- work (runs in worker threads) --------------------------------------------------
     def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
         plan = task.plan
-        began, began_cpu = time.perf_counter(), time.thread_time()
+        began = time.perf_counter()
+        # This thread's CPU clock, on one batch in every CPU_SAMPLE_SECONDS (Counters.batch_done).
+        local = self._local
+        began_cpu = time.thread_time() if began >= getattr(local, "cpu_due", 0.0) else None
         out: dict[str, np.ndarray] = {}
         fused = self._fused_fields(plan)
         if fused:
@@ -294,7 +297,12 @@ class Assembler:
                 if key not in taken:
                     stream.abandon(ticket)
             raise
-        self.counters.batch_done(time.perf_counter() - began, time.thread_time() - began_cpu)
+        ended = time.perf_counter()
+        if began_cpu is None:
+            self.counters.batch_done(ended - began)
+        else:
+            self.counters.batch_done(ended - began, time.thread_time() - began_cpu)
+            local.cpu_due = ended + CPU_SAMPLE_SECONDS
         return out, plan
 
     def _fused_fields(self, plan: BatchPlan) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -30,14 +30,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STAGES", "Counters", "LoaderStats"]
+__all__ = ["CPU_SAMPLE_SECONDS", "STAGES", "Counters", "LoaderStats"]
 
 STAGES = ("read", "read+cast", "decompress", "cast", "copy", "gather", "turn", "assemble")
 
 
 # The process's CPU time is read at the first batch and then at most this often, not at every
 # batch: the process-wide CPU clock is a system call that reads every thread's run time, and
-# per batch it was 9% of the time the GIL was held on W1 (py-spy --gil).
+# per batch it was 9% of the time the GIL was held on W1 (py-spy --gil). Workers sample their
+# own CPU clock as often (see Counters.batch_done).
 CPU_SAMPLE_SECONDS = 0.02
 
 
@@ -48,7 +49,8 @@ class Counters:
         self._lock = threading.Lock()
         self.stage: dict[tuple[str, str], float] = {}  # (stage, field) -> worker-seconds
         self.busy = 0.0  # worker-seconds inside batch assembly
-        self.busy_cpu = 0.0  # CPU seconds of those workers in that time
+        self.busy_cpu = 0.0  # CPU seconds of the workers in the batches sampled for it (below)
+        self.busy_sampled = 0.0  # worker-seconds of those batches
         self.batches = 0
         self.records = 0
         self.out_bytes: dict[str, int] = {}
@@ -66,10 +68,18 @@ class Counters:
         with self._lock:
             self.stage[key] = self.stage.get(key, 0.0) + seconds
 
-    def batch_done(self, seconds: float, cpu_seconds: float) -> None:
+    def batch_done(self, seconds: float, cpu_seconds: float | None = None) -> None:
+        """A worker assembled a batch in ``seconds``; ``cpu_seconds`` of its CPU where sampled.
+
+        A worker reads its CPU clock (a system call, not a vDSO read) on one batch in every
+        CPU_SAMPLE_SECONDS, not on each: two reads per batch were 10% of the GIL-held time on
+        W1. The busy CPU is the busy time at the sampled batches' CPU share.
+        """
         with self._lock:
             self.busy += seconds
-            self.busy_cpu += cpu_seconds
+            if cpu_seconds is not None:
+                self.busy_cpu += cpu_seconds
+                self.busy_sampled += seconds
 
     def delivered(
         self, batch: Mapping[str, np.ndarray], rows: int, asked: float, got: float, last: float | None
@@ -94,7 +104,8 @@ class Counters:
     def snapshot(self, **config: Any) -> LoaderStats:
         with self._lock:
             stage = dict(self.stage)
-            busy, busy_cpu = self.busy, self.busy_cpu
+            busy = self.busy
+            busy_cpu = busy * self.busy_cpu / self.busy_sampled if self.busy_sampled > 0 else 0.0
             wall = self._wall_last - self._wall_first if self._cpu_first is not None else 0.0
             cpu = 0.0
             if self._cpu_first is not None and self._cpu_at > self._wall_first:
