@@ -307,3 +307,27 @@ def test_a_ready_result_waits_at_most_for_the_one_in_flight_after_it() -> None:
         assert next(results) == 0
         assert time.perf_counter() - t < 0.4  # task 1's end wakes it, not the 0.5 s poll
         assert list(results) == [1, 2, 3, 4, 5]
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (from /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_large_pool_buffers_are_advised_to_use_huge_pages_and_small_ones_are_not() -> None:
+    pool = AlignedPool(max_pooled_bytes=64 << 20)
+    big = pool.array((4 << 20,), np.dtype(np.uint8))
+    small = pool.array((1 << 20,), np.dtype(np.uint8))
+    assert "hg" in _vm_flags(big.ctypes.data)
+    assert "hg" not in _vm_flags(small.ctypes.data)
+    big[:] = 1  # still plain, private, writable memory
+    assert int(big.sum()) == 4 << 20
