@@ -7,7 +7,6 @@ threads at every resume point, private memory (RssAnon + RssShmem) flat. Marked 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import random
@@ -34,6 +33,21 @@ def _private() -> int:
     return total
 
 
+def _dataset_files_held(root: Path) -> list[str]:
+    """Files under ``root`` this process holds open (descriptors) or mapped (memory maps)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if target.startswith(str(root)):
+            held.append(f"fd {fd}: {target}")
+    with open("/proc/self/maps") as f:
+        held += [f"map: {line.split()[-1]}" for line in f if line.rstrip().endswith(".bin") and str(root) in line]
+    return held
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shuffle", ["global", "files"])
 def test_twenty_shuffled_epochs_with_resumes_lose_nothing_and_leak_nothing(tmp_path: Path, shuffle: str) -> None:
@@ -49,10 +63,6 @@ def test_twenty_shuffled_epochs_with_resumes_lose_nothing_and_leak_nothing(tmp_p
                          memory_budget="4MiB", state=state)  # fmt: skip
 
     per_epoch = len(make(None))
-    # Garbage that earlier tests in this process left to the cyclic collector (a loader dropped
-    # unclosed holds its files until then) is collected now, not at a random checkpoint: once it
-    # dropped the descriptor count by 4 between two resume points.
-    gc.collect()
     seen = np.zeros((EPOCHS, total), np.int32)
     orders: list[list[np.ndarray]] = [[] for _ in range(EPOCHS)]
     rng = random.Random(7)
@@ -76,12 +86,17 @@ def test_twenty_shuffled_epochs_with_resumes_lose_nothing_and_leak_nothing(tmp_p
         loader.close()
         del loader, batch
         checkpoints.append((len(os.listdir("/proc/self/fd")), threading.active_count(), _private()))
+        held = _dataset_files_held(tmp_path)
+        assert held == [], f"after close, at batch {delivered}, still open or mapped: {held}"
     assert delivered == EPOCHS * per_epoch and len(checkpoints) >= 25
     assert (seen == 1).all(), f"epochs with lost or repeated records: {np.flatnonzero((seen != 1).any(axis=1))}"
     assert len({np.concatenate(o).tobytes() for o in orders}) == EPOCHS  # every epoch shuffled differently
     fds = {c[0] for c in checkpoints}
     threads = {c[1] for c in checkpoints}
-    assert len(fds) == 1, f"file descriptors drift: {[c[0] for c in checkpoints]}"
+    # No file of the dataset is held after a close (checked at every resume point above), and
+    # the process's descriptors never grow. They may shrink: other libraries loaded by earlier
+    # tests in this process close theirs in the background (a full run saw 45, then 41, then 37).
+    assert max(fds) <= checkpoints[0][0], f"file descriptors grow: {[c[0] for c in checkpoints]}"
     assert len(threads) == 1, f"threads drift: {[c[1] for c in checkpoints]}"
     rss = [c[2] for c in checkpoints]
     mib = [r >> 20 for r in rss]
