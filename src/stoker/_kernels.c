@@ -297,6 +297,15 @@ static SignalObject *take_deferred(void) {
     return d;
 }
 
+/* Sends this thread's deferred wake-up now, if any (GIL held: it drops the reference). */
+static void send_deferred(void) {
+    SignalObject *d = take_deferred();
+    if (d != NULL) {
+        signal_send(d);
+        Py_DECREF(d);
+    }
+}
+
 /* Small jobs keep the GIL. Given up, it goes to whichever thread wants it, and taking it back
  * waits out that thread's Python: in W1, two workers and the consumer made a 1 KiB label copy
  * take 40-150 us of wall time per batch. Jobs this size or larger give it up while they run,
@@ -556,11 +565,7 @@ static PyObject *signal_post(SignalObject *self, PyObject *unused) {
 static PyObject *signal_post_later(SignalObject *self, PyObject *unused) {
     (void)unused;
     if (deferred_ != self) {
-        SignalObject *old = take_deferred();
-        if (old != NULL) {
-            signal_send(old);
-            Py_DECREF(old);
-        }
+        send_deferred();
         Py_INCREF(self);
         deferred_ = self;
     }
@@ -629,11 +634,7 @@ static PyTypeObject SignalType = {
 /* flush(): send this thread's deferred wake-up now. */
 static PyObject *flush(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    SignalObject *d = take_deferred();
-    if (d != NULL) {
-        signal_send(d);
-        Py_DECREF(d);
-    }
+    send_deferred();
     Py_RETURN_NONE;
 }
 

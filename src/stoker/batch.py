@@ -503,10 +503,15 @@ class Assembler:
             f.done = f.done or final
             if counted:
                 self._run_done(epoch, info.path)
-            if f.done and f.refs == 0 and (epoch, info.path) not in self._pending:
-                if self._files.get((epoch, info.path)) is f:
-                    del self._files[(epoch, info.path)]
-                self._close_file(info.path, f)
+            self._close_if_done(epoch, info, f)
+
+    def _close_if_done(self, epoch: int, info: FileInfo, f: _RawFile) -> None:
+        """Close ``f`` once its final run is done, nobody holds it and no run of it is still to
+        come (caller holds ``_lock``)."""
+        if f.done and f.refs == 0 and (epoch, info.path) not in self._pending:
+            if self._files.get((epoch, info.path)) is f:
+                del self._files[(epoch, info.path)]
+            self._close_file(info.path, f)
 
     def _close_file(self, path: str, f: _RawFile) -> None:
         """Close a raw file, keeping its memory map for the next epoch where that pays (caller
@@ -535,10 +540,7 @@ class Assembler:
 
     def _release_if_done(self, epoch: int, info: FileInfo, f: _RawFile) -> None:
         with self._lock:
-            if f.done and f.refs == 0 and (epoch, info.path) not in self._pending:
-                if self._files.get((epoch, info.path)) is f:
-                    del self._files[(epoch, info.path)]
-                self._close_file(info.path, f)
+            self._close_if_done(epoch, info, f)
 
     def _read_raw(
         self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, put: Any = None
