@@ -254,6 +254,17 @@ def open_paths(under: Path) -> list[str]:
     return out
 
 
+def mapped_paths(under: Path) -> list[str]:
+    """Files under ``under`` this process has memory-mapped, once per mapping (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].rstrip("\n").startswith(str(under)):
+                out.append(parts[5].rstrip("\n"))
+    return out
+
+
 def consume(iterable: Iterable, timeout: float = 20.0) -> tuple[list, BaseException | None]:
     """Iterate in a helper thread: (items delivered, the error raised or None).
 

@@ -38,6 +38,7 @@ from conftest import (
     consume,
     encode,
     make_values,
+    mapped_paths,
     reference,
     stoker_threads,
     tf_interleave,
@@ -400,8 +401,7 @@ def test_a_file_replaced_by_rename_is_read_to_its_end_and_the_new_one_from_the_n
 
 def _mappings(path: Path) -> int:
     """Memory maps of ``path`` in this process (from /proc/self/maps)."""
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if line.rstrip().endswith(" " + str(path)))
+    return mapped_paths(path).count(str(path))
 
 
 @pytest.mark.parametrize("drop_behind", [False, True])
