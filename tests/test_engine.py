@@ -112,6 +112,31 @@ def test_dropping_an_unfinished_map_stops_its_threads() -> None:
     assert wait_no_stoker_threads() == []
 
 
+def _my_nice(_: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_workers_run_at_a_lower_priority_than_the_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer (and whatever the framework wakes per batch) preempts a worker mid-copy, not the reverse."""
+    assert int(os.environ.get("STOKER_WORKER_NICE", "8")) == engine.WORKER_NICE
+    monkeypatch.setattr(engine, "WORKER_NICE", 5)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ThreadExecutor(3).map_ordered(_my_nice, range(30), window=4) as m:
+        nices = set(m)
+    assert nices == {min(19, base + engine.WORKER_NICE)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller's own is untouched
+
+
+def test_a_worker_started_by_a_worker_is_not_lowered_twice() -> None:
+    def nested(_: int) -> int:
+        with ThreadExecutor(1).map_ordered(_my_nice, range(2), window=1) as inner:
+            return max(inner)
+
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    with ThreadExecutor(1).map_ordered(nested, range(2), window=1) as m:
+        assert set(m) == {min(19, base + engine.WORKER_NICE)}
+
+
 def test_bad_threads_or_window_raise() -> None:
     with pytest.raises(ValueError):
         OrderedMap(_jitter, [], threads=0, window=1, name="x")
