@@ -8,8 +8,10 @@ no Python runs per batch on the consumer's side. "tf.data best" is the fastest p
 tf.data pipeline we could write by hand for these files: each record of the image files is a
 whole batch (4096 records per file is a multiple of 256), the gzip labels likewise, per-pair zip
 inside a parallel deterministic interleave, one decode + cast per batch in a parallel map.
-Rounds alternate the contenders, each in a fresh process (this kind of machine drifts by tens
-of percent within a minute); ratios are taken within a round, then their median is reported.
+"numpy_function bridge" is to_tf with ``STOKER_TF_BRIDGE=numpy_function``: the fallback used
+where the native op cannot be compiled. Rounds alternate the contenders, each in a fresh process
+(this kind of machine drifts by tens of percent within a minute); ratios are taken within a
+round, then their median is reported.
 
     python benchmarks/tf_compare.py [--rounds 5] [--seconds 3] [--data DIR] [--out FILE]
 """
@@ -39,6 +41,7 @@ CONTENDERS = {
     "stoker native_dataset": "native",
     "stoker numpy": "numpy",
     "stoker to_tf": "to_tf",
+    "stoker to_tf, numpy_function bridge": "to_tf_pyfunc",
     "tf.data best (in graph)": "best_graph",
     "stoker to_tf (in graph)": "to_tf_graph",
 }
@@ -144,6 +147,9 @@ def _child_in_graph(kind: str, data: Path, seconds: float) -> dict[str, float]:
 
 
 def _child(kind: str, data: Path, seconds: float) -> dict[str, float]:
+    if kind == "to_tf_pyfunc":
+        os.environ["STOKER_TF_BRIDGE"] = "numpy_function"
+        kind = "to_tf"
     if kind.endswith("_graph"):
         return _child_in_graph(kind.removesuffix("_graph"), data, seconds)
     it = _batches(kind, data)
@@ -214,6 +220,8 @@ def main() -> int:
         ("stoker to_tf", "tf.data best"),
         ("stoker to_tf", "tf.data seed"),
         ("stoker to_tf", "stoker numpy"),
+        ("stoker to_tf, numpy_function bridge", "stoker numpy"),
+        ("stoker to_tf", "stoker to_tf, numpy_function bridge"),
         ("stoker to_tf (in graph)", "stoker numpy"),
         ("stoker to_tf (in graph)", "tf.data best (in graph)"),
         ("stoker native_dataset", "stoker numpy"),

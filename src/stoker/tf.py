@@ -2,15 +2,16 @@
 
 Two ways in, for two needs:
 
-- :func:`to_tf` (``loader.to_tf()``): stoker's engine feeds ``tf.data`` through a
-  ``tf.numpy_function`` that returns each batch's arrays; TensorFlow aliases a numpy
-  array **without a copy** when it is 64-byte aligned and C-contiguous, and keeps it
-  alive as long as the tensor. stoker's batch buffers are page aligned; numpy's own
-  (16-byte aligned) are copied, which is why numpy arrays through ``from_generator``
-  measured ≈ 13k records/s on 256 x 128x128 float32 batches. Measured on W1 (2 cores):
-  this bridge costs ≈ 1.5 ms of CPU per batch in TensorFlow, ``from_generator`` yielding
-  DLPack tensors (:func:`as_tensor`) ≈ 1.9 ms. stoker never rewrites a buffer while an
-  array on it is alive, so a tensor you hold never changes under you (tests check both).
+- :func:`to_tf` (``loader.to_tf()``): stoker's engine feeds ``tf.data`` through one op,
+  ``StokerNextBatch`` (``_tfbridge.c``, compiled at first use against TensorFlow's C API):
+  it takes the GIL once per batch, pulls the loader's next batch and wraps each array's
+  memory as a tensor, zero-copy, keeping the array alive as long as the tensor. stoker's
+  batch buffers are page aligned; less aligned arrays (a transform's output) are copied.
+  stoker never rewrites a buffer while an array on it is alive, so a tensor you hold never
+  changes under you (tests check both). Where the op cannot be built (no C compiler),
+  ``tf.numpy_function`` does the same with ~0.5 ms more CPU per batch (see :func:`bridge`).
+  Measured on W1 (2 cores): ``from_generator`` converting numpy batches ≈ 13k records/s,
+  yielding DLPack tensors (:func:`as_tensor`) ≈ 1.9 ms of TF CPU per batch.
 - :func:`native_dataset`: the same records in the same order as ``ds.loader(...)`` with
   ``shuffle=False``, as a serializable tf.data graph (TPU, tf.data service), built the
   way tf.data is fastest: per-group zip inside an interleave, whole blocks per element,
@@ -21,12 +22,25 @@ TensorFlow is imported here only: ``import stoker`` needs numpy alone.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-from collections.abc import Iterator, Mapping
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
+
+# tf.data's map with use_inter_op_parallelism and preserve_cardinality exposed (TensorFlow is
+# pinned in stoker's [tf] extra; this class has kept its name and arguments since TF 2.12).
+from tensorflow.python.data.ops.map_op import _MapDataset
 
 from .dataset import resolve_cast
 from .engine import ALIGNMENT
@@ -39,14 +53,13 @@ if TYPE_CHECKING:
     from .loader import Loader
     from .transforms import Stage
 
-__all__ = ["as_tensor", "element_spec", "native_dataset", "to_tf"]
+__all__ = ["as_tensor", "bridge", "element_spec", "native_dataset", "to_tf"]
 
 # tf.io.decode_raw's out_type set; other dtypes (uint32, uint64) decode as bytes + bitcast.
 _DECODE_RAW = {
     np.dtype(t) for t in ("bool", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16")
 }
 _TF_COMPRESSION = {None: "", "gzip": "GZIP", "zlib": "ZLIB"}
-_TRUE, _FALSE = np.array(True), np.array(False)
 
 
 def as_tensor(array: np.ndarray) -> tf.Tensor:
@@ -130,70 +143,196 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     names = list(spec)
     dtypes = [np.dtype(spec[n].dtype.as_numpy_dtype) for n in names]
     shapes = [spec[n].shape for n in names]
-    # What a finished pass returns to the take_while below (any shape: it is never delivered).
-    done = [np.zeros([d or 0 for d in shape.as_list()] if shape.rank is not None else (0,), dt)
-            for shape, dt in zip(shapes, dtypes, strict=True)]  # fmt: skip
-    passes: dict[int, tuple[Iterator[Any], list[int]]] = {}
-    ids = itertools.count()
-
     def open_pass() -> Iterator[np.int64]:
         """One element per iteration of the dataset: the key of a fresh pass."""
-        key = next(ids)
+        key = next(_KEYS)
         it = iter(loader)
-        passes[key] = (it, [0])
+        count = itertools.count()
+
+        def pull() -> list[np.ndarray] | None:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return None
+            return _checked(batch, next(count), names, dtypes, shapes)
+
+        _PASSES[key] = pull
         try:
             yield np.int64(key)
         finally:
             # Runs on exhaustion, and on GeneratorExit when TF drops an iterator early.
-            del passes[key]
+            _PASSES.pop(key, None)
             close = getattr(it, "close", None)
             if close is not None:
                 close()
 
-    def next_batch(key: np.ndarray) -> list[np.ndarray]:
-        it, count = passes[int(key)]
-        try:
-            batch = next(it)
-        except StopIteration:
-            return [_FALSE, *done]
-        out: list[np.ndarray] = [_TRUE]
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            array = batch.get(name)
-            if array is not None and not array.dtype.isnative:  # a transform's big-endian output
-                array = array.astype(array.dtype.newbyteorder("="))
-            if array is None or array.dtype != dtype or not shape.is_compatible_with(array.shape):
-                got = "no such field" if array is None else f"{array.dtype}{list(array.shape)}"
-                raise SpecError(
-                    f"to_tf: batch {count[0]} field {name!r} is {got}, the element_spec says "
-                    f"{dtype}{shape.as_list() if shape.rank is not None else '[...]'}; pass to_tf(element_spec=...) "
-                    "matching what transform= returns",
-                    field=name,
-                )
-            # numpy_function aliases a 64-byte aligned, C-contiguous, native-order array and
-            # keeps it alive as long as the tensor (stoker's buffers are page aligned); it
-            # copies less aligned memory (tests guard both).
-            out.append(array if array.flags.c_contiguous else np.ascontiguousarray(array))
-        count[0] += 1
-        return out
+    tout = [spec[n].dtype for n in names]
+    op = _native_op()
 
-    tout = [tf.bool, *(spec[n].dtype for n in names)]
+    def py_next(key: np.ndarray) -> list[np.ndarray]:
+        """The tf.numpy_function bridge (StopIteration is tf.errors.OutOfRangeError)."""
+        values = _PASSES[int(key)]()
+        if values is None:
+            raise StopIteration
+        return values
+
+    def call(k: tf.Tensor) -> dict[str, tf.Tensor]:
+        values = op(k, Tout=tout) if op is not None else tf.numpy_function(py_next, [k], tout, stateful=True)
+        for value, shape in zip(values, shapes, strict=True):
+            value.set_shape(shape)
+        return dict(zip(names, values, strict=True))
 
     def batches(key: tf.Tensor) -> tf.data.Dataset:
-        def call(k: tf.Tensor) -> tuple[tf.Tensor, ...]:
-            return tuple(tf.numpy_function(next_batch, [k], tout, stateful=True))
+        # One stage per batch: the bridge runs on the thread that asks (no inter-op thread
+        # hop), and its OutOfRange at the end of the pass ends this inner dataset
+        # (preserve_cardinality=False; tf.data's public map would turn it into an error).
+        return _MapDataset(
+            tf.data.Dataset.from_tensors(key).repeat(), call, use_inter_op_parallelism=False, preserve_cardinality=False
+        )
 
-        def shaped(ok: tf.Tensor, *values: tf.Tensor) -> dict[str, tf.Tensor]:
-            for value, shape in zip(values, shapes, strict=True):
-                value.set_shape(shape)
-            return dict(zip(names, values, strict=True))
-
-        return tf.data.Dataset.from_tensors(key).repeat().map(call).take_while(lambda ok, *_: ok).map(shaped)
-
-    # measured (W1, 2 cores, 16 MiB batches): this numpy_function bridge costs ~1.5 ms of CPU per
-    # batch in TF against ~1.9 ms for from_generator yielding DLPack tensors (eager py_func and
-    # from_generator's per-element structure checks); see benchmarks/tf_compare.py.
     keys = tf.data.Dataset.from_generator(open_pass, output_signature=tf.TensorSpec((), tf.int64))
-    return keys.flat_map(batches)
+    # inject_prefetch: TF would add a prefetch thread after the last stage; the loader already
+    # runs ahead, and the extra thread hop per batch cost ~8% (W1, 2 cores). A prefetch the
+    # user adds downstream is kept.
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    return keys.flat_map(batches).with_options(options)
+
+
+def _checked(
+    batch: Mapping[str, np.ndarray], index: int, names: list[str], dtypes: list[np.dtype], shapes: list[tf.TensorShape]
+) -> list[np.ndarray]:
+    """The batch's arrays in spec order, native byte order and C-contiguous; a SpecError if one does not fit."""
+    out: list[np.ndarray] = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        array = batch.get(name)
+        if array is not None and not array.dtype.isnative:  # a transform's big-endian output
+            array = array.astype(array.dtype.newbyteorder("="))
+        if array is None or array.dtype != dtype or not shape.is_compatible_with(array.shape):
+            got = "no such field" if array is None else f"{array.dtype}{list(array.shape)}"
+            raise SpecError(
+                f"to_tf: batch {index} field {name!r} is {got}, the element_spec says "
+                f"{dtype}{shape.as_list() if shape.rank is not None else '[...]'}; pass to_tf(element_spec=...) "
+                "matching what transform= returns",
+                field=name,
+            )
+        # Both bridges alias a 64-byte aligned, C-contiguous, native-order array and keep it
+        # alive as long as the tensor (stoker's buffers are page aligned); they copy less
+        # aligned memory (tests guard both).
+        out.append(array if array.flags.c_contiguous else np.ascontiguousarray(array))
+    return out
+
+
+# Open passes of every to_tf dataset, by key: each pulls the pass's next batch (None at its end).
+_PASSES: dict[int, Callable[[], list[np.ndarray] | None]] = {}
+_KEYS = itertools.count()
+
+
+def _native_next(key: int) -> list[np.ndarray] | None:
+    """Called by the StokerNextBatch op (``_tfbridge.c``) with the GIL held."""
+    return _PASSES[key]()
+
+
+BRIDGE_ENV = "STOKER_TF_BRIDGE"
+_bridge_lock = threading.Lock()
+_bridge: list[Any] = []  # [op or None, why not native] once decided
+_loaded: list[Any] = []  # the op, once its library is loaded (a process registers it once)
+
+
+def bridge() -> str:
+    """Which bridge :func:`to_tf` uses in this process: ``"native"``, or why not.
+
+    ``"native"``: the StokerNextBatch op, compiled at first use from ``_tfbridge.c``
+    against the installed TensorFlow's C API (~0.3 s, cached per TensorFlow and source
+    version under ``$STOKER_CACHE/tfbridge``, else ``~/.cache/stoker/tfbridge``). Else
+    ``"numpy_function: <reason>"``: no C compiler or Python headers, or
+    ``STOKER_TF_BRIDGE=numpy_function`` set; same batches, ~1.5 ms more CPU per batch.
+    ``STOKER_TF_BRIDGE=native`` makes a failed build an error instead of a fallback.
+    """
+    op, why = _native()
+    return "native" if op is not None else f"numpy_function: {why}"
+
+
+def _native_op() -> Any:
+    return _native()[0]
+
+
+def _native() -> tuple[Any, str]:
+    with _bridge_lock:
+        if not _bridge:
+            choice = os.environ.get(BRIDGE_ENV, "auto")
+            if choice not in ("auto", "native", "numpy_function"):
+                raise SpecError(f"{BRIDGE_ENV}={choice!r}: expected auto, native or numpy_function")
+            if choice == "numpy_function":
+                _bridge.extend([None, f"{BRIDGE_ENV}=numpy_function"])
+            else:
+                try:
+                    _bridge.extend([_load_bridge(), ""])
+                except (OSError, subprocess.SubprocessError, tf.errors.OpError) as e:
+                    if choice == "native":
+                        raise
+                    warnings.warn(
+                        f"stoker.tf: the native tf.data bridge could not be built ({e}); "
+                        "to_tf falls back to tf.numpy_function (same batches, more CPU per batch)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                    _bridge.extend([None, str(e)])
+        return _bridge[0], _bridge[1]
+
+
+def _load_bridge() -> Any:
+    if not _loaded:
+        path = _build_bridge()
+        op = getattr(tf.load_op_library(str(path)), "stoker_next_batch", None)
+        if op is None:  # the op was registered already, from another copy of the library
+            raise OSError(f"{path} registered no StokerNextBatch op: another copy of it is loaded in this process")
+        _loaded.append(op)
+    return _loaded[0]
+
+
+def _bridge_dir() -> Path:
+    base = os.environ.get("STOKER_CACHE")
+    if base:
+        return Path(base) / "tfbridge"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stoker" / "tfbridge"
+
+
+def _build_bridge() -> Path:
+    """Compile ``_tfbridge.c`` into a shared library once per source, TensorFlow and Python version."""
+    source = Path(__file__).with_name("_tfbridge.c")
+    tf_dir = Path(tf.sysconfig.get_lib())
+    framework = tf_dir / "libtensorflow_framework.so.2"
+    include = Path(sysconfig.get_paths()["include"])
+    needs = {
+        source: "the bridge's source",
+        framework: "TensorFlow's framework library",
+        include / "Python.h": "the Python headers",
+        Path(tf.sysconfig.get_include()) / "tensorflow" / "c" / "kernels.h": "TensorFlow's C API headers",
+    }
+    for need, what in needs.items():
+        if not need.exists():
+            raise FileNotFoundError(f"{what} not found: {need}")
+    compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    command = [
+        *compiler, "-O2", "-shared", "-fPIC", "-I", tf.sysconfig.get_include(), "-I", str(include),
+        str(source), "-L", str(tf_dir), "-l:" + framework.name, "-Wl,-rpath," + str(tf_dir),
+    ]  # fmt: skip
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join([tf.__version__, sys.version, *command]).encode())
+    out = _bridge_dir() / f"_tfbridge-{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        proc = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True, check=False, timeout=120)
+        if proc.returncode != 0:
+            raise OSError(f"{' '.join(command)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent build of the same file is harmless
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
 
 
 _element_spec = element_spec

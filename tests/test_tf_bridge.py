@@ -1,0 +1,166 @@
+"""to_tf's native bridge (the StokerNextBatch op built from _tfbridge.c) and its numpy_function fallback."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf  # make test installs TF; a missing TF fails loudly, never skips
+
+import stoker
+import stoker.tf as stf
+from stoker.sample import expected_label
+
+pytestmark = pytest.mark.tf
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory: pytest.TempPathFactory) -> stoker.Dataset:
+    d = tmp_path_factory.mktemp("sample")
+    stoker.write_sample(d, pairs=3, records=64, inrez=16)
+    return stoker.Dataset(
+        image=stoker.Field(str(d / "img_*.bin"), "int8", (16, 16, 1)),
+        label=stoker.Field(str(d / "out_*.bin.gz"), "float32"),
+    )
+
+
+@pytest.fixture
+def fresh_bridge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """The bridge decided again in this test (env and cache dir as the test sets them), then restored."""
+    saved = list(stf._bridge)
+    stf._bridge.clear()
+    monkeypatch.setenv("STOKER_CACHE", str(tmp_path / "cache"))
+    yield
+    stf._bridge[:] = saved
+
+
+def _values(tfds: tf.data.Dataset) -> list[dict[str, np.ndarray]]:
+    return [{k: v.numpy() for k, v in b.items()} for b in tfds]
+
+
+def test_the_native_bridge_is_built_and_in_the_pipeline(sample: stoker.Dataset) -> None:
+    """Guard of the fast path: make test's venv has a compiler and headers, so anything else is a regression."""
+    assert stf.bridge() == "native"
+    tfds = sample.loader(16).to_tf()
+    graph = tfds._as_serialized_graph().numpy()  # the dataset's graph, with its functions
+    assert b"StokerNextBatch" in graph
+    assert len(_values(tfds)) == 12
+
+
+def test_native_and_numpy_function_bridges_deliver_the_same_batches(
+    sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loader = sample.loader(20, cast={"image": "float32"}, with_index=True)
+    native = _values(loader.to_tf())
+    stf._bridge.clear()
+    monkeypatch.setenv("STOKER_TF_BRIDGE", "numpy_function")
+    assert stf.bridge() == "numpy_function: STOKER_TF_BRIDGE=numpy_function"
+    tfds = loader.to_tf()
+    assert b"StokerNextBatch" not in tfds._as_serialized_graph().numpy()
+    fallback = _values(tfds)
+    expected = [{k: v.copy() for k, v in b.items()} for b in loader]
+    assert len(native) == len(fallback) == len(expected) == 10  # 192 records in batches of 20
+    for a, b, e in zip(native, fallback, expected, strict=True):
+        for k in e:
+            np.testing.assert_array_equal(a[k], e[k])
+            np.testing.assert_array_equal(b[k], e[k])
+        np.testing.assert_array_equal(a["label"], expected_label(a["image"].astype(np.int8)))
+
+
+def test_a_failed_build_falls_back_with_a_warning_or_raises_when_native_is_required(
+    sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(stf, "_loaded", [])  # as in a process that has not built it yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match=r"native tf.data bridge could not be built.*no-such-compiler"):
+        why = stf.bridge()
+    assert why.startswith("numpy_function: ") and "no-such-compiler" in why
+    assert len(_values(sample.loader(32).to_tf())) == 6  # the fallback still delivers every batch
+    stf._bridge.clear()
+    monkeypatch.setenv("STOKER_TF_BRIDGE", "native")
+    with pytest.raises(OSError, match="no-such-compiler"):
+        stf.bridge()
+    stf._bridge.clear()
+    monkeypatch.setenv("STOKER_TF_BRIDGE", "fast")
+    with pytest.raises(stoker.SpecError, match=r"STOKER_TF_BRIDGE='fast'.*auto, native or numpy_function"):
+        stf.bridge()
+
+
+def test_the_build_is_cached_per_source_and_reused(fresh_bridge: None, tmp_path: Path) -> None:
+    path = stf._build_bridge()
+    assert path.parent == tmp_path / "cache" / "tfbridge"
+    built = list(path.parent.glob("_tfbridge-*"))
+    assert built == [path] and path.stat().st_size > 0  # no temporary file left beside it
+    mtime = path.stat().st_mtime_ns
+    assert stf._build_bridge() == path and path.stat().st_mtime_ns == mtime  # not rebuilt
+    assert b"StokerNextBatch" in path.read_bytes()
+
+
+def test_a_corrupt_file_fails_the_tf_iterator_naming_the_file_after_the_good_batches(tmp_path: Path) -> None:
+    stoker.write_sample(tmp_path, pairs=2, records=64, inrez=8)
+    bad = tmp_path / "out_0001.bin.gz"
+    body = bytearray(bad.read_bytes())
+    body[len(body) // 2 : len(body) // 2 + 16] = b"\xff" * 16  # inside the deflate stream
+    bad.write_bytes(bytes(body))
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (8, 8, 1)),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+    )
+    got = []
+    with pytest.raises(tf.errors.OpError, match=r"out_0001\.bin\.gz") as e:
+        for batch in ds.loader(16, threads=2).to_tf():
+            got.append(batch["label"].numpy())
+    assert "CorruptDataError" in e.value.message or "ReadError" in e.value.message
+    assert len(got) == 4  # every batch of the good first group was delivered first
+    for labels in got:
+        assert labels.shape == (16,)
+
+
+def test_tensors_let_go_return_their_buffers_to_the_loader(sample: stoker.Dataset) -> None:
+    """The op's tensors release their arrays when TensorFlow drops them, so buffers are recycled."""
+    loader = sample.loader(8, epochs=6, threads=1, prefetch=2)
+    addresses: set[int] = set()
+    make = loader.allocator_factory
+
+    class Recording:
+        def __init__(self, pooled: int) -> None:
+            self.inner = make(pooled)
+
+        def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            out = self.inner.array(shape, dtype)
+            addresses.add(out.ctypes.data)
+            return out
+
+        def clear(self) -> None:
+            self.inner.clear()
+
+    loader.allocator_factory = Recording
+    n = 0
+    for batch in loader.to_tf():
+        assert int(tf.size(batch["label"])) == 8
+        n += 1
+        del batch
+    gc.collect()
+    assert n == 6 * 24
+    # Two fields, a window of a few batches: a leaked array per batch would make ~288 addresses.
+    assert len(addresses) <= 24, len(addresses)
+
+
+def test_an_unaligned_array_from_a_transform_is_copied_and_correct(sample: stoker.Dataset) -> None:
+    def shifted(batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        raw = np.empty(batch["label"].nbytes + 64, np.uint8)
+        offset = (16 - raw.ctypes.data) % 64 or 16  # 16-byte aligned, never 64
+        odd = raw[offset : offset + batch["label"].nbytes].view(np.float32)
+        odd[:] = batch["label"]
+        return {"label": odd, "image": batch["image"]}
+
+    loader = sample.loader(16, transform=shifted)
+    expected = [b["label"].copy() for b in sample.loader(16)]
+    got = [(b["label"].numpy(), b["label"][1:5].numpy()) for b in loader.to_tf()]  # a strided slice checks alignment
+    assert len(got) == len(expected) == 12
+    for (whole, part), e in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(whole, e)
+        np.testing.assert_array_equal(part, e[1:5])
