@@ -46,6 +46,18 @@ typedef struct {
 
 static PyObject *next_fn; /* stoker.tf._native_next, looked up once under the GIL */
 
+/* The GIL, for a thread TensorFlow started as well as a Python one. A thread without a
+ * Python thread state gets one at its first call and keeps it (one extra Ensure that is
+ * never released): TensorFlow's pool threads call in for every batch, and creating and
+ * deleting a thread state each time costs more than the rest of the call. */
+static PyGILState_STATE take_gil(void) {
+    int foreign = PyGILState_GetThisThreadState() == NULL;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    if (foreign)
+        (void)PyGILState_Ensure(); /* kept: the matching Release never comes */
+    return gil;
+}
+
 static int finalizing(void) {
 #if PY_VERSION_HEX >= 0x030D0000
     return Py_IsFinalizing();
@@ -62,7 +74,7 @@ static void release_view(void *data, size_t len, void *arg) {
     (void)len;
     Py_buffer *view = (Py_buffer *)arg;
     if (Py_IsInitialized() && !finalizing()) {
-        PyGILState_STATE gil = PyGILState_Ensure();
+        PyGILState_STATE gil = take_gil();
         PyBuffer_Release(view);
         PyGILState_Release(gil);
     }
@@ -191,7 +203,7 @@ static void compute(void *kernel, TF_OpKernelContext *ctx) {
     int64_t key = *(int64_t *)TF_TensorData(key_tensor);
     TF_DeleteTensor(key_tensor);
 
-    PyGILState_STATE gil = PyGILState_Ensure();
+    PyGILState_STATE gil = take_gil();
     PyObject *result = NULL, *items = NULL;
     if (!next_fn) {
         PyObject *module = PyImport_ImportModule("stoker.tf");
