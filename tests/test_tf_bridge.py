@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,6 +99,18 @@ def test_the_build_is_cached_per_source_and_reused(fresh_bridge: None, tmp_path:
     mtime = path.stat().st_mtime_ns
     assert stf._build_bridge() == path and path.stat().st_mtime_ns == mtime  # not rebuilt
     assert b"StokerNextBatch" in path.read_bytes()
+
+
+def test_an_unusable_cache_directory_builds_in_the_temp_directory(
+    fresh_bridge: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("STOKER_CACHE", str(blocker / "cache"))  # mkdir fails, even for root
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    path = stf._build_bridge()
+    assert path.parent == tmp_path / "tmp" / f"stoker-tfbridge-{os.getuid()}" and path.stat().st_size > 0
 
 
 def test_a_corrupt_file_fails_the_tf_iterator_naming_the_file_after_the_good_batches(tmp_path: Path) -> None:
