@@ -147,6 +147,7 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     names = list(spec)
     dtypes = [np.dtype(spec[n].dtype.as_numpy_dtype) for n in names]
     shapes = [spec[n].shape for n in names]
+
     def open_pass() -> Iterator[np.int64]:
         """One element per iteration of the dataset: the key of a fresh pass."""
         key = next(_KEYS)
