@@ -203,6 +203,11 @@ static void compute(void *kernel, TF_OpKernelContext *ctx) {
     }
     int64_t key = *(int64_t *)TF_TensorData(key_tensor);
     TF_DeleteTensor(key_tensor);
+    if (!Py_IsInitialized() || finalizing()) { /* TensorFlow still running as Python exits */
+        fail(ctx, TF_CANCELLED, OP_NAME ": the Python interpreter is shutting down");
+        TF_DeleteStatus(status);
+        return;
+    }
 
     PyGILState_STATE gil = take_gil();
     PyObject *result = NULL, *items = NULL;
