@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-# tf.data's map with use_inter_op_parallelism and preserve_cardinality exposed (TensorFlow is
-# pinned in stoker's [tf] extra; this class has kept its name and arguments since TF 2.12).
+# tf.data's map with use_inter_op_parallelism and preserve_cardinality exposed. Internal to
+# TensorFlow, which stoker's [tf] extra pins: a TF that moves it fails this import loudly.
 from tensorflow.python.data.ops.map_op import _MapDataset
 
 from .dataset import resolve_cast
