@@ -34,6 +34,7 @@ def fresh_bridge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[No
     """The bridge decided again in this test (env and cache dir as the test sets them), then restored."""
     saved = list(stf._bridge)
     stf._bridge.clear()
+    monkeypatch.delenv("STOKER_TF_BRIDGE", raising=False)  # auto, whatever the outer environment says
     monkeypatch.setenv("STOKER_CACHE", str(tmp_path / "cache"))
     yield
     stf._bridge[:] = saved
