@@ -224,6 +224,36 @@ def tf_interleave(counts: Sequence[int], cycle: int, block: int) -> list[tuple[i
 _BASELINE: set[threading.Thread] = set()
 
 
+def small_sample(directory: Path, *, pairs: int, records: int, inrez: int = 16) -> stoker.Dataset:
+    """``stoker.write_sample`` into ``directory`` and the Dataset over it (int8 images, gzip labels)."""
+    stoker.write_sample(directory, pairs=pairs, records=records, inrez=inrez)
+    return stoker.Dataset(
+        image=stoker.Field(str(directory / "img_*.bin"), "int8", (inrez, inrez, 1)),
+        label=stoker.Field(str(directory / "out_*.bin.gz"), "float32"),
+    )
+
+
+def record_allocations(loader: stoker.Loader) -> set[int]:
+    """Make ``loader`` record the address of every buffer its allocator hands out; returns the set it fills."""
+    addresses: set[int] = set()
+    make = loader.allocator_factory
+
+    class Recording:
+        def __init__(self, pooled: int) -> None:
+            self.inner = make(pooled)
+
+        def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            out = self.inner.array(shape, dtype)
+            addresses.add(out.ctypes.data)
+            return out
+
+        def clear(self) -> None:
+            self.inner.clear()
+
+    loader.allocator_factory = Recording
+    return addresses
+
+
 def stoker_threads() -> list[threading.Thread]:
     """stoker worker threads started by the current test and still alive."""
     return [t for t in threading.enumerate() if t.name.startswith("stoker-worker") and t not in _BASELINE]

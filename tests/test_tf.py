@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf  # make test installs TF; a missing TF fails loudly, never skips
 
 import stoker
+from conftest import record_allocations, small_sample
 from stoker.engine import AlignedPool
 from stoker.sample import expected_label
 from stoker.tf import as_tensor, native_dataset
@@ -27,12 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory: pytest.TempPathFactory) -> stoker.Dataset:
-    d = tmp_path_factory.mktemp("sample")
-    stoker.write_sample(d, pairs=3, records=64, inrez=16)
-    return stoker.Dataset(
-        image=stoker.Field(str(d / "img_*.bin"), "int8", (16, 16, 1)),
-        label=stoker.Field(str(d / "out_*.bin.gz"), "float32"),
-    )
+    return small_sample(tmp_path_factory.mktemp("sample"), pairs=3, records=64)
 
 
 def _numpy_batches(loader: stoker.Loader) -> list[dict[str, np.ndarray]]:
@@ -137,22 +133,7 @@ def test_as_tensor_copies_memory_tensorflow_cannot_alias() -> None:
 def test_to_tf_delivers_the_loaders_own_buffers(sample: stoker.Dataset) -> None:
     """End-to-end guard: every tensor out of the tf.data iterator is a buffer the loader allocated."""
     loader = sample.loader(16, cast={"image": "float32"})
-    addresses: set[int] = set()
-    make = loader.allocator_factory
-
-    class Recording:
-        def __init__(self, pooled: int) -> None:
-            self.inner = make(pooled)
-
-        def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-            out = self.inner.array(shape, dtype)
-            addresses.add(out.ctypes.data)
-            return out
-
-        def clear(self) -> None:
-            self.inner.clear()
-
-    loader.allocator_factory = Recording
+    addresses = record_allocations(loader)
     seen = 0
     for batch in loader.to_tf():
         for tensor in batch.values():

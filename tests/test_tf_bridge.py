@@ -14,6 +14,7 @@ import tensorflow as tf  # make test installs TF; a missing TF fails loudly, nev
 
 import stoker
 import stoker.tf as stf
+from conftest import record_allocations, small_sample
 from stoker.sample import expected_label
 
 pytestmark = pytest.mark.tf
@@ -21,12 +22,7 @@ pytestmark = pytest.mark.tf
 
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory: pytest.TempPathFactory) -> stoker.Dataset:
-    d = tmp_path_factory.mktemp("sample")
-    stoker.write_sample(d, pairs=3, records=64, inrez=16)
-    return stoker.Dataset(
-        image=stoker.Field(str(d / "img_*.bin"), "int8", (16, 16, 1)),
-        label=stoker.Field(str(d / "out_*.bin.gz"), "float32"),
-    )
+    return small_sample(tmp_path_factory.mktemp("sample"), pairs=3, records=64)
 
 
 @pytest.fixture
@@ -137,22 +133,7 @@ def test_a_corrupt_file_fails_the_tf_iterator_naming_the_file_after_the_good_bat
 def test_tensors_let_go_return_their_buffers_to_the_loader(sample: stoker.Dataset) -> None:
     """The op's tensors release their arrays when TensorFlow drops them, so buffers are recycled."""
     loader = sample.loader(8, epochs=6, threads=1, prefetch=2)
-    addresses: set[int] = set()
-    make = loader.allocator_factory
-
-    class Recording:
-        def __init__(self, pooled: int) -> None:
-            self.inner = make(pooled)
-
-        def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-            out = self.inner.array(shape, dtype)
-            addresses.add(out.ctypes.data)
-            return out
-
-        def clear(self) -> None:
-            self.inner.clear()
-
-    loader.allocator_factory = Recording
+    addresses = record_allocations(loader)
     n = 0
     for batch in loader.to_tf():
         assert int(tf.size(batch["label"])) == 8

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import stoker
+from conftest import small_sample
 from stoker.tf import element_spec
 from stoker.transforms import Normalize, RandomCrop
 
@@ -15,12 +16,7 @@ pytestmark = pytest.mark.tf
 
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory: pytest.TempPathFactory) -> stoker.Dataset:
-    d = tmp_path_factory.mktemp("sample")
-    stoker.write_sample(d, pairs=2, records=40, inrez=16)
-    return stoker.Dataset(
-        image=stoker.Field(str(d / "img_*.bin"), "int8", (16, 16, 1)),
-        label=stoker.Field(str(d / "out_*.bin.gz"), "float32"),
-    )
+    return small_sample(tmp_path_factory.mktemp("sample"), pairs=2, records=40)
 
 
 def shrink(batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
