@@ -172,7 +172,7 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
                 close()
 
     tout = [spec[n].dtype for n in names]
-    op = _native_op()
+    op = _native()[0]
 
     def py_next(key: np.ndarray) -> list[np.ndarray]:
         """The tf.numpy_function bridge (StopIteration is tf.errors.OutOfRangeError)."""
@@ -259,10 +259,6 @@ def bridge() -> str:
     return "native" if op is not None else f"numpy_function: {why}"
 
 
-def _native_op() -> Any:
-    return _native()[0]
-
-
 def _native() -> tuple[Any, str]:
     with _bridge_lock:
         if not _bridge:
@@ -310,18 +306,19 @@ def _build_bridge() -> Path:
     tf_dir = Path(tf.sysconfig.get_lib())
     framework = tf_dir / "libtensorflow_framework.so.2"
     include = Path(sysconfig.get_paths()["include"])
+    tf_include = tf.sysconfig.get_include()
     needs = {
         source: "the bridge's source",
         framework: "TensorFlow's framework library",
         include / "Python.h": "the Python headers",
-        Path(tf.sysconfig.get_include()) / "tensorflow" / "c" / "kernels.h": "TensorFlow's C API headers",
+        Path(tf_include) / "tensorflow" / "c" / "kernels.h": "TensorFlow's C API headers",
     }
     for need, what in needs.items():
         if not need.exists():
             raise FileNotFoundError(f"{what} not found: {need}")
     compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     command = [
-        *compiler, "-O2", "-shared", "-fPIC", "-I", tf.sysconfig.get_include(), "-I", str(include),
+        *compiler, "-O2", "-shared", "-fPIC", "-I", tf_include, "-I", str(include),
         str(source), "-L", str(tf_dir), "-l:" + framework.name, "-Wl,-rpath," + str(tf_dir),
     ]  # fmt: skip
     digest = hashlib.sha256(source.read_bytes())
