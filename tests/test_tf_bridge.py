@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,3 +162,57 @@ def test_an_unaligned_array_from_a_transform_is_copied_and_correct(sample: stoke
     for (whole, part), e in zip(got, expected, strict=True):
         np.testing.assert_array_equal(whole, e)
         np.testing.assert_array_equal(part, e[1:5])
+
+
+def test_a_tensorflow_without_map_dataset_gets_the_public_chain_and_the_same_batches(
+    sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TensorFlow that moved tf.data's internal _MapDataset: to_tf warns once and still delivers."""
+    monkeypatch.setattr(stf, "_MapDataset", None)  # what the guarded import leaves on such a TensorFlow
+    monkeypatch.setattr(stf, "_warned_public", [])
+    assert stf.bridge().startswith(f"numpy_function: TensorFlow {tf.__version__} has no tf.data _MapDataset")
+    loader = sample.loader(20, cast={"image": "float32"}, with_index=True, drop_remainder=True)
+    with pytest.warns(RuntimeWarning, match="no tf.data _MapDataset"):
+        tfds = loader.to_tf()
+    assert tfds.element_spec["image"].shape.as_list() == [20, 16, 16, 1]  # static batch dim kept
+    assert b"StokerNextBatch" not in tfds._as_serialized_graph().numpy()
+    expected = [{k: v.copy() for k, v in b.items()} for b in loader]
+    for _ in range(2):  # a second iteration is a fresh pass, as with the one-stage map
+        got = _values(tfds)
+        assert len(got) == len(expected) == 9  # 192 records, drop_remainder
+        for a, e in zip(got, expected, strict=True):
+            for k in e:
+                np.testing.assert_array_equal(a[k], e[k])
+    monkeypatch.setenv("STOKER_TF_BRIDGE", "native")
+    with pytest.raises(RuntimeError, match="STOKER_TF_BRIDGE=native.*no tf.data _MapDataset"):
+        loader.to_tf()
+
+
+def test_the_public_chain_fails_naming_the_file_after_the_good_batches_and_leaves_no_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stf, "_MapDataset", None)
+    monkeypatch.setattr(stf, "_warned_public", [True])  # warned already: this test is about errors
+    stoker.write_sample(tmp_path, pairs=2, records=64, inrez=8)
+    bad = tmp_path / "out_0001.bin.gz"
+    body = bytearray(bad.read_bytes())
+    body[len(body) // 2 : len(body) // 2 + 16] = b"\xff" * 16  # inside the deflate stream
+    bad.write_bytes(bytes(body))
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (8, 8, 1)),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+    )
+    got = []
+    with pytest.raises(tf.errors.OpError, match=r"out_0001\.bin\.gz"):
+        for batch in ds.loader(16, threads=2).to_tf():
+            got.append(batch["label"].numpy())
+    assert len(got) == 4  # every batch of the good first group was delivered first
+    before = {t.name for t in threading.enumerate()}
+    for i, _ in enumerate(ds.loader(4, threads=2, epochs=None).to_tf()):  # an early break, mid-pass
+        if i == 3:
+            break
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("stoker-worker") and t.name not in before for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a worker outlived the abandoned TF iterator"
+        time.sleep(0.05)

@@ -39,9 +39,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-# tf.data's map with use_inter_op_parallelism and preserve_cardinality exposed. Internal to
-# TensorFlow, which stoker's [tf] extra pins: a TF that moves it fails this import loudly.
-from tensorflow.python.data.ops.map_op import _MapDataset
+# tf.data's map with use_inter_op_parallelism and preserve_cardinality exposed: internal to
+# TensorFlow (checked on the version stoker's [tf] extra pins). A TensorFlow that moves it
+# gets the public map -> take_while -> map chain instead (see to_tf), with a warning.
+try:
+    from tensorflow.python.data.ops.map_op import _MapDataset
+except ImportError:  # pragma: no cover - depends on the TensorFlow installed; tests force the path
+    _MapDataset = None
 
 from .dataset import resolve_cast
 from .engine import ALIGNMENT
@@ -172,7 +176,12 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
                 close()
 
     tout = [spec[n].dtype for n in names]
-    op = _native()[0]
+    if _MapDataset is None and os.environ.get(BRIDGE_ENV) == "native":
+        raise RuntimeError(
+            f"{BRIDGE_ENV}=native: TensorFlow {tf.__version__} has no tf.data _MapDataset, which the native "
+            "bridge's one-stage map needs; unset it to use the public chain"
+        )
+    op = _native()[0] if _MapDataset is not None else None
 
     def py_next(key: np.ndarray) -> list[np.ndarray]:
         """The tf.numpy_function bridge (StopIteration is tf.errors.OutOfRangeError)."""
@@ -187,13 +196,15 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
             value.set_shape(shape)
         return dict(zip(names, values, strict=True))
 
-    def batches(key: tf.Tensor) -> tf.data.Dataset:
+    def one_stage(key: tf.Tensor) -> tf.data.Dataset:
         # One stage per batch: the bridge runs on the thread that asks (no inter-op thread
         # hop), and its OutOfRange at the end of the pass ends this inner dataset
         # (preserve_cardinality=False; tf.data's public map would turn it into an error).
         return _MapDataset(
             tf.data.Dataset.from_tensors(key).repeat(), call, use_inter_op_parallelism=False, preserve_cardinality=False
         )
+
+    batches = one_stage if _MapDataset is not None else _public_chain(names, dtypes, shapes, tout)
 
     keys = tf.data.Dataset.from_generator(open_pass, output_signature=tf.TensorSpec((), tf.int64))
     # inject_prefetch: TF would add a prefetch thread after the last stage; the loader already
@@ -202,6 +213,53 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False
     return keys.flat_map(batches).with_options(options)
+
+
+# What the public chain's bridge returns first: whether the pass delivered a batch.
+_TRUE, _FALSE = np.array(True), np.array(False)
+_warned_public: list[bool] = []
+
+
+def _public_chain(
+    names: list[str], dtypes: list[np.dtype], shapes: list[tf.TensorShape], tout: list[tf.DType]
+) -> Callable[[tf.Tensor], tf.data.Dataset]:
+    """``to_tf``'s inner dataset from public tf.data alone, for a TensorFlow without ``_MapDataset``.
+
+    The public ``map`` keeps cardinality: an OutOfRange from inside it is an error, not the end
+    of the pass. So the bridge returns a flag first (False once the pass is over, with empty
+    arrays that never leave ``take_while``), through ``tf.numpy_function`` (the native op ends a
+    pass by OutOfRange): same batches, ~3 stages and more CPU per batch than the one-stage map.
+    """
+    if not _warned_public:
+        _warned_public.append(True)
+        warnings.warn(
+            f"stoker.tf: TensorFlow {tf.__version__} has no tf.data _MapDataset (stoker is checked on the "
+            "version its [tf] extra pins); to_tf uses public map/take_while with tf.numpy_function "
+            "instead (same batches, more CPU per batch)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    ended = [
+        np.zeros([d or 0 for d in shape.as_list()] if shape.rank is not None else (0,), dtype)
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    ]
+
+    def flagged(key: np.ndarray) -> list[np.ndarray]:
+        values = _PASSES[int(key)]()
+        return [_FALSE, *ended] if values is None else [_TRUE, *values]
+
+    def call(k: tf.Tensor) -> tuple[tf.Tensor, ...]:
+        return tuple(tf.numpy_function(flagged, [k], [tf.bool, *tout], stateful=True))
+
+    def shaped(ok: tf.Tensor, *values: tf.Tensor) -> dict[str, tf.Tensor]:
+        for value, shape in zip(values, shapes, strict=True):
+            value.set_shape(shape)
+        return dict(zip(names, values, strict=True))
+
+    def batches(key: tf.Tensor) -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensors(key).repeat().map(call).take_while(lambda ok, *_: ok).map(shaped)
+
+    return batches
 
 
 def _checked(
@@ -255,6 +313,8 @@ def bridge() -> str:
     ~0.5 ms more CPU per batch (W1: 0.71x of numpy against the op's 0.77x).
     ``STOKER_TF_BRIDGE=native`` makes a failed build an error instead of a fallback.
     """
+    if _MapDataset is None:
+        return f"numpy_function: TensorFlow {tf.__version__} has no tf.data _MapDataset (public map/take_while chain)"
     op, why = _native()
     return "native" if op is not None else f"numpy_function: {why}"
 
