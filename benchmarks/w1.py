@@ -41,8 +41,13 @@ def main() -> int:
     contenders: dict[str, dict[str, object]] = {}
     for out in ("float32", "int8"):
         # The images alone are cast, as the ceiling loops cast them; labels stay float32.
-        contenders[f"stoker {out}"] = {"fields": fields, "batch": 256, "cast": {"image": out}, "seconds": args.seconds,
-                                        "warmup": True}
+        contenders[f"stoker {out}"] = {
+            "fields": fields,
+            "batch": 256,
+            "cast": {"image": out},
+            "seconds": args.seconds,
+            "warmup": True,
+        }
         for loop in CEILING_LOOPS:
             contenders[f"ceiling:{loop} {out}"] = {
                 "paths": paths, "header": 0, "shape": [128, 128, 1], "src_dtype": "|i1", "out_dtype": out,

@@ -133,7 +133,6 @@ def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
         check_batches(ds, list(loader), cast={"image": "float64", "label": "float64"})
 
 
-
 def test_file_size_is_the_size_of_the_open_file_now(tmp_path: Path) -> None:
     path = tmp_path / "img_0000.bin"
     path.write_bytes(bytes(1000))

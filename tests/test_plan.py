@@ -162,7 +162,9 @@ def _tf_order(paths: list[str], cycle: int, block: int) -> list[tuple[int, int]]
         return tf.data.FixedLengthRecordDataset(path, 8).map(lambda s: tf.io.decode_raw(s, tf.int32))
 
     ds = tf.data.Dataset.from_tensor_slices(paths).interleave(
-        per_group, cycle_length=cycle, block_length=block  # non-parallel interleave is deterministic
+        per_group,
+        cycle_length=cycle,
+        block_length=block,  # non-parallel interleave is deterministic
     )
     return [(int(a), int(b)) for a, b in ds.as_numpy_iterator()]
 

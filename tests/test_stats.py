@@ -363,7 +363,6 @@ def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it
     assert "so 2 kept" in tuner.reason
 
 
-
 def test_cpu_seconds_count_the_consumer_burning_cpu_between_batches(tmp_path: Path) -> None:
     """Process CPU is sampled every CPU_SAMPLE_SECONDS, not per batch; it still adds up."""
     from stoker.bench import burn

@@ -203,9 +203,7 @@ class Assembler:
         self.batch_size = batch_size
         self.with_index = with_index
         self._cast = {n: self.out_dtypes[n] != f.dtype for n, f in self.fields.items()}
-        self._compressed = {
-            n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)
-        }
+        self._compressed = {n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)}
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
         # Memory maps of finished files kept for the next epoch (see _close_file), by path.
@@ -316,9 +314,7 @@ class Assembler:
             self._fusable = {n: rec for n, rec in self.fused.record_fields(self.fields).items() if n in local}
         return self._fusable
 
-    def _read_run(
-        self, task: Task, i: int, run: Run, out: dict[str, np.ndarray], taken: set[tuple[int, str]]
-    ) -> None:
+    def _read_run(self, task: Task, i: int, run: Run, out: dict[str, np.ndarray], taken: set[tuple[int, str]]) -> None:
         plan = task.plan
         infos = self.catalog.files[run.group]
         for name, spec in self.fields.items():
@@ -601,9 +597,7 @@ class Assembler:
             self.counters.add("read+cast" if self._cast[name] or put else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
 
-    def _read_remote_raw(
-        self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, offset: int
-    ) -> None:
+    def _read_remote_raw(self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, offset: int) -> None:
         """A run of a remote raw file: one ranged read (in parallel parts) into the batch or staging."""
         from .remote import read_into
 
@@ -633,9 +627,7 @@ class Assembler:
         )
         return raw.view(spec.dtype).reshape(len(local), *spec.shape)
 
-    def _read_error(
-        self, name: str, info: FileInfo, spec: Field, run: Run, offset: int, e: OSError
-    ) -> ReadError:
+    def _read_error(self, name: str, info: FileInfo, spec: Field, run: Run, offset: int, e: OSError) -> ReadError:
         index = (offset - spec.header_bytes) // spec.record_bytes
         return ReadError(
             f"field {name!r}: read of {info.path!r} failed at record {index} (byte offset {offset}): {e.strerror}",
@@ -791,9 +783,7 @@ class Assembler:
             if whole is None:
                 with stream.cond:  # the first run to get here decodes; the others wait for it
                     if stream.whole is None:
-                        stream.whole = self._decode_whole(
-                            name, spec, info, run.group, self.catalog.count(run.group)
-                        )
+                        stream.whole = self._decode_whole(name, spec, info, run.group, self.catalog.count(run.group))
                     whole = stream.whole
             arr, valid, err, final_err = whole
             if run.count:
@@ -814,9 +804,7 @@ class Assembler:
                     if self._streams.get((epoch, run.group, name)) is stream:
                         del self._streams[(epoch, run.group, name)]
 
-    def _decode_whole(
-        self, name: str, spec: Field, info: FileInfo, group: int, expected: int
-    ) -> _Whole:
+    def _decode_whole(self, name: str, spec: Field, info: FileInfo, group: int, expected: int) -> _Whole:
         """(records, how many are trustworthy, error for the rest, error at the group's end)."""
         rb = spec.record_bytes
         buf = np.empty(expected * rb, np.uint8)

@@ -198,8 +198,15 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
     busy = float(cfg.get("busy_ms") or 0) / 1000
     shuffle: Any = cfg.get("shuffle") or False
     # Cold: one epoch at most, since a second one would find the first one's pages cached.
-    with ds.loader(cfg["batch"], epochs=1 if cold else None, cast=cfg["cast"] or None, threads=cfg.get("threads"),
-                   prefetch=cfg.get("prefetch"), shuffle=shuffle, seed=0 if shuffle else None) as loader:
+    with ds.loader(
+        cfg["batch"],
+        epochs=1 if cold else None,
+        cast=cfg["cast"] or None,
+        threads=cfg.get("threads"),
+        prefetch=cfg.get("prefetch"),
+        shuffle=shuffle,
+        seed=0 if shuffle else None,
+    ) as loader:
         batches = iter(loader)
         if cfg.get("warmup"):  # start-up and first batch excluded, as peers' benchmarks do
             next(batches)

@@ -311,8 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", nargs="?", help="a directory written by `stoker sample`")
     p.add_argument("--inrez", type=int, default=None, help="frame size of a sample DIR (default: its stoker.toml)")
     p.add_argument("--pair-key", default=None, help="regex that must agree across a group's basenames")
-    p.add_argument("--spacing", type=int, default=None,
-                   help="decompressed bytes between seek points inside a gzip member or zlib stream (default 1 MiB)")
+    p.add_argument(
+        "--spacing",
+        type=int,
+        default=None,
+        help="decompressed bytes between seek points inside a gzip member or zlib stream (default 1 MiB)",
+    )
     _add_field_args(p)
     p.set_defaults(run=cmd_index)
     p = sub.add_parser("bench", help="stream the dataset and compare with the machine's ceiling on the same files")

@@ -187,9 +187,7 @@ def _inspect(
     fd = open_local(name, path)
     try:
         head = os.pread(fd, 3, 0) if st.st_size else b""
-        return _classify(
-            name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size)
-        )
+        return _classify(name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size))
     finally:
         os.close(fd)
 

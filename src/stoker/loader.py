@@ -258,9 +258,7 @@ class Loader:
         ds = self.dataset
         parts: dict[str, object] = {
             "counts": [ds.records_in(g) for g in range(ds.num_groups)],
-            "fields": {
-                n: [f.dtype.str, list(f.shape), f.header_bytes, f.footer_bytes] for n, f in ds.fields.items()
-            },
+            "fields": {n: [f.dtype.str, list(f.shape), f.header_bytes, f.footer_bytes] for n, f in ds.fields.items()},
             "basenames": [[os.path.basename(i.path) for i in infos.values()] for infos in ds.files],
             "shuffle": self.shuffle,
             "seed": self.seed,
