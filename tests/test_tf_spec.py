@@ -99,6 +99,17 @@ def test_a_batch_that_does_not_match_the_spec_names_the_field_and_batch(sample: 
         loader.to_tf(element_spec={"label": (16,)})
 
 
+def test_a_shape_that_changes_after_good_batches_is_still_caught(sample: stoker.Dataset) -> None:
+    """Shapes already found to fit skip the spec check; a new shape is checked again."""
+    loader = sample.loader(24)  # 80 records: batches of 24, 24, 24, then 8
+    spec = {"image": tf.TensorSpec((24, 16, 16, 1), tf.int8), "label": tf.TensorSpec((24,), tf.float32)}
+    got = []
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"batch 3 field 'image' is int8\[8, 16, 16, 1\]"):
+        for batch in loader.to_tf(element_spec=spec):
+            got.append(batch["label"].numpy())
+    assert [len(g) for g in got] == [24, 24, 24]
+
+
 def test_arrays_tensorflow_cannot_alias_are_copied(sample: stoker.Dataset) -> None:
     """A transform's odd arrays (misaligned, strided, byte-swapped) arrive intact, and slicing them is safe."""
 
