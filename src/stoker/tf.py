@@ -282,8 +282,10 @@ def _checked(
         array = batch.get(name)
         if array is not None and array.dtype != dtype and not array.dtype.isnative:  # a transform's big-endian output
             array = array.astype(array.dtype.newbyteorder("="))
-        if array is None or array.dtype != dtype or (
-            (seen is None or array.shape != seen[i]) and not shape.is_compatible_with(array.shape)
+        if (
+            array is None
+            or array.dtype != dtype
+            or ((seen is None or array.shape != seen[i]) and not shape.is_compatible_with(array.shape))
         ):
             got = "no such field" if array is None else f"{array.dtype}{list(array.shape)}"
             raise SpecError(
