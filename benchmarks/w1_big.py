@@ -19,11 +19,12 @@ run starts cold and reads from the disk. Contenders alternate, each in a fresh p
 - ``stoker float32 no-readahead``: the same with ``stoker.readahead`` switched off, to show what
   the readahead and drop-behind buy.
 
-Each run lasts ``--seconds`` (default 25) or one whole epoch, whichever ends first (``--seconds
-0``: the epoch; the disk's rate here has varied from 0.6 to 2.1 GB/s, an epoch from ~45 to 13 s). Reported per contender: records/s, MB/s of image bytes,
-and how much the page cache grew during the run (with drop-behind, stoker keeps only a window of
-pages per open file, so a dataset larger than RAM does not push the training process's own
-file pages out). Ratios are taken per round, then their median and spread.
+Each run lasts ``--seconds`` (default 25) or one whole epoch, whichever ends first
+(``--seconds 0``: the epoch; the disk's rate here has varied from 0.6 to 2.1 GB/s, an epoch
+from ~45 to 13 s). Reported per contender: records/s, MB/s of image bytes, and how much the
+page cache grew during the run (with drop-behind, stoker keeps only a window of pages per open
+file, so a dataset larger than RAM does not push the training process's own file pages out).
+Ratios are taken per round, then their median and spread.
 
     python benchmarks/w1_big.py [--rounds 3] [--seconds 25] [--over 0.1] [--cache .stoker-cache]
 """
