@@ -189,3 +189,43 @@ def test_a_thread_waiting_on_a_signal_wakes_from_another_thread() -> None:
     s.post()
     t.join(5)
     assert woke == [True]
+
+
+def test_file_map_is_a_read_only_map_that_holds_no_descriptor(tmp_path: Path) -> None:
+    import mmap
+
+    from stoker.kernels import map_file, maps_hold_descriptors
+
+    path = tmp_path / "f.bin"
+    data = np.arange(3 * mmap.PAGESIZE, dtype=np.uint8) * 7
+    path.write_bytes(data.tobytes())
+    before = len(os.listdir("/proc/self/fd"))
+    fd = os.open(path, os.O_RDONLY)
+    m = map_file(fd, path.stat().st_size)
+    os.close(fd)
+    assert not maps_hold_descriptors() and len(os.listdir("/proc/self/fd")) == before  # the map holds none
+    assert len(m) == data.nbytes and not m.closed
+    view = np.frombuffer(m, np.uint8)
+    np.testing.assert_array_equal(view, data)
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 1
+    m.madvise(mmap.MADV_WILLNEED, mmap.PAGESIZE, mmap.PAGESIZE)
+    m.madvise(mmap.MADV_DONTNEED)  # the whole map
+    with pytest.raises(ValueError, match="start=-1 is outside the map"):
+        m.madvise(mmap.MADV_WILLNEED, -1)
+    with pytest.raises(OSError):
+        m.madvise(mmap.MADV_WILLNEED, 1)  # not page aligned: the kernel refuses
+    with pytest.raises(BufferError, match="exported"):
+        m.close()  # view still reads from it
+    del view
+    m.close()
+    m.close()  # idempotent
+    assert m.closed
+    with pytest.raises(ValueError, match="closed"):
+        np.frombuffer(m, np.uint8)
+    with pytest.raises(ValueError, match="closed"):
+        m.madvise(mmap.MADV_WILLNEED)
+    with pytest.raises(OSError):
+        map_file(-1, 10)
+    with pytest.raises(ValueError, match="size=0 must be positive"):
+        map_file(0, 0)

@@ -9,6 +9,7 @@ import math
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -522,3 +523,49 @@ def test_same_bytes_as_tf_data_fixed_length_records_with_gzip_labels(tmp_path: P
         for b, (img_bytes, lab_bytes) in zip(got, want):
             assert b["image"].tobytes() == b"".join(img_bytes)
             assert b["label"].tobytes() == b"".join(lab_bytes)
+
+
+def test_the_next_pass_starts_on_the_batch_buffers_of_the_last(tmp_path: Path) -> None:
+    """A pass per epoch reuses the loader's buffers (no fresh pages each epoch); a new allocator replaces them."""
+    from stoker.engine import AlignedPool
+
+    ds = _big(tmp_path)
+    made: list[list[int]] = [[], []]
+
+    def counting(k: int) -> Any:
+        class Counting(AlignedPool):
+            def _new_region(self, nbytes: int) -> object:
+                made[k].append(nbytes)
+                return super()._new_region(nbytes)
+
+        return lambda pooled: Counting(pooled)
+
+    loader = ds.loader(4, threads=2, prefetch=3, cast="float32")
+    loader.allocator_factory = counting(0)
+    expected = [{k: v.copy() for k, v in b.items()} for b in loader]
+    first = len(made[0])
+    assert 0 < first <= 3 * (3 + 2 + 2)  # three fields: a window of batches, the workers', the consumer's
+    for _ in range(3):
+        for got, want in zip(loader, expected, strict=True):
+            for k in want:
+                np.testing.assert_array_equal(got[k], want[k])
+    assert len(made[0]) == first  # every later pass ran on the first pass's buffers
+    loader.allocator_factory = counting(1)  # as an adapter asking for pinned memory does
+    assert len(list(loader)) == len(expected) and made[1] and len(made[0]) == first
+    loader.close()
+
+
+def test_a_thread_climb_not_finished_in_a_pass_goes_on_in_the_next(tmp_path: Path) -> None:
+    """The next pass continues autotune's climb (a new one would start from a trial count)."""
+    ds = _big(tmp_path)
+    loader = ds.loader(4, cast="float32")  # threads chosen by measuring
+    first = iter(loader)
+    next(first)  # the climb is still in its start-up window
+    climb = loader._climb
+    assert climb is not None and not climb.done
+    second = iter(loader)  # closes the first pass
+    next(second)
+    assert loader._climb is climb and second._tuner is climb  # type: ignore[attr-defined]
+    assert loader._executor.threads == climb.threads  # type: ignore[attr-defined]
+    loader.close()
+    assert wait_no_stoker_threads() == []

@@ -30,6 +30,7 @@ import pytest
 
 import stoker
 import stoker.batch
+import stoker.loader
 from conftest import (
     IMG,
     LAB_GZ,
@@ -480,6 +481,83 @@ def test_uncast_runs_copy_from_a_kept_map_after_the_first_epoch_and_read_with_pr
     # epoch-0 runs are done (one group at a time), so finds its map kept, except under
     # drop-behind, which keeps none.
     assert len(reads) == (16 if drop_behind else 8)
+
+
+def _count_image_preadv(monkeypatch: pytest.MonkeyPatch, images: set[str]) -> list[str]:
+    """Every read of one of ``images`` by ``os.preadv`` from now on (the first visit's path)."""
+    real_preadv = os.preadv
+    reads: list[str] = []
+
+    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path in images and not flags:  # not the readahead's one-byte cache probes
+            reads.append(path)
+        return real_preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return reads
+
+
+def test_the_next_pass_of_a_loader_finds_the_maps_of_the_last_with_no_file_open_between(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass per epoch (a PyTorch loop) reads through the maps the last pass kept; close() unmaps."""
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    images = {str(tmp_path / f"img_{g:04d}.bin") for g in range(2)}
+    reads = _count_image_preadv(monkeypatch, images)
+    fds = _fd_count()
+    loader = ds.loader(10, epochs=1, cycle_length=1, threads=1, prefetch=1, with_index=True)
+    first = list(loader)
+    _assert_rows(first, ref)
+    assert len(reads) == 8  # a first visit reads with preadv
+    assert wait_no_stoker_threads() == [] and _fd_count() == fds  # no file open between passes ...
+    assert all(_mappings(Path(p)) == 1 for p in images)  # ... but both files still mapped
+    for _ in range(2):
+        again = list(loader)
+        _assert_rows(again, ref)
+        assert len(again) == 8 and len(reads) == 8  # copied from the kept maps: no read at all
+        assert all(_mappings(Path(p)) == 1 for p in images) and _fd_count() == fds
+    loader.close()
+    assert all(_mappings(Path(p)) == 0 for p in images)
+    dropped = ds.loader(10, cast="float32")
+    list(dropped)
+    assert _mappings(tmp_path / "img_0000.bin") == 1
+    del dropped
+    gc.collect()
+    assert _mappings(tmp_path / "img_0000.bin") == 0  # dropping the loader unmaps too
+
+
+def test_a_file_rewritten_between_passes_is_read_anew_not_through_the_kept_map(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    loader = ds.loader(10, cycle_length=1, cast="float32", threads=1, with_index=True)
+    old_ref = reference(ds)
+    _assert_rows(list(loader), old_ref)
+    image = tmp_path / "img_0001.bin"
+    incoming = tmp_path / "incoming"  # same size, other records: a new inode under the old name
+    incoming.write_bytes(encode(IMG, make_values(IMG, 40, 7000)))
+    os.replace(incoming, image)
+    new_ref = reference(ds)
+    assert not np.array_equal(new_ref[1]["image"], old_ref[1]["image"])
+    with loader:
+        _assert_rows(list(loader), new_ref)
+    assert _mappings(image) == 0
+
+
+def test_without_descriptor_free_maps_each_pass_releases_its_maps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where maps hold a descriptor (no compiled kernels), nothing stays mapped between passes."""
+    monkeypatch.setattr(stoker.loader, "loader_kept_maps", lambda: None)
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    fds = _fd_count()
+    loader = ds.loader(10, epochs=2, cycle_length=1, cast="float32", threads=1, with_index=True)
+    _assert_rows(list(loader), reference(ds))
+    assert wait_no_stoker_threads() == [] and _fd_count() == fds
+    assert _mappings(tmp_path / "img_0000.bin") == 0 and _mappings(tmp_path / "img_0001.bin") == 0
 
 
 @pytest.mark.parametrize("cast", [None, "float32"])

@@ -302,6 +302,28 @@ def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
     assert [t for t, _ in tuner.history] == [1, 2, 1, 3]
 
 
+def test_a_climb_handed_to_the_next_pass_goes_on_and_skips_that_pass_s_start_up() -> None:
+    from stoker.autotune import ThreadTuner
+
+    per_batch = {1: 0.010, 2: 0.005, 3: 0.0049}  # as above: 2 threads pay, 3 do not
+    tuner, w, now = ThreadTuner(start=1, max_threads=4, tune_prefetch=True, fits=100), Workers(), 0.0
+    passes = 0
+    while not tuner.done and passes < 200:
+        passes += 1
+        tuner.new_pass()
+        for k in range(40):  # a pass of 40 batches: shorter than the climb, longer than a start-up
+            # A new pass's first batches wait for threads and fresh pages: 200 ms each. Measured,
+            # they would make any worker count look 20-40x slower than it is.
+            step = 0.2 if k < 2 else per_batch[tuner.threads]
+            tuner.observe(w, now, now + step, now, 16)
+            now += step
+            if tuner.done:
+                break
+    assert passes > 1 and tuner.done and tuner.threads == 2  # what one long pass finds
+    assert [t for t, _ in tuner.history] == [1, 2, 1, 3]
+    assert all(rate > 16 / 0.011 for _, rate in tuner.history)  # no window held a start-up batch
+
+
 def test_the_tuner_drops_a_gain_that_was_only_the_pass_warming_up() -> None:
     from stoker.autotune import ThreadTuner
 

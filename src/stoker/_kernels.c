@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <semaphore.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -631,6 +632,134 @@ static PyTypeObject SignalType = {
     .tp_new = signal_new,
 };
 
+/* FileMap(fd, size): a read-only shared memory map of a file's first size bytes that keeps no
+ * file descriptor (Python's mmap.mmap keeps a duplicate of fd open until it is closed). A loader
+ * keeps the maps of the files it has read between its passes, so the next pass (the next epoch
+ * of a PyTorch loop, of a Keras fit) finds their pages mapped, without holding a file open. The
+ * buffer is read-only; close() refuses while a buffer exported from it is alive (as mmap does),
+ * and the map is unmapped when the object goes. */
+typedef struct {
+    PyObject_HEAD
+    void *addr;
+    Py_ssize_t size;
+    Py_ssize_t exports;
+} FileMapObject;
+
+static PyObject *filemap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"fd", "size", NULL};
+    int fd;
+    Py_ssize_t size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "in:FileMap", kwlist, &fd, &size)) return NULL;
+    if (size <= 0) {
+        PyErr_Format(PyExc_ValueError, "FileMap: size=%zd must be positive", size);
+        return NULL;
+    }
+    FileMapObject *self = (FileMapObject *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    void *addr = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fd, 0);
+    if (addr == MAP_FAILED) {
+        const int err = errno;
+        Py_DECREF(self);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->addr = addr;
+    self->size = size;
+    self->exports = 0;
+    return (PyObject *)self;
+}
+
+static void filemap_dealloc(FileMapObject *self) {
+    if (self->addr != NULL) munmap(self->addr, (size_t)self->size);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int filemap_getbuffer(FileMapObject *self, Py_buffer *view, int flags) {
+    if (self->addr == NULL) {
+        PyErr_SetString(PyExc_ValueError, "FileMap is closed");
+        view->obj = NULL;
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->addr, self->size, 1, flags) < 0) return -1;
+    self->exports++;
+    return 0;
+}
+
+static void filemap_releasebuffer(FileMapObject *self, Py_buffer *view) {
+    (void)view;
+    self->exports--;
+}
+
+static PyObject *filemap_close(FileMapObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->exports > 0) {
+        PyErr_SetString(PyExc_BufferError, "cannot close a FileMap while a buffer exported from it is alive");
+        return NULL;
+    }
+    if (self->addr != NULL) {
+        munmap(self->addr, (size_t)self->size);
+        self->addr = NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* madvise(advice, start=0, length=to the end): advice on a page-aligned range of the map. */
+static PyObject *filemap_madvise(FileMapObject *self, PyObject *args) {
+    int advice;
+    Py_ssize_t start = 0, length = -1;
+    if (!PyArg_ParseTuple(args, "i|nn:madvise", &advice, &start, &length)) return NULL;
+    if (self->addr == NULL) {
+        PyErr_SetString(PyExc_ValueError, "FileMap is closed");
+        return NULL;
+    }
+    if (start < 0 || start >= self->size) {
+        PyErr_Format(PyExc_ValueError, "madvise: start=%zd is outside the map (%zd bytes)", start, self->size);
+        return NULL;
+    }
+    if (length < 0 || length > self->size - start) length = self->size - start;
+    if (madvise((char *)self->addr + start, (size_t)length, advice) != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *filemap_closed(FileMapObject *self, void *unused) {
+    (void)unused;
+    return PyBool_FromLong(self->addr == NULL);
+}
+
+static Py_ssize_t filemap_len(FileMapObject *self) { return self->size; }
+
+static PyBufferProcs filemap_as_buffer = {
+    (getbufferproc)filemap_getbuffer,
+    (releasebufferproc)filemap_releasebuffer,
+};
+
+static PySequenceMethods filemap_as_sequence = {.sq_length = (lenfunc)filemap_len};
+
+static PyMethodDef filemap_methods[] = {
+    {"close", (PyCFunction)filemap_close, METH_NOARGS, "close(): unmap now (BufferError while a buffer is exported)"},
+    {"madvise", (PyCFunction)filemap_madvise, METH_VARARGS, "madvise(advice, start=0, length=-1): advise a range"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef filemap_getset[] = {
+    {"closed", (getter)filemap_closed, NULL, "whether the map has been closed", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FileMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stoker._kernels.FileMap",
+    .tp_basicsize = sizeof(FileMapObject),
+    .tp_dealloc = (destructor)filemap_dealloc,
+    .tp_as_sequence = &filemap_as_sequence,
+    .tp_as_buffer = &filemap_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "FileMap(fd, size): a read-only map of a file's first size bytes holding no descriptor.",
+    .tp_methods = filemap_methods,
+    .tp_getset = filemap_getset,
+    .tp_new = filemap_new,
+};
+
 /* flush(): send this thread's deferred wake-up now. */
 static PyObject *flush(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
@@ -651,12 +780,18 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stoker._kernels", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__kernels(void) {
-    if (PyType_Ready(&SignalType) < 0) return NULL;
+    if (PyType_Ready(&SignalType) < 0 || PyType_Ready(&FileMapType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&SignalType);
     if (PyModule_AddObject(m, "Signal", (PyObject *)&SignalType) < 0) {
         Py_DECREF(&SignalType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&FileMapType);
+    if (PyModule_AddObject(m, "FileMap", (PyObject *)&FileMapType) < 0) {
+        Py_DECREF(&FileMapType);
         Py_DECREF(m);
         return NULL;
     }

@@ -20,7 +20,9 @@ records/s of a fixed one-per-core (median of 5 alternated rounds of 2.5 s on W1)
 0.15 s windows are noisy enough to stop the climb at one.
 
 The choice changes how many batches are prepared at once, never which batches or their
-order. It is kept for the loader's later passes and shown in ``loader.stats().tuning``.
+order. It is kept for the loader's later passes and shown in ``loader.stats().tuning``; a pass
+that ends before the climb does (a pass per epoch of a small dataset) hands the climb on to the
+next pass, which goes on from the worker count it stood at.
 """
 
 from __future__ import annotations
@@ -88,6 +90,13 @@ class ThreadTuner:
         self._down: float | None = None  # records/s before a step down (consumer-bound), until judged
         self._base: float | None = None  # records/s at the worker count the climb stands on
         self._trial: float | None = None  # records/s of one worker more, until measured against again
+
+    def new_pass(self) -> None:
+        """Go on in a new pass: its start-up stays out of the window, as the first pass's did."""
+        self._since = None
+        self._warm = 0
+        self._rows = self._batches = 0
+        self._wait = self._used = 0.0
 
     def prefetch_for(self, threads: int) -> int:
         """The loader's default for ``threads`` workers (:func:`default_prefetch`)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import mmap
 import os
 import stat
 import threading
@@ -28,7 +27,7 @@ from .engine import Allocator, StopFlag, Stopped, flush_wake
 from .errors import CorruptDataError, ReadError, StokerError
 from .files import Catalog, FileInfo, open_local
 from .inflate import Inflater, TruncatedStreamError
-from .kernels import cast_into, file_size, gather_into
+from .kernels import cast_into, file_size, gather_into, map_file, maps_hold_descriptors
 from .plan import BatchPlan, Run
 from .readahead import Readahead
 from .remote import is_remote
@@ -36,7 +35,7 @@ from .seekpoints import SeekPoint
 from .spec import Field
 from .stats import CPU_SAMPLE_SECONDS, Counters
 
-__all__ = ["GROUP_KEY", "INDEX_KEY", "VALID_KEY", "Assembler", "Task", "fill_padding"]
+__all__ = ["GROUP_KEY", "INDEX_KEY", "VALID_KEY", "Assembler", "KeptMaps", "Task", "fill_padding"]
 
 GROUP_KEY = "__group__"
 INDEX_KEY = "__index__"
@@ -47,7 +46,9 @@ _MAX_OPEN = 64
 
 
 def _max_kept_maps() -> int:
-    """Memory maps a pass keeps for later epochs; each holds a descriptor (mmap's own dup)."""
+    """Memory maps kept for later epochs: a quarter of the descriptor limit, at most 1024 (a map
+    made by ``mmap.mmap`` holds a descriptor; the kernels' ``FileMap`` does not, but each map is
+    still one of the process's limited memory mappings)."""
     try:
         import resource
 
@@ -72,6 +73,74 @@ _Identity = tuple[int, int, int, int]
 VERIFY_WHOLE_BYTES = 8 << 20
 
 
+class KeptMaps:
+    """Memory maps of files read to their end, kept by path for the next epoch to find mapped.
+
+    A map closed at the end of each epoch is made again in the next, and every page of the file
+    is faulted in again: in a loop casting W1's files from their maps (2 threads), maps kept
+    across epochs ran 1.21x the records/s of maps made per visit (5 alternated rounds of 3 s;
+    ``MAP_POPULATE`` gained nothing). A pass over several epochs keeps its maps from one to the
+    next; a loader keeps one ``KeptMaps`` for all its passes where maps hold no descriptor
+    (:func:`stoker.kernels.map_file`), so a new pass per epoch (a PyTorch ``for batch in
+    loader`` per epoch, each epoch of Keras' ``fit``) finds them too, and no file stays open
+    between passes; ``Loader.close()`` or dropping the loader unmaps them. A map is reused
+    only for the same file, unchanged (device, inode, mtime and size); at most ``limit`` are
+    kept, the least recently kept closed first. Thread-safe: a pass's last worker may still be
+    putting maps back while the next pass takes them.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = _max_kept_maps() if limit is None else limit
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[str, tuple[_Identity, Any]] = OrderedDict()
+        self._closed = False
+
+    def take(self, path: str, ident: _Identity) -> Any | None:
+        """The map kept for ``path`` if the file is still the one mapped (a stale map is closed)."""
+        with self._lock:
+            kept = self._maps.pop(path, None)
+        if kept is None:
+            return None
+        if kept[0] == ident:
+            return kept[1]
+        kept[1].close()
+        return None
+
+    def put(self, path: str, ident: _Identity, mapped: Any) -> None:
+        """Keep ``mapped`` for ``path`` (closing what it replaces, and the oldest beyond the limit)."""
+        closing = []
+        with self._lock:
+            if self._closed or self.limit == 0:
+                closing.append(mapped)
+            else:
+                old = self._maps.pop(path, None)
+                if old is not None:
+                    closing.append(old[1])
+                self._maps[path] = (ident, mapped)
+                while len(self._maps) > self.limit:
+                    closing.append(self._maps.popitem(last=False)[1][1])
+        for m in closing:
+            m.close()
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def close(self) -> None:
+        """Unmap every kept map; later ``put`` calls close what they are given. Idempotent."""
+        with self._lock:
+            self._closed = True
+            maps = [m for _, m in self._maps.values()]
+            self._maps.clear()
+        for m in maps:
+            m.close()
+
+
+def loader_kept_maps() -> KeptMaps | None:
+    """A ``KeptMaps`` for a loader to share between its passes, or None where maps hold a
+    descriptor (no compiled kernels): each pass then keeps its own and closes them with it."""
+    return None if maps_hold_descriptors() else KeptMaps()
+
+
 def _reading(name: str, info: FileInfo, group: int, start: int, stop: int) -> str:
     return f"stoker: while reading field {name!r} from {info.path!r} (group {group}, records {start}..{stop - 1})"
 
@@ -79,7 +148,7 @@ def _reading(name: str, info: FileInfo, group: int, start: int, stop: int) -> st
 class _RawFile:
     __slots__ = ("done", "fd", "ident", "map", "refs", "reused", "size", "warm")
 
-    def __init__(self, fd: int, size: int, mapped: mmap.mmap | None, ident: _Identity, *, reused: bool = False) -> None:
+    def __init__(self, fd: int, size: int, mapped: Any, ident: _Identity, *, reused: bool = False) -> None:
         self.fd = fd
         self.ident = ident  # what the map was made from (see Assembler._close_file)
         self.size = size
@@ -206,9 +275,10 @@ class Assembler:
         self._compressed = {n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)}
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
-        # Memory maps of finished files kept for the next epoch (see _close_file), by path.
-        self._kept: OrderedDict[str, tuple[_Identity, mmap.mmap]] = OrderedDict()
-        self.max_kept_maps = _max_kept_maps()
+        # Memory maps of finished files kept for the next epoch (see _close_file): this pass's
+        # own, closed with it, unless the loader shares its own (see share_kept_maps).
+        self.kept_maps = KeptMaps()
+        self._owns_kept_maps = True
         # Runs planned but not yet done, per (epoch, raw file): a file closes only when its
         # final run is done and no earlier run is still to come (workers finish out of order;
         # a file closed early would be opened again, and fail if it was deleted meanwhile).
@@ -232,6 +302,10 @@ class Assembler:
         # their stored records never land in a buffer of their own.
         self.fused: Any = None
         self._fusable: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+
+    def share_kept_maps(self, kept: KeptMaps) -> None:
+        """Keep maps in the loader's ``kept`` (which outlives this pass) instead of this pass's own."""
+        self.kept_maps, self._owns_kept_maps = kept, False
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
     def prepare(self, plan: BatchPlan) -> Task:
@@ -439,20 +513,14 @@ class Assembler:
             # old size; one cut short fails at the first record it no longer holds (in _read_raw).
             size = min(st.st_size, info.size)
             ident = (st.st_dev, st.st_ino, st.st_mtime_ns, size)
-            with self._lock:
-                kept = self._kept.pop(info.path, None)
-            mapped = None
-            if kept is not None:
-                if kept[0] == ident:  # the same file, unchanged: its pages are mapped already
-                    mapped = kept[1]
-                else:
-                    kept[1].close()
+            # The same file, unchanged, read in an earlier epoch: its pages are mapped already.
+            mapped = self.kept_maps.take(info.path, ident)
             reused = mapped is not None
             # Mapped for cast copies, strided runs and gathers, and plain runs once the map is
             # kept from an earlier epoch; plain runs of a new map use preadv.
             try:
                 if mapped is None and size:
-                    mapped = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+                    mapped = map_file(fd, size)
             except OSError as e:
                 raise ReadError(
                     f"field {name!r}: cannot map {info.path!r}: {e.strerror}", field=name, path=info.path
@@ -510,28 +578,18 @@ class Assembler:
             self._close_file(info.path, f)
 
     def _close_file(self, path: str, f: _RawFile) -> None:
-        """Close a raw file, keeping its memory map for the next epoch where that pays (caller
-        holds ``_lock``).
+        """Close a raw file, keeping its memory map for the next epoch where that pays (see
+        KeptMaps; caller holds ``_lock``).
 
-        A map closed at the end of each epoch is made again in the next, and every page of the
-        file is faulted in again: in a loop casting W1's files from their maps (2 threads), maps
-        kept across epochs ran 1.21x the records/s of maps made per visit (5 alternated rounds
-        of 3 s; ``MAP_POPULATE`` gained nothing). Kept only while the dataset fits the page
-        cache (no drop-behind: its pages are evicted for good there) and up to
-        ``max_kept_maps`` (a quarter of the descriptor limit); a map is reused only for the
-        same file, unchanged (device, inode, mtime and size), and all close with the pass.
+        Kept only while the dataset fits the page cache: with drop-behind its pages are evicted
+        for good, and a map would only hold the address space.
         """
         mapped, f.map = f.map, None
         if mapped is not None:
-            if self.readahead.drop_behind or self.max_kept_maps == 0 or self._closed:
+            if self.readahead.drop_behind or (self._closed and self._owns_kept_maps):
                 mapped.close()
             else:
-                old = self._kept.pop(path, None)
-                if old is not None:
-                    old[1].close()
-                self._kept[path] = (f.ident, mapped)
-                while len(self._kept) > self.max_kept_maps:
-                    self._kept.popitem(last=False)[1][1].close()
+                self.kept_maps.put(path, f.ident, mapped)
         f.close()
 
     def _release_if_done(self, epoch: int, info: FileInfo, f: _RawFile) -> None:
@@ -927,14 +985,12 @@ class Assembler:
             self._closed = True
             files = list(self._files.values())
             self._files.clear()
-            kept = [m for _, m in self._kept.values()]
-            self._kept.clear()
             streams = list(self._streams.values())
             self._streams.clear()
         for f in files:
             f.close()
-        for m in kept:
-            m.close()
+        if self._owns_kept_maps:
+            self.kept_maps.close()
         for s in streams:
             if s.inflater is not None:
                 s.inflater.close()

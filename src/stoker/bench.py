@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,17 +197,25 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         _evict_page_cache([i.path for infos in ds.files for i in infos.values()])
     busy = float(cfg.get("busy_ms") or 0) / 1000
     shuffle: Any = cfg.get("shuffle") or False
+    # pass_per_epoch: ``for epoch ...: for batch in loader`` (PyTorch's way, and Keras' fit over
+    # to_tf): each epoch is a new pass, its start-up timed with the rest.
+    per_epoch = bool(cfg.get("pass_per_epoch"))
     # Cold: one epoch at most, since a second one would find the first one's pages cached.
     with ds.loader(
         cfg["batch"],
-        epochs=1 if cold else None,
+        epochs=1 if cold or per_epoch else None,
         cast=cfg["cast"] or None,
         threads=cfg.get("threads"),
         prefetch=cfg.get("prefetch"),
         shuffle=shuffle,
         seed=0 if shuffle else None,
     ) as loader:
-        batches = iter(loader)
+
+        def epoch_after_epoch() -> Iterator[dict[str, np.ndarray]]:
+            while True:
+                yield from loader
+
+        batches = epoch_after_epoch() if per_epoch and not cold else iter(loader)
         if cfg.get("warmup"):  # start-up and first batch excluded, as peers' benchmarks do
             next(batches)
         cpu = time.process_time()

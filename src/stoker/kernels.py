@@ -12,12 +12,22 @@ with ordinary stores (``benchmarks/w1.py`` has the figures).
 from __future__ import annotations
 
 import importlib
+import mmap
 import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["STREAM_MIN_BYTES", "address", "cast_into", "compiled", "file_size", "gather_into"]
+__all__ = [
+    "STREAM_MIN_BYTES",
+    "address",
+    "cast_into",
+    "compiled",
+    "file_size",
+    "gather_into",
+    "map_file",
+    "maps_hold_descriptors",
+]
 
 _kernels: Any
 try:
@@ -44,6 +54,24 @@ def file_size(fd: int) -> int:
     kernels are built: ``os.fstat`` gives it up for a one-microsecond call, and taking it back
     waits out whichever thread took it meanwhile (~18 us a run on a W1 worker)."""
     return _kernels.file_size(fd) if _kernels is not None else os.fstat(fd).st_size
+
+
+def map_file(fd: int, size: int) -> Any:
+    """A read-only memory map of open file ``fd``'s first ``size`` bytes (``size`` > 0).
+
+    Where the kernels are built this is their ``FileMap``, which keeps no file descriptor: a
+    loader keeps such maps between its passes without holding files open (see
+    ``stoker.batch.KeptMaps``). Otherwise ``mmap.mmap``, which keeps a duplicate of ``fd`` until
+    it is closed. Both give the buffer protocol, ``close()`` and ``madvise()``.
+    """
+    if _kernels is not None:
+        return _kernels.FileMap(fd, size)
+    return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+
+
+def maps_hold_descriptors() -> bool:
+    """Whether :func:`map_file`'s maps keep a file descriptor open (only without the kernels)."""
+    return _kernels is None
 
 
 def address(x: np.ndarray) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import Any
 
 __all__ = ["AHEAD_BYTES", "Readahead", "drop_behind_for"]
 
@@ -61,9 +62,7 @@ class Readahead:
         # starts below the mark and resets it.
         self._dropped: dict[int, int] = {}
 
-    def after_read(
-        self, fd: int, mapped: mmap.mmap | None, size: int, offset: int, nbytes: int, *, ahead: bool = True
-    ) -> bool:
+    def after_read(self, fd: int, mapped: Any, size: int, offset: int, nbytes: int, *, ahead: bool = True) -> bool:
         """Advise after a run; True when the rest of the file is cached (``ahead`` can stop).
 
         The caller keeps that answer per open file and passes ``ahead=False`` from then on, so a
