@@ -1030,3 +1030,20 @@ def test_a_ready_batch_is_not_held_back_while_its_worker_waits_on_the_disk(
         rest = list(it)
     assert waited < 0.4, waited  # not the consumer's 0.5 s poll
     _assert_rows([first, *rest], reference(ds))
+
+
+def test_a_pass_whose_loader_was_dropped_still_keeps_its_maps_for_its_next_epoch(tmp_path: Path) -> None:
+    """``iter(ds.loader(...))`` keeps only the pass: its epochs must still find the maps kept."""
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    it = iter(ds.loader(10, epochs=2, cycle_length=1, cast="float32", threads=1, prefetch=1, with_index=True))
+    gc.collect()  # the loader itself is gone now
+    got = [next(it) for _ in range(6)]  # group 0 of epoch 0 done: its map is kept for epoch 1
+    assert _mappings(tmp_path / "img_0000.bin") == 1
+    got += list(it)
+    _assert_rows(got, ref)
+    assert len(got) == 16
+    del it
+    gc.collect()
+    assert _mappings(tmp_path / "img_0000.bin") == 0 and _mappings(tmp_path / "img_0001.bin") == 0
