@@ -83,7 +83,8 @@ class KeptMaps:
     next; a loader keeps one ``KeptMaps`` for all its passes where maps hold no descriptor
     (:func:`stoker.kernels.map_file`), so a new pass per epoch (a PyTorch ``for batch in
     loader`` per epoch, each epoch of Keras' ``fit``) finds them too, and no file stays open
-    between passes; ``Loader.close()`` or dropping the loader unmaps them. A map is reused
+    between passes; ``Loader.close()`` unmaps them, or their last holder (the loader, or a pass
+    still running after its loader was dropped) going away does. A map is reused
     only for the same file, unchanged (device, inode, mtime and size); at most ``limit`` are
     kept, the least recently kept closed first. Thread-safe: a pass's last worker may still be
     putting maps back while the next pass takes them.
