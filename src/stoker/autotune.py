@@ -81,20 +81,21 @@ class ThreadTuner:
         self.done = start >= self.max_threads
         self.history: list[tuple[int, float]] = []  # (threads, records/s) per window
         self.reason = ""
-        self._rows = 0
-        self._batches = 0
-        self._wait = 0.0
-        self._used = 0.0
-        self._since: float | None = None
+        self._since: float | None = None  # when the current window began (None: in start-up)
         self._warm = 0  # batches seen before the first window (start-up)
+        self._new_window(None)
         self._down: float | None = None  # records/s before a step down (consumer-bound), until judged
         self._base: float | None = None  # records/s at the worker count the climb stands on
         self._trial: float | None = None  # records/s of one worker more, until measured against again
 
     def new_pass(self) -> None:
         """Go on in a new pass: its start-up stays out of the window, as the first pass's did."""
-        self._since = None
         self._warm = 0
+        self._new_window(None)
+
+    def _new_window(self, since: float | None) -> None:
+        """Start counting a measuring window at ``since`` (None: after the start-up batches)."""
+        self._since = since
         self._rows = self._batches = 0
         self._wait = self._used = 0.0
 
@@ -127,9 +128,7 @@ class ThreadTuner:
         rate = self._rows / elapsed
         consumer_bound = self._used > self._wait
         self.history.append((self.threads, rate))
-        self._rows = self._batches = 0
-        self._wait = self._used = 0.0
-        self._since = got
+        self._new_window(got)
         if self._down is not None:  # the last window ran one worker fewer, the consumer being the limit
             before, self._down = self._down, None
             if rate * GAIN < before:  # that cost more than noise: the worker goes back
