@@ -587,7 +587,7 @@ class Assembler:
         """
         mapped, f.map = f.map, None
         if mapped is not None:
-            if self.readahead.drop_behind or (self._closed and self._owns_kept_maps):
+            if self.readahead.drop_behind:
                 mapped.close()
             else:
                 self.kept_maps.put(path, f.ident, mapped)
