@@ -452,16 +452,11 @@ def test_kept_maps_are_bounded_and_the_oldest_goes_first(tmp_path: Path, monkeyp
     assert _fd_count() == fds
 
 
-@pytest.mark.parametrize("drop_behind", [False, True])
-def test_uncast_runs_copy_from_a_kept_map_after_the_first_epoch_and_read_with_preadv_before(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop_behind: bool
-) -> None:
-    write_dataset(tmp_path, [40, 40], PAIR)
-    ds = _pair_ds(tmp_path)
-    ref = reference(ds)
-    images = {str(tmp_path / f"img_{g:04d}.bin") for g in range(2)}
+def _count_image_preadv(monkeypatch: pytest.MonkeyPatch, images: set[str]) -> list[str]:
+    """Every read of one of ``images`` by ``os.preadv`` from now on (the readahead's cache probes
+    keep the real call, bound at import, so they are not counted)."""
     real_preadv = os.preadv
-    reads: list[str] = []  # every image read by preadv
+    reads: list[str] = []
 
     def preadv(fd: int, buffers: list, offset: int) -> int:
         path = os.readlink(f"/proc/self/fd/{fd}")
@@ -470,6 +465,17 @@ def test_uncast_runs_copy_from_a_kept_map_after_the_first_epoch_and_read_with_pr
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
+    return reads
+
+
+@pytest.mark.parametrize("drop_behind", [False, True])
+def test_uncast_runs_copy_from_a_kept_map_after_the_first_epoch_and_read_with_preadv_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop_behind: bool
+) -> None:
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    reads = _count_image_preadv(monkeypatch, {str(tmp_path / f"img_{g:04d}.bin") for g in range(2)})
     loader = ds.loader(10, epochs=2, cycle_length=1, threads=1, prefetch=1, with_index=True)
     loader.drop_behind = drop_behind
     with loader:
@@ -481,21 +487,6 @@ def test_uncast_runs_copy_from_a_kept_map_after_the_first_epoch_and_read_with_pr
     # epoch-0 runs are done (one group at a time), so finds its map kept, except under
     # drop-behind, which keeps none.
     assert len(reads) == (16 if drop_behind else 8)
-
-
-def _count_image_preadv(monkeypatch: pytest.MonkeyPatch, images: set[str]) -> list[str]:
-    """Every read of one of ``images`` by ``os.preadv`` from now on (the first visit's path)."""
-    real_preadv = os.preadv
-    reads: list[str] = []
-
-    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        if path in images and not flags:  # not the readahead's one-byte cache probes
-            reads.append(path)
-        return real_preadv(fd, buffers, offset, *flags)
-
-    monkeypatch.setattr(os, "preadv", preadv)
-    return reads
 
 
 def test_the_next_pass_of_a_loader_finds_the_maps_of_the_last_with_no_file_open_between(

@@ -112,7 +112,8 @@ def test_an_unusable_cache_directory_builds_in_the_temp_directory(
     assert path.parent == tmp_path / "tmp" / f"stoker-tfbridge-{os.getuid()}" and path.stat().st_size > 0
 
 
-def test_a_corrupt_file_fails_the_tf_iterator_naming_the_file_after_the_good_batches(tmp_path: Path) -> None:
+def _corrupt_second_label_file(tmp_path: Path) -> stoker.Dataset:
+    """Two groups of 64 records; the second group's gzip label file is corrupt mid-stream."""
     stoker.write_sample(tmp_path, pairs=2, records=64, inrez=8)
     bad = tmp_path / "out_0001.bin.gz"
     body = bytearray(bad.read_bytes())
@@ -122,6 +123,11 @@ def test_a_corrupt_file_fails_the_tf_iterator_naming_the_file_after_the_good_bat
         image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (8, 8, 1)),
         label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
     )
+    return ds
+
+
+def test_a_corrupt_file_fails_the_tf_iterator_naming_the_file_after_the_good_batches(tmp_path: Path) -> None:
+    ds = _corrupt_second_label_file(tmp_path)
     got = []
     with pytest.raises(tf.errors.OpError, match=r"out_0001\.bin\.gz") as e:
         for batch in ds.loader(16, threads=2).to_tf():
@@ -193,15 +199,7 @@ def test_the_public_chain_fails_naming_the_file_after_the_good_batches_and_leave
 ) -> None:
     monkeypatch.setattr(stf, "_MapDataset", None)
     monkeypatch.setattr(stf, "_warned_public", [True])  # warned already: this test is about errors
-    stoker.write_sample(tmp_path, pairs=2, records=64, inrez=8)
-    bad = tmp_path / "out_0001.bin.gz"
-    body = bytearray(bad.read_bytes())
-    body[len(body) // 2 : len(body) // 2 + 16] = b"\xff" * 16  # inside the deflate stream
-    bad.write_bytes(bytes(body))
-    ds = stoker.Dataset(
-        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (8, 8, 1)),
-        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
-    )
+    ds = _corrupt_second_label_file(tmp_path)
     got = []
     with pytest.raises(tf.errors.OpError, match=r"out_0001\.bin\.gz"):
         for batch in ds.loader(16, threads=2).to_tf():
