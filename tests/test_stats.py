@@ -293,10 +293,10 @@ def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
         now += step
     assert tuner.done and tuner.threads == 2
     assert w.calls == [
-        "add", "window 4",  # try 2
-        "retire", "window 3",  # it paid: 1 again, to confirm
-        "add", "add", "window 5",  # confirmed: back to 2 and on to 3
-        "retire", "window 4",  # 3 did not pay
+        "add", "window 6",  # try 2 (the window follows: four batches more than the workers)
+        "retire", "window 5",  # it paid: 1 again, to confirm
+        "add", "add", "window 7",  # confirmed: back to 2 and on to 3
+        "retire", "window 6",  # 3 did not pay
     ]  # fmt: skip
     assert "3 threads gave" in tuner.reason
     assert [t for t, _ in tuner.history] == [1, 2, 1, 3]
@@ -341,7 +341,7 @@ def test_the_tuner_drops_a_gain_that_was_only_the_pass_warming_up() -> None:
         tuner.observe(w, now, now + step, now, 16)
         now += step
     assert tuner.done and tuner.threads == 2
-    assert w.calls == ["add", "window 5", "retire", "window 4"]
+    assert w.calls == ["add", "window 7", "retire", "window 6"]
     assert "3 threads gave 0.94x of 2 measured after" in tuner.reason
 
 
@@ -377,11 +377,11 @@ def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it
 
     # Any worker count keeps up: each step down holds the rate, down to one worker.
     tuner, calls = run({3: 0.0, 2: 0.0, 1: 0.0})
-    assert tuner.threads == 1 and calls == ["retire", "window 4", "retire", "window 3"]
+    assert tuner.threads == 1 and calls == ["retire", "window 6", "retire", "window 5"]
     assert "1 thread(s) keep up" in tuner.reason
     # One worker no longer keeps up (the consumer waits 10 ms a batch): the step is taken back.
     tuner, calls = run({3: 0.0, 2: 0.0, 1: 0.010})
-    assert tuner.threads == 2 and calls == ["retire", "window 4", "retire", "window 3", "add", "window 4"]
+    assert tuner.threads == 2 and calls == ["retire", "window 6", "retire", "window 5", "add", "window 6"]
     assert "so 2 kept" in tuner.reason
 
 

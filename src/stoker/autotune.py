@@ -12,7 +12,7 @@ When the consumer is the limit (it kept batches longer than it waited for them) 
 climbs: it steps down instead, one worker at a time while the records/s hold (within
 ``GAIN``), so a consumer computing on the host keeps its core; a step that costs more than
 that is taken back. ``prefetch``, when None, follows
-:func:`default_prefetch` (two batches more than the workers, deeper for small batches) within
+:func:`default_prefetch` (four batches more than the workers, deeper for small batches) within
 ``memory_budget``.
 
 Starting lower, at one worker, was measured worse on this loaded 2-core machine: 0.93x the
@@ -40,23 +40,27 @@ MIN_SECONDS = 0.15
 GAIN = 1.08
 
 
-# Batches in flight: each worker needs one to fill while the consumer holds one, and a spare
-# two keep a worker that finished early (batches take uneven times) from waiting for the one
-# before it to be delivered. Measured on W1 with 2 threads (5 alternated rounds of 2.5 s, after
-# casts began streaming past the cache, see stoker.kernels): int8 prefetch 2 / 3 / 4 gave 256k /
-# 303k / 328k records/s, float32 220k / 239k / 236k. (Before that change, when every buffer that
-# rotated through the cache cost its reads, prefetch 2 had been the fastest.) Small batches want
-# depth to hide the per-batch hand-off: at batch 16 (1 MiB float32) prefetch 8 gave 1.19x of 2
-# (3 alternated rounds). So: enough batches to hold about this many bytes, at least two more
-# than the workers, at most MAX_PREFETCH.
+# Batches in flight: each worker needs one to fill while the consumer holds one, and spares
+# keep a worker that finished early (batches take uneven times) from waiting for the one before
+# it to be delivered, and let the consumer take several batches per wake-up while every worker
+# still has one to fill (stoker.engine, MAX_PER_WAKE). Measured on W1 with 2 threads (5
+# alternated rounds of 2.5 s, after casts began streaming past the cache, see stoker.kernels):
+# int8 prefetch 2 / 3 / 4 gave 256k / 303k / 328k records/s, float32 220k / 239k / 236k, when the
+# consumer took two batches per wake-up. Since it takes what the window holds beyond one batch
+# per worker (at most four), four spares beat two: W1 stoker / ceiling float32 0.86 against 0.78,
+# int8 0.90 against 0.83 (one run, medians of 5 alternated rounds); three spares sat between
+# (0.87 float32, 0.85 int8). Small batches want depth to hide the per-batch hand-off: at batch 16
+# (1 MiB float32) prefetch 8 gave 1.19x of 2 (3 alternated rounds). So: enough batches to hold
+# about this many bytes, at least SPARE more than the workers, at most MAX_PREFETCH.
 IN_FLIGHT_BYTES = 8 << 20
 MAX_PREFETCH = 16
+SPARE = 4
 
 
 def default_prefetch(threads: int, batch_bytes: int, fits: int) -> int:
     """Batches in flight by default; at most half of what ``memory_budget`` holds (``fits``)."""
     deep = -(-IN_FLIGHT_BYTES // max(1, batch_bytes))
-    return max(1, min(max(threads + 2, min(deep, MAX_PREFETCH)), fits // 2))
+    return max(1, min(max(threads + SPARE, min(deep, MAX_PREFETCH)), fits // 2))
 
 
 class Workers(Protocol):

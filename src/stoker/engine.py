@@ -208,6 +208,9 @@ class StopFlag:
 # How often a worker waiting for room in the window looks at the stop flag and its OrderedMap:
 # the bound on how long a worker outlives a close() that a Ctrl-C cut short.
 WAIT_SECONDS = 0.1
+# Most results the consumer is woken for at once (see _State.work). At batch 16 (1 MiB float32,
+# window 8, 2 threads) six per wake-up gave 0.93x of two, four 0.96x (5 alternated rounds).
+MAX_PER_WAKE = 4
 
 
 def run_finalizer(finalizer: weakref.finalize) -> None:
@@ -424,19 +427,26 @@ class _State(Generic[T, R]):
                 flush_wake()  # the previous result's wake-up waits no longer than this task
             with lock:
                 self.results[seq] = result
-                # The consumer is woken once the result it waits for (d) is here and so is the
-                # one after it, or nothing after it is in flight (or d failed): a consumer that
-                # outpaces the workers then takes two results per wake-up, and each wake-up
-                # costs both sides a sleep and a GIL hand-off (W1 float32 1.04x, int8 1.02x,
-                # 5 alternated rounds; no wake-up for results it does not wait for: 1.01x).
-                # A worker on d + 1 wakes it when done, whatever d + 1 holds.
+                # The consumer is woken once the result it waits for (d) is here and so are the
+                # ones after it up to what the window holds beyond one task per worker (or
+                # nothing more is in flight, or d failed). A consumer that outpaces the workers
+                # then takes several results per wake-up, and each wake-up costs both sides a
+                # sleep and a GIL hand-off, while every worker still has a slot to fill as it
+                # sleeps. With the default window (stoker.autotune.default_prefetch; 2 threads,
+                # 6 batches, so four per wake-up) against the earlier two per wake-up in a window
+                # of 4, W1 stoker / ceiling went from 0.78 to 0.86 (float32) and 0.83 to 0.90
+                # (int8) in one run, 0.82 to 0.83 and 0.85 to 0.89 in another (medians of 5
+                # alternated rounds). Taking more than that room leaves workers waiting on a
+                # full window: four per wake-up in a window of 4 gave 0.92x of two.
+                # A worker on the last of them wakes it when done.
                 # With defer_wake, the wake-up leaves when this thread next gives the GIL up in
                 # a kernel (the next batch's copy), so the consumer wakes to a free GIL instead
                 # of waking to wait for it (stoker/_kernels.c, Signal): one sleep per batch
                 # instead of two or three, 1.05x W1 float32 records/s (5 alternated rounds).
                 d = self.delivered
                 if d in self.results and (
-                    d + 1 in self.results or d + 1 >= self.dispatched or isinstance(self.results[d], _Failure)
+                    isinstance(self.results[d], _Failure)
+                    or all(k in self.results for k in range(d + 1, min(d + self._per_wake(), self.dispatched)))
                 ):
                     if self.defer_wake:
                         self.arrived.post_later()
@@ -444,6 +454,11 @@ class _State(Generic[T, R]):
                         self.signal()
             # Drop our references now: a batch must be recyclable as soon as its caller lets go.
             del task, result
+
+    def _per_wake(self) -> int:
+        """Results the consumer takes per wake-up (caller holds the lock): the window less one
+        task per worker, at most ``MAX_PER_WAKE``."""
+        return max(1, min(MAX_PER_WAKE, self.window - (self.running - self.retire)))
 
     def shutdown(self) -> None:
         """Stop and join every worker, then release what they hold.
