@@ -302,6 +302,38 @@ def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
     assert [t for t, _ in tuner.history] == [1, 2, 1, 3]
 
 
+def test_a_trial_worker_that_clearly_loses_is_taken_back_before_its_window_ends() -> None:
+    from stoker.autotune import CLEAR_LOSS, EARLY_FRACTION, MIN_BATCHES, MIN_SECONDS, ThreadTuner
+
+    def time_at_three(per_batch_at_three: float) -> tuple[float, ThreadTuner, list[str]]:
+        tuner, w, now = ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=100), Workers(), 0.0
+        spent = 0.0
+        for _ in range(2000):
+            if tuner.done:
+                break
+            step = {2: 0.005, 3: per_batch_at_three}[tuner.threads]
+            if tuner.threads == 3:
+                spent += step
+            tuner.observe(w, now, now + step, now, 16)
+            now += step
+        assert tuner.done and tuner.threads == 2
+        return spent, tuner, w.calls
+
+    # Three workers at half the rate of two: beyond CLEAR_LOSS, so the trial ends once it holds
+    # MIN_BATCHES and a third of a window, and the worker is taken back as a full window would.
+    spent, tuner, calls = time_at_three(0.010)
+    assert CLEAR_LOSS < 2  # the premise: half the rate of two is a clear loss
+    assert spent == pytest.approx(max(MIN_BATCHES * 0.010, MIN_SECONDS * EARLY_FRACTION), abs=0.0101)
+    assert spent < MIN_SECONDS
+    assert calls == ["add", "window 7", "retire", "window 6"]
+    assert "3 threads gave 0.50x of 2" in tuner.reason
+    # A small loss (0.91x) is within what a full window must judge: it runs the whole window.
+    spent, tuner, calls = time_at_three(0.0055)
+    assert spent >= MIN_SECONDS
+    assert calls == ["add", "window 7", "retire", "window 6"]
+    assert "3 threads gave 0.91x of 2" in tuner.reason
+
+
 def test_a_climb_handed_to_the_next_pass_goes_on_and_skips_that_pass_s_start_up() -> None:
     from stoker.autotune import ThreadTuner
 

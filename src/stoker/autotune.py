@@ -5,7 +5,10 @@ of the look-ahead has been delivered (start-up costs stay out of the measurement
 measuring window (at least ``MIN_BATCHES`` batches and ``MIN_SECONDS`` seconds, as the
 consumer sees them) it adds a worker while that raised records/s by more than ``GAIN``,
 up to ``2 x cores`` (threads that wait on a cold disk leave their core to others). A step
-that did not pay is taken back and the climb stops. A step that paid is measured once more
+that did not pay is taken back and the climb stops; one that runs below the count before it by
+more than ``CLEAR_LOSS`` is judged a third of the way into its window (W1 float32 1.04x, int8
+1.01x the records/s of a 3 s run, 5 alternated rounds: its trial of a third worker on 2 cores
+had run at 0.44x-0.97x of two for a whole window). A step that paid is measured once more
 against one worker fewer, in the window after it (a pass speeds up as its first epoch warms
 the files, which made any later window look like a gain), and kept only if it still pays.
 When the consumer is the limit (it kept batches longer than it waited for them) it never
@@ -29,7 +32,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["GAIN", "IN_FLIGHT_BYTES", "MIN_BATCHES", "MIN_SECONDS", "ThreadTuner", "default_prefetch"]
+__all__ = [
+    "CLEAR_LOSS",
+    "EARLY_FRACTION",
+    "GAIN",
+    "IN_FLIGHT_BYTES",
+    "MIN_BATCHES",
+    "MIN_SECONDS",
+    "ThreadTuner",
+    "default_prefetch",
+]
 
 # Short enough to settle within the first second of a W1-sized pass, long enough that a
 # window holds many batches (a loaded 2-core machine drifts between single batches).
@@ -38,6 +50,10 @@ MIN_SECONDS = 0.15
 # A worker is kept when it raised throughput by more than this (noise on a loaded machine
 # is a few percent between consecutive windows).
 GAIN = 1.08
+# A trial of one worker more whose records/s fall below the count before it by this factor ends
+# after this fraction of a window (ThreadTuner._clearly_losing).
+CLEAR_LOSS = 1.25
+EARLY_FRACTION = 1 / 3
 
 
 # Batches in flight: each worker needs one to fill while the consumer holds one, and spares
@@ -127,9 +143,11 @@ class ThreadTuner:
         if last is not None:
             self._used += asked - last
         elapsed = got - self._since
-        if self._batches < MIN_BATCHES or elapsed < MIN_SECONDS:
+        if self._batches < MIN_BATCHES:
             return
         rate = self._rows / elapsed
+        if elapsed < MIN_SECONDS and not self._clearly_losing(elapsed, rate):
+            return
         consumer_bound = self._used > self._wait
         self.history.append((self.threads, rate))
         self._new_window(got)
@@ -187,6 +205,19 @@ class ThreadTuner:
         self.threads += 1
         workers.add_worker()
         self._resize(workers)
+
+    def _clearly_losing(self, elapsed: float, rate: float) -> bool:
+        """A trial of one worker more that already runs well below the count before it ends early.
+
+        On 2 cores a third worker ran at 0.44x-0.97x of two (W1), and a full window of it cost a
+        3 s run a few percent; a window a third as long still holds tens of batches, and a loss
+        this large is beyond what noise or the trial's own start (one more thread, one more
+        buffer) explains. A trial that gains, or loses little, runs its whole window as before.
+        """
+        base = self._base
+        if base is None or self._trial is not None or self._down is not None:  # not a trial of one more
+            return False
+        return elapsed >= MIN_SECONDS * EARLY_FRACTION and rate * CLEAR_LOSS < base
 
     def _step_down(self, workers: Workers, rate: float) -> None:
         """The consumer is the limit: try one worker fewer, which leaves it more of the CPU.
