@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from .engine import MAX_PER_WAKE
+
 __all__ = [
     "CLEAR_LOSS",
     "EARLY_FRACTION",
@@ -70,7 +72,7 @@ EARLY_FRACTION = 1 / 3
 # about this many bytes, at least SPARE more than the workers, at most MAX_PREFETCH.
 IN_FLIGHT_BYTES = 8 << 20
 MAX_PREFETCH = 16
-SPARE = 4
+SPARE = MAX_PER_WAKE  # room for a whole wake-up's batches beyond one per worker
 
 
 def default_prefetch(threads: int, batch_bytes: int, fits: int) -> int:
