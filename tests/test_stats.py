@@ -334,6 +334,36 @@ def test_a_trial_worker_that_clearly_loses_is_taken_back_before_its_window_ends(
     assert "3 threads gave 0.91x of 2" in tuner.reason
 
 
+def test_the_tuner_tries_no_worker_more_once_the_process_keeps_every_core_busy() -> None:
+    from stoker.autotune import SATURATED, ThreadTuner
+
+    def climb(cores_busy: float) -> tuple[ThreadTuner, list[str]]:
+        now = [0.0]  # the consumer's clock; the process's CPU clock runs cores_busy times as fast
+        tuner = ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=100, cores=2,
+                            cpu_clock=lambda: cores_busy * now[0])  # fmt: skip
+        w = Workers()
+        for _ in range(2000):
+            if tuner.done:
+                break
+            step = {2: 0.005, 3: 0.0049}[tuner.threads]  # a third worker would not pay either
+            tuner.observe(w, now[0], now[0] + step, now[0], 16)
+            now[0] += step
+        assert tuner.done and tuner.threads == 2
+        return tuner, w.calls
+
+    # Two workers and the consumer keep 1.94 of 2 cores busy (W1 float32): CPU-bound, no trial.
+    assert 1.94 >= SATURATED * 2
+    tuner, calls = climb(1.94)
+    assert calls == []
+    assert tuner.reason == "CPU-bound: 1.94 of 2 cores busy at 2 thread(s), so no worker more was tried"
+    assert [t for t, _ in tuner.history] == [2]
+    assert "CPU-bound: 1.94 of 2 cores" in tuner.summary()
+    # Workers waiting on a cold disk leave a core idle: the third worker is tried and judged.
+    tuner, calls = climb(1.2)
+    assert calls == ["add", "window 7", "retire", "window 6"]
+    assert "3 threads gave 1.02x of 2" in tuner.reason
+
+
 def test_a_climb_handed_to_the_next_pass_goes_on_and_skips_that_pass_s_start_up() -> None:
     from stoker.autotune import ThreadTuner
 

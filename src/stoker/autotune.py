@@ -14,7 +14,12 @@ the files, which made any later window look like a gain), and kept only if it st
 When the consumer is the limit (it kept batches longer than it waited for them) it never
 climbs: it steps down instead, one worker at a time while the records/s hold (within
 ``GAIN``), so a consumer computing on the host keeps its core; a step that costs more than
-that is taken back. ``prefetch``, when None, follows
+that is taken back. It never adds a worker while the process already keeps ``SATURATED`` of
+every core busy (its CPU time over the window, consumer included): a pipeline that is
+CPU-bound cannot gain from one more thread, and the trial only costs a window of contention
+(W1 float32 on 2 cores, where two workers and the consumer use 1.93 cores: see SATURATED).
+Workers waiting on a cold disk or a network leave cores idle, and there the climb goes on.
+``prefetch``, when None, follows
 :func:`default_prefetch` (four batches more than the workers, deeper for small batches) within
 ``memory_budget``.
 
@@ -30,6 +35,9 @@ next pass, which goes on from the worker count it stood at.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from .engine import MAX_PER_WAKE
@@ -41,7 +49,9 @@ __all__ = [
     "IN_FLIGHT_BYTES",
     "MIN_BATCHES",
     "MIN_SECONDS",
+    "SATURATED",
     "ThreadTuner",
+    "available_cores",
     "default_prefetch",
 ]
 
@@ -56,6 +66,11 @@ GAIN = 1.08
 # after this fraction of a window (ThreadTuner._clearly_losing).
 CLEAR_LOSS = 1.25
 EARLY_FRACTION = 1 / 3
+# The share of every core the process must keep busy over a window for the climb to stop
+# there, CPU-bound. W1 float32 on 2 cores keeps 1.93-1.94 busy at two workers, and trying a
+# third (even cut short by CLEAR_LOSS) left the default at 0.862 of the ceiling against 0.894
+# for threads=2 fixed; with this rule 0.867 against 0.871 (5 alternated rounds of 3 s each).
+SATURATED = 0.9
 
 
 # Batches in flight: each worker needs one to fill while the consumer holds one, and spares
@@ -93,9 +108,19 @@ class ThreadTuner:
     """Hill-climbs the worker count of one pass from what ``__next__`` observes."""
 
     def __init__(
-        self, *, start: int, max_threads: int, tune_prefetch: bool, fits: int, batch_bytes: int = IN_FLIGHT_BYTES
+        self,
+        *,
+        start: int,
+        max_threads: int,
+        tune_prefetch: bool,
+        fits: int,
+        batch_bytes: int = IN_FLIGHT_BYTES,
+        cores: int | None = None,
+        cpu_clock: Callable[[], float] = time.process_time,
     ) -> None:
         self.batch_bytes = batch_bytes
+        self.cores = cores or available_cores()
+        self._cpu_clock = cpu_clock  # the process's CPU seconds, every thread's (time.process_time)
         self.threads = start
         self.max_threads = max(start, max_threads)
         self.tune_prefetch = tune_prefetch
@@ -118,6 +143,7 @@ class ThreadTuner:
     def _new_window(self, since: float | None) -> None:
         """Start counting a measuring window at ``since`` (None: after the start-up batches)."""
         self._since = since
+        self._cpu = self._cpu_clock() if since is not None else 0.0
         self._rows = self._batches = 0
         self._wait = self._used = 0.0
 
@@ -137,7 +163,7 @@ class ThreadTuner:
             # once the first fill of the look-ahead has been delivered.
             self._warm += 1
             if self._warm > self.prefetch_for(self.threads):
-                self._since = got
+                self._new_window(got)
             return
         self._rows += rows
         self._batches += 1
@@ -151,6 +177,7 @@ class ThreadTuner:
         if elapsed < MIN_SECONDS and not self._clearly_losing(elapsed, rate):
             return
         consumer_bound = self._used > self._wait
+        busy = (self._cpu_clock() - self._cpu) / elapsed  # cores the whole process kept busy
         self.history.append((self.threads, rate))
         self._new_window(got)
         if self._down is not None:  # the last window ran one worker fewer, the consumer being the limit
@@ -200,6 +227,12 @@ class ThreadTuner:
             return
         else:
             self._base = rate
+        if busy >= SATURATED * self.cores:
+            self._finish(
+                f"CPU-bound: {busy:.2f} of {self.cores} cores busy at {self.threads} thread(s), "
+                "so no worker more was tried"
+            )
+            return
         if self.threads >= self.max_threads:
             self._resize(workers)
             self._finish(f"reached the maximum of {self.max_threads} threads")
@@ -245,3 +278,11 @@ class ThreadTuner:
     def summary(self) -> str:
         steps = ", ".join(f"{t}: {r:,.0f}/s" for t, r in self.history)
         return f"threads={self.threads} measured ({steps or 'not yet'}){'; ' + self.reason if self.reason else ''}"
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .autotune import ThreadTuner, default_prefetch
+from .autotune import ThreadTuner, available_cores, default_prefetch
 from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, loader_kept_maps
 from .dataset import resolve_cast
 from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor, run_finalizer
@@ -37,10 +37,7 @@ DEFAULT_WINDOW = 16
 
 def default_threads() -> int:
     """One worker per core this process may run on (the ceiling loop uses the same)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not on Linux
-        return max(1, os.cpu_count() or 1)
+    return available_cores()
 
 
 def _positive(name: str, value: object, *, allow_none: bool = True) -> int | None:
