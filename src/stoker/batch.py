@@ -71,6 +71,9 @@ _Identity = tuple[int, int, int, int]
 # and cast straight away; and the first batch of a group would wait for all of its file
 # (W2's 64 MiB gzip frames: every new cycle of groups stalled for seconds while whole).
 VERIFY_WHOLE_BYTES = 8 << 20
+# Whole-decoded files kept across epochs by a pass, or by a loader for all its passes (within
+# its memory_budget there: see Loader), at most this many bytes (KeptDecoded).
+KEPT_DECODED_BYTES = 64 << 20
 
 
 class KeptMaps:
@@ -136,6 +139,68 @@ class KeptMaps:
             m.close()
 
 
+class KeptDecoded:
+    """Compressed files decoded whole and verified, kept by (field, path) for later epochs.
+
+    A label file decoded whole (``VERIFY_WHOLE_BYTES``) was inflated again in every epoch:
+    on W1 ~3 us per batch of worker time, and per-batch worker Python costs 2-3x as much in
+    the loop as alone (the copies between evict its caches, and workers wait on the GIL). Kept
+    only for a file that decoded clean (every record, CRC and end checked), reused only while
+    the file is the one decoded (device, inode, mtime and size), never written (batches get
+    copies), and at most ``limit`` bytes of them, the least recently used dropped first.
+    Thread-safe; shared by a loader's passes.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[tuple[str, str], tuple[_Identity, np.ndarray]] = OrderedDict()
+
+    def get(self, name: str, path: str, ident: _Identity) -> np.ndarray | None:
+        with self._lock:
+            kept = self._kept.get((name, path))
+            if kept is None:
+                return None
+            if kept[0] != ident:  # the file changed since: decode it again
+                del self._kept[(name, path)]
+                self.held -= kept[1].nbytes
+                return None
+            self._kept.move_to_end((name, path))
+            return kept[1]
+
+    def put(self, name: str, path: str, ident: _Identity, records: np.ndarray) -> None:
+        if records.nbytes > self.limit:
+            return
+        with self._lock:
+            old = self._kept.pop((name, path), None)
+            if old is not None:
+                self.held -= old[1].nbytes
+            self._kept[(name, path)] = (ident, records)
+            self.held += records.nbytes
+            while self.held > self.limit:
+                self.held -= self._kept.popitem(last=False)[1][1].nbytes
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+            self.held = 0
+
+
+def identity(path: str) -> _Identity | None:
+    """(device, inode, mtime, size) of a local file, or None where it cannot be had."""
+    if is_remote(path):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def loader_kept_maps() -> KeptMaps | None:
     """A ``KeptMaps`` for a loader to share between its passes, or None where maps hold a
     descriptor (no compiled kernels): each pass then keeps its own and closes them with it."""
@@ -179,7 +244,10 @@ class _Stream:
     """
 
     def __init__(self, *, unordered: bool = False) -> None:
-        self.cond = threading.Condition()
+        # ``lock`` alone where nobody waits (tickets, an unordered stream's count): a plain
+        # lock's ``with`` runs in C, a Condition's in Python, on every run of every batch.
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
         self.issued = 0  # tickets handed out (in plan order, by the dispatcher)
         self.serving = 0  # ticket whose turn it is (unordered: runs done)
         self.unordered = unordered
@@ -273,13 +341,18 @@ class Assembler:
         self.batch_size = batch_size
         self.with_index = with_index
         self._cast = {n: self.out_dtypes[n] != f.dtype for n, f in self.fields.items()}
+        self._record_bytes = {n: f.record_bytes for n, f in self.fields.items()}  # a property: computed each call
         self._compressed = {n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)}
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
         # Memory maps of finished files kept for the next epoch (see _close_file): this pass's
-        # own, closed with it, unless the loader shares its own (see share_kept_maps).
+        # own, closed with it, unless the loader shares its own (see share_kept).
         self.kept_maps = KeptMaps()
         self._owns_kept_maps = True
+        # Whole-decoded compressed files kept for the next epoch: this pass's own unless the
+        # loader shares its own, which its later passes find too (see KeptDecoded).
+        self.kept_decoded = KeptDecoded(KEPT_DECODED_BYTES)
+        self._owns_kept_decoded = True
         # Runs planned but not yet done, per (epoch, raw file): a file closes only when its
         # final run is done and no earlier run is still to come (workers finish out of order;
         # a file closed early would be opened again, and fail if it was deleted meanwhile).
@@ -304,9 +377,12 @@ class Assembler:
         self.fused: Any = None
         self._fusable: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
 
-    def share_kept_maps(self, kept: KeptMaps) -> None:
-        """Keep maps in the loader's ``kept`` (which outlives this pass) instead of this pass's own."""
-        self.kept_maps, self._owns_kept_maps = kept, False
+    def share_kept(self, maps: KeptMaps | None, decoded: KeptDecoded) -> None:
+        """Keep maps (unless None) and decoded files in the loader's, which outlive this pass,
+        instead of this pass's own."""
+        if maps is not None:
+            self.kept_maps, self._owns_kept_maps = maps, False
+        self.kept_decoded, self._owns_kept_decoded = decoded, False
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
     def prepare(self, plan: BatchPlan) -> Task:
@@ -330,7 +406,7 @@ class Assembler:
                     stream = self._streams.get(key)
                     if stream is None:
                         stream = self._streams[key] = _Stream(unordered=self._whole_able(name, run.group))
-                with stream.cond:
+                with stream.lock:
                     task.tickets[(i, name)] = (stream, stream.issued)
                     stream.issued += 1
                     stream.final_issued = stream.final_issued or run.final
@@ -600,7 +676,7 @@ class Assembler:
     def _read_raw(
         self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, put: Any = None
     ) -> None:
-        rb = spec.record_bytes
+        rb = self._record_bytes[name]
         offset = spec.header_bytes + run.start * rb
         nbytes = run.count * rb
         if is_remote(info.path):
@@ -644,14 +720,18 @@ class Assembler:
                     raise self._truncated(name, info, spec, run, min(f.size, file_size(f.fd)))
                 src = np.frombuffer(f.map, dtype=spec.dtype, count=span * (rb // spec.dtype.itemsize),
                                     offset=offset).reshape(span, *spec.shape)  # fmt: skip
+                if run.step != 1:
+                    src = src[:: run.step]
                 if put is None:
-                    cast_into(dst, src[:: run.step])
+                    cast_into(dst, src)
                 else:
                     flush_wake()  # a transform's own code runs here
-                    put(src[:: run.step], dst, run.row)
+                    put(src, dst, run.row)
                 del src
-            nread = (run.stop - run.start) * rb
-            f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
+            # A warm file with nothing to drop behind it needs no advice (after_read would do nothing).
+            if not f.warm or self.readahead.drop_behind:
+                nread = (run.stop - run.start) * rb
+                f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
             self.counters.add("read+cast" if self._cast[name] or put else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
@@ -840,9 +920,9 @@ class Assembler:
         try:
             whole = stream.whole  # set once, never reset: no lock needed to see it set
             if whole is None:
-                with stream.cond:  # the first run to get here decodes; the others wait for it
+                with stream.lock:  # the first run to get here decodes; the others wait for it
                     if stream.whole is None:
-                        stream.whole = self._decode_whole(name, spec, info, run.group, self.catalog.count(run.group))
+                        stream.whole = self._kept_or_decoded(name, spec, info, run.group)
                     whole = stream.whole
             arr, valid, err, final_err = whole
             if run.count:
@@ -855,13 +935,27 @@ class Assembler:
             if run.final and final_err is not None:
                 raise final_err
         finally:
-            with stream.cond:
+            with stream.lock:
                 stream.serving += 1
                 last = stream.final_issued and stream.serving >= stream.issued
             if last:
                 with self._lock:
                     if self._streams.get((epoch, run.group, name)) is stream:
                         del self._streams[(epoch, run.group, name)]
+
+    def _kept_or_decoded(self, name: str, spec: Field, info: FileInfo, group: int) -> _Whole:
+        """The group's file of ``name`` decoded whole: kept from an earlier epoch, or decoded now."""
+        expected = self.catalog.count(group)
+        ident = identity(info.path)  # before decoding: a file changed meanwhile is not kept as this one
+        if ident is not None:
+            records = self.kept_decoded.get(name, info.path, ident)
+            if records is not None and len(records) == expected:
+                return records, expected, None, None
+        whole = self._decode_whole(name, spec, info, group, expected)
+        records, valid, err, final_err = whole
+        if ident is not None and valid == expected and err is None and final_err is None:
+            self.kept_decoded.put(name, info.path, ident, records)
+        return whole
 
     def _decode_whole(self, name: str, spec: Field, info: FileInfo, group: int, expected: int) -> _Whole:
         """(records, how many are trustworthy, error for the rest, error at the group's end)."""
@@ -992,6 +1086,8 @@ class Assembler:
             f.close()
         if self._owns_kept_maps:
             self.kept_maps.close()
+        if self._owns_kept_decoded:
+            self.kept_decoded.clear()
         for s in streams:
             if s.inflater is not None:
                 s.inflater.close()

@@ -96,30 +96,42 @@ class AlignedPool:
         self._closed = False
         self._out: dict[int, tuple[weakref.ref[object], object, int]] = {}  # id(ref) -> (ref, region, nbytes)
         self._dropped: collections.deque[weakref.ref[object]] = collections.deque()
+        self._on_drop = self._dropped.append  # one bound method for every weak reference
         self.allocated = 0  # fresh regions created (for tests and stats)
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        # On every batch, for every field: one lock round where the pool has the region
+        # (2.1 -> 1.6 us a call, timeit).
         used = math.prod(shape) * dtype.itemsize
-        nbytes = max(1, used)
+        nbytes = used or 1
         with self._lock:
-            self._take_back()
+            if self._dropped:
+                self._take_back()
             free = self._free.get(nbytes)
             region = free.pop() if free else None
             if region is not None:
                 self._pooled -= nbytes
+                arr = self._track(region, nbytes)
         if region is None:
             region = self._new_region(nbytes)
             self.allocated += 1
+            with self._lock:
+                arr = self._track(region, nbytes)
+        if used != nbytes:
+            arr = arr[:used]
+        return arr.view(dtype).reshape(shape)
+
+    def _track(self, region: object, nbytes: int) -> np.ndarray:
+        """A uint8 array over ``region``, noticed when dropped (caller holds the lock)."""
         arr = self._as_array(region, nbytes)
         # ``arr.base`` is an object made for this array alone (numpy's memoryview of the
         # region); every view of ``arr`` keeps it alive, so its death means no array on the
         # region is left anywhere.
         base: object = arr.base
-        ref = weakref.ref(base, self._dropped.append)
-        with self._lock:
-            if not self._closed:
-                self._out[id(ref)] = (ref, region, nbytes)
-        return arr[:used].view(dtype).reshape(shape)
+        ref = weakref.ref(base, self._on_drop)
+        if not self._closed:
+            self._out[id(ref)] = (ref, region, nbytes)
+        return arr
 
     def _new_region(self, nbytes: int) -> object:
         """A fresh region of ``nbytes``; subclasses supply other memory (pinned, shared).

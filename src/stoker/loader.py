@@ -12,7 +12,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .autotune import ThreadTuner, available_cores, default_prefetch
-from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, loader_kept_maps
+from .batch import (
+    GROUP_KEY,
+    INDEX_KEY,
+    KEPT_DECODED_BYTES,
+    VALID_KEY,
+    Assembler,
+    KeptDecoded,
+    Task,
+    loader_kept_maps,
+)
 from .dataset import resolve_cast
 from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor, run_finalizer
 from .errors import SpecError, StateError
@@ -197,6 +206,11 @@ class Loader:
         # once the loader and its passes are gone. W1 float32, five passes of one epoch, with the
         # buffer pool and autotune also kept: 1.61x the code that remade them per pass.
         self._kept_maps = loader_kept_maps()
+        # Compressed files decoded whole (labels), kept from one epoch and pass to the next
+        # (stoker.batch.KeptDecoded), within an eighth of what the batches in flight leave of
+        # the memory budget; the buffer pool keeps the rest (see _Pass).
+        spare = self.memory_budget - self.prefetch * self.batch_bytes
+        self._kept_decoded = KeptDecoded(max(0, min(KEPT_DECODED_BYTES, spare // 8)))
         self._pool: Allocator | None = None  # the batch buffers, kept between passes (see _pass_pool)
         self._pool_factory: Callable[[int], Allocator] | None = None
         # No finalizer closes the maps when the loader goes: a pass still running holds them
@@ -416,6 +430,7 @@ class Loader:
             p.close()
         if self._kept_maps is not None:
             self._kept_maps.close()
+        self._kept_decoded.clear()
         if self._pool is not None:
             self._pool.clear()
 
@@ -468,7 +483,7 @@ class _Pass:
     """One pass over the loader's epochs: the iterator ``iter(loader)`` returns."""
 
     def __init__(self, loader: Loader) -> None:
-        pooled = loader.memory_budget - loader.prefetch * loader.batch_bytes
+        pooled = loader.memory_budget - loader.prefetch * loader.batch_bytes - loader._kept_decoded.limit
         self._pool, own_pool = loader._pass_pool(pooled)
         ds = loader.dataset
         self._assembler = ds._assembler(
@@ -480,8 +495,7 @@ class _Pass:
         self._assembler.seek_fields = loader._seek_fields
         self._assembler.counters = self._counters = loader._counters
         self._assembler.readahead = Readahead(drop_behind=loader.drop_behind)
-        if loader._kept_maps is not None:
-            self._assembler.share_kept_maps(loader._kept_maps)
+        self._assembler.share_kept(loader._kept_maps, loader._kept_decoded)
         self._assembler.fused = loader._stage  # built-in transforms run as records are read
         self._last: float | None = None  # when __next__ last returned a batch
         first_epoch, start = loader._resume
