@@ -315,6 +315,7 @@ class _State(Generic[T, R]):
         self.name = name
         self.lock = threading.Lock()
         self.space = threading.Condition(self.lock)  # the window has room: workers wait here
+        self.waiting = 0  # workers waiting on ``space`` (the consumer notifies only when one is)
         # Posted by a worker when the result the consumer waits for arrives.
         self.arrived: Any = _new_wake()
         self.results: dict[int, R | _Failure] = {}
@@ -404,7 +405,11 @@ class _State(Generic[T, R]):
                     and self.dispatched - self.delivered >= self.window
                 ):  # fmt: skip
                     flush_wake()
-                    self.space.wait(WAIT_SECONDS)
+                    self.waiting += 1
+                    try:
+                        self.space.wait(WAIT_SECONDS)
+                    finally:
+                        self.waiting -= 1
                 if self._leaving() or self.exhausted:
                     return
                 if self.retire:
@@ -597,7 +602,8 @@ class OrderedMap(Generic[R]):
                 result = st.results.pop(st.delivered, None)
                 if result is not None:
                     st.delivered += 1
-                    st.space.notify()
+                    if st.waiting:  # Condition.notify is Python code: skipped on most batches
+                        st.space.notify()
                     break
                 over = (st.exhausted and st.delivered >= st.dispatched) or (
                     not st.running and not st.launching and (st.exhausted or st.stop.is_set())
