@@ -17,6 +17,7 @@ import tensorflow as tf  # make test installs TF; a missing TF fails loudly, nev
 import stoker
 import stoker.tf as stf
 from conftest import record_allocations, small_sample
+from stoker.engine import AlignedPool
 from stoker.sample import expected_label
 
 pytestmark = pytest.mark.tf
@@ -136,6 +137,53 @@ def test_a_corrupt_file_fails_the_tf_iterator_naming_the_file_after_the_good_bat
     assert len(got) == 4  # every batch of the good first group was delivered first
     for labels in got:
         assert labels.shape == (16,)
+
+
+def test_tensors_dropped_inside_a_graph_return_their_buffers_by_the_next_batch_and_the_pass_end(
+    sample: stoker.Dataset,
+) -> None:
+    """In a graph consumer TensorFlow drops tensors on its own threads, which do not hold the
+    GIL: the op releases their arrays at its next call, and the pass's end releases the rest."""
+    if stf.bridge() != "native":
+        pytest.fail(f"the native bridge is expected on this machine: {stf.bridge()}")
+    loader = sample.loader(8, epochs=6, threads=1, prefetch=2)
+    addresses = record_allocations(loader)
+    dataset = loader.to_tf()
+
+    @tf.function
+    def checked_total() -> tf.Tensor:
+        total = tf.constant(0.0, tf.float64)
+        for batch in dataset:  # a dataset loop in the graph: no Python per batch
+            first = tf.reshape(batch["image"], [tf.shape(batch["image"])[0], -1])[:, :4]
+            index = tf.cast(tf.bitcast(first, tf.uint32), tf.float32)  # as stoker.sample.expected_label
+            tf.debugging.assert_equal(batch["label"], index, message="label does not match its image")
+            total += tf.cast(tf.reduce_sum(batch["label"]), tf.float64)
+        return total
+
+    got = float(checked_total())
+    want = sum(float(b["label"].sum(dtype=np.float64)) for b in sample.loader(8, epochs=6))
+    assert got == pytest.approx(want, rel=1e-9)
+    # Two fields, a window of a few batches: arrays released only at the end would make ~288.
+    assert len(addresses) <= 24, len(addresses)
+    gc.collect()
+    pool = loader._pool.inner  # type: ignore[union-attr]  # record_allocations wraps the loader's pool
+    assert isinstance(pool, AlignedPool)
+    assert len(pool._out) == len(pool._dropped)  # every array handed out has been let go
+
+    # A pass left after three batches: the op is not called again, so the pass's end releases them.
+    @tf.function
+    def first_three() -> tf.Tensor:
+        total = tf.constant(0.0, tf.float64)
+        for batch in dataset.take(3):
+            total += tf.cast(tf.reduce_sum(batch["label"]), tf.float64)
+        return total
+
+    assert float(first_three()) == pytest.approx(float(np.arange(24, dtype=np.float64).sum()))
+    deadline = time.monotonic() + 10
+    while len(pool._out) != len(pool._dropped):  # TF closes the abandoned pass on its own thread
+        assert time.monotonic() < deadline, f"{len(pool._out) - len(pool._dropped)} arrays never let go"
+        gc.collect()
+        time.sleep(0.05)
 
 
 def test_tensors_let_go_return_their_buffers_to_the_loader(sample: stoker.Dataset) -> None:

@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,18 +68,66 @@ static int finalizing(void) {
 #endif
 }
 
+/* Views of tensors TensorFlow dropped on a thread without the GIL, released at the op's
+ * next call (which holds it) or by stoker_tfbridge_drain(). Taking the GIL in the
+ * deallocator meant two more GIL round trips per batch (one per field) on TensorFlow's
+ * threads in a graph consumer, each waiting out a worker's Python. A view waits at most
+ * until the next batch of any to_tf pass, or the end of its own pass. */
+static pthread_mutex_t pending_lock = PTHREAD_MUTEX_INITIALIZER;
+static Py_buffer **pending;
+static size_t pending_n, pending_cap;
+
+/* Release the views dropped so far (caller holds the GIL). */
+static void drain_views(void) {
+    pthread_mutex_lock(&pending_lock);
+    Py_buffer **views = pending;
+    size_t n = pending_n;
+    pending = NULL, pending_n = pending_cap = 0;
+    pthread_mutex_unlock(&pending_lock);
+    for (size_t i = 0; i < n; i++) {
+        PyBuffer_Release(views[i]);
+        free(views[i]);
+    }
+    free(views);
+}
+
+/* For stoker.tf (through ctypes.PyDLL, which keeps the GIL): release what waits now. */
+__attribute__((visibility("default"))) void stoker_tfbridge_drain(void) { drain_views(); }
+
+/* Queue a view for drain_views; 0, or -1 where no memory could be had. */
+static int defer_view(Py_buffer *view) {
+    int rc = 0;
+    pthread_mutex_lock(&pending_lock);
+    if (pending_n == pending_cap) {
+        size_t cap = pending_cap ? 2 * pending_cap : 16;
+        Py_buffer **grown = realloc(pending, cap * sizeof *grown);
+        if (grown)
+            pending = grown, pending_cap = cap;
+        else
+            rc = -1;
+    }
+    if (rc == 0)
+        pending[pending_n++] = view;
+    pthread_mutex_unlock(&pending_lock);
+    return rc;
+}
+
 /* TensorFlow dropped a tensor that aliased a numpy array: release the view (and with it
- * the array). Runs on whichever thread drops the tensor, so it takes the GIL; at
- * interpreter shutdown the view is leaked rather than touched. */
+ * the array), now where this thread holds the GIL (an eager consumer's), else at the op's
+ * next call (see pending). At interpreter shutdown the view is leaked rather than touched. */
 static void release_view(void *data, size_t len, void *arg) {
     (void)data;
     (void)len;
     Py_buffer *view = (Py_buffer *)arg;
-    if (Py_IsInitialized() && !finalizing()) {
-        PyGILState_STATE gil = take_gil();
-        PyBuffer_Release(view);
-        PyGILState_Release(gil);
+    if (!Py_IsInitialized() || finalizing()) {
+        free(view);
+        return;
     }
+    if (!PyGILState_Check() && defer_view(view) == 0)
+        return;
+    PyGILState_STATE gil = take_gil();
+    PyBuffer_Release(view);
+    PyGILState_Release(gil);
     free(view);
 }
 
@@ -210,6 +259,7 @@ static void compute(void *kernel, TF_OpKernelContext *ctx) {
     }
 
     PyGILState_STATE gil = take_gil();
+    drain_views();
     PyObject *result = NULL, *items = NULL;
     if (!next_fn) {
         PyObject *module = PyImport_ImportModule("stoker.tf");

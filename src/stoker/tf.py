@@ -22,6 +22,7 @@ TensorFlow is imported here only: ``import stoker`` needs numpy alone.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import itertools
 import os
@@ -175,6 +176,7 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
             close = getattr(it, "close", None)
             if close is not None:
                 close()
+            _drain()
 
     tout = [spec[n].dtype for n in names]
     if _MapDataset is None and os.environ.get(BRIDGE_ENV) == "native":
@@ -317,6 +319,7 @@ BRIDGE_ENV = "STOKER_TF_BRIDGE"
 _bridge_lock = threading.Lock()
 _bridge: list[Any] = []  # [op or None, why not native] once decided
 _loaded: list[Any] = []  # the op, once its library is loaded (a process registers it once)
+_drains: list[Any] = []  # the library's stoker_tfbridge_drain, once loaded
 
 
 def bridge() -> str:
@@ -366,8 +369,18 @@ def _load_bridge() -> Any:
         op = getattr(tf.load_op_library(str(path)), "stoker_next_batch", None)
         if op is None:  # the op was registered already, from another copy of the library
             raise OSError(f"{path} registered no StokerNextBatch op: another copy of it is loaded in this process")
+        # PyDLL: called with the GIL held, as the function needs (the same loaded library).
+        _drains.append(ctypes.PyDLL(str(path)).stoker_tfbridge_drain)
         _loaded.append(op)
     return _loaded[0]
+
+
+def _drain() -> None:
+    """Release the arrays of tensors TensorFlow dropped on its own threads since the op's last
+    call (``_tfbridge.c`` defers them to a thread that holds the GIL): at a pass's end, so its
+    last batches' buffers go back to the loader without waiting for another pass."""
+    for drain in _drains:
+        drain()
 
 
 def _bridge_dir() -> Path:
