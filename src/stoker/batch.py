@@ -198,7 +198,12 @@ def identity(path: str) -> _Identity | None:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    return _identity_of(st, st.st_size)
+
+
+def _identity_of(st: os.stat_result, size: int) -> _Identity:
+    """The identity of a file by its stat and the size read of it (see KeptMaps, KeptDecoded)."""
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, size)
 
 
 def loader_kept_maps() -> KeptMaps | None:
@@ -341,7 +346,6 @@ class Assembler:
         self.batch_size = batch_size
         self.with_index = with_index
         self._cast = {n: self.out_dtypes[n] != f.dtype for n, f in self.fields.items()}
-        self._record_bytes = {n: f.record_bytes for n, f in self.fields.items()}  # a property: computed each call
         self._compressed = {n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)}
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
@@ -589,7 +593,7 @@ class Assembler:
             # The geometry is the one the Dataset saw: a file grown since is read only up to its
             # old size; one cut short fails at the first record it no longer holds (in _read_raw).
             size = min(st.st_size, info.size)
-            ident = (st.st_dev, st.st_ino, st.st_mtime_ns, size)
+            ident = _identity_of(st, size)
             # The same file, unchanged, read in an earlier epoch: its pages are mapped already.
             mapped = self.kept_maps.take(info.path, ident)
             reused = mapped is not None
@@ -676,7 +680,7 @@ class Assembler:
     def _read_raw(
         self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, put: Any = None
     ) -> None:
-        rb = self._record_bytes[name]
+        rb = spec.record_bytes
         offset = spec.header_bytes + run.start * rb
         nbytes = run.count * rb
         if is_remote(info.path):

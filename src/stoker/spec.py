@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
@@ -160,9 +161,9 @@ class Field:
         object.__setattr__(self, "byte_order", order)
         object.__setattr__(self, "storage_options", dict(storage_options or {}))
 
-    @property
+    @functools.cached_property
     def record_bytes(self) -> int:
-        """Bytes of one record: itemsize * prod(shape)."""
+        """Bytes of one record: itemsize * prod(shape) (computed once: read on every run of every batch)."""
         return self.dtype.itemsize * math.prod(self.shape)
 
     @property
