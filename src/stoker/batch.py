@@ -732,10 +732,8 @@ class Assembler:
                     flush_wake()  # a transform's own code runs here
                     put(src, dst, run.row)
                 del src
-            # A warm file with nothing to drop behind it needs no advice (after_read would do nothing).
-            if not f.warm or self.readahead.drop_behind:
-                nread = (run.stop - run.start) * rb
-                f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
+            nread = (run.stop - run.start) * rb
+            f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
             self.counters.add("read+cast" if self._cast[name] or put else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
