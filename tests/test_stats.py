@@ -403,6 +403,49 @@ def test_a_trial_worker_that_clearly_loses_is_taken_back_before_its_window_ends(
     assert "3 threads gave 0.91x of 2" in tuner.reason
 
 
+def test_a_window_holding_a_fresh_buffer_s_first_touch_starts_again() -> None:
+    """A trial of one worker more grows the look-ahead by a buffer, whose first touch can take
+    longer than tens of batches (25-50 ms on a VM whose free memory the host takes back)."""
+    from stoker.autotune import MAX_RESTARTS, ThreadTuner
+
+    def climb(report_fresh: bool) -> ThreadTuner:
+        tuner = ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=100, cores=2, cpu_clock=lambda: 0.0)
+        w, now, fresh, at_three = Workers(), 0.0, 0, 0
+        for _ in range(3000):
+            if tuner.done:
+                break
+            # 3 workers pay (3 ms a batch against 5 ms); 4 do not. The trial's first window
+            # allocates a buffer, and the third batch after it waits 50 ms for its first touch.
+            step = {2: 0.005, 3: 0.003, 4: 0.0029}[tuner.threads]
+            if tuner.threads == 3:
+                at_three += 1
+                fresh += at_three == 1
+                step += 0.050 if at_three == 3 else 0.0
+            tuner.observe(w, now, now + step, now, 16, fresh if report_fresh else 0)
+            now += step
+        assert tuner.done
+        return tuner
+
+    # Told of the fresh buffer, the trial is measured after it: 3 workers pay and are kept.
+    tuner = climb(report_fresh=True)
+    assert tuner.threads == 3 and "4 threads gave" in tuner.reason
+    assert all(rate > 16 / 0.0031 for threads, rate in tuner.history if threads == 3)
+    # Measured with the first touch in its window, the trial looked a clear loss.
+    tuner = climb(report_fresh=False)
+    assert tuner.threads == 2 and "3 threads gave 0." in tuner.reason
+
+    # A pool that makes a buffer at every batch (a consumer keeping them all) restarts a window
+    # at most MAX_RESTARTS times: the climb still ends.
+    tuner, w, now = ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=100), Workers(), 0.0
+    for k in range(1, 3000):
+        if tuner.done:
+            break
+        tuner.observe(w, now, now + 0.005, now, 16, k)
+        now += 0.005
+    assert tuner.done and tuner.history
+    assert MAX_RESTARTS >= 1
+
+
 def test_the_tuner_tries_no_worker_more_once_the_process_keeps_every_core_busy() -> None:
     from stoker.autotune import SATURATED, ThreadTuner
 

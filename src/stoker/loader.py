@@ -559,7 +559,7 @@ class _Pass:
     def _tune(self, loader: Loader, asked: float, got: float, rows: int) -> None:
         tuner = self._tuner
         assert tuner is not None
-        tuner.observe(self._batches, asked, got, self._last, rows)
+        tuner.observe(self._batches, asked, got, self._last, rows, getattr(self._pool, "allocated", 0))
         loader.threads = tuner.threads
         if tuner.done:  # later passes start with the measured values
             self._tuner = loader._climb = None
