@@ -168,10 +168,11 @@ class ThreadTuner:
         ``fresh``: how many buffers the pool has made so far. A window in which it made one
         starts again once a look-ahead's worth of batches has gone by, the batch that got the
         buffer among them (at most ``MAX_RESTARTS`` times): a fresh buffer's first touch costs
-        far more than a batch (25-50 ms for 16 MiB on this VM, whose free memory the host takes
-        back), and a trial of one worker more grows the look-ahead by one. Measured with the
-        first touch in it, a third worker on 2 cores ran at 0.15x-0.29x of two (4 trials of 6,
-        W1 with two files cold); with the restart, at 0.85x-0.95x in 8 trials of 8.
+        far more than a batch (25-50 ms for a 16 MiB buffer in a W1 run here, where a batch
+        takes ~1 ms; this VM hands free memory back to its host), and a trial of one worker more
+        grows the look-ahead by one. Measured with the first touch in it, a third worker on 2
+        cores ran at 0.15x-0.29x of two (4 trials of 6, W1 with two files cold); with the
+        restart, at 0.85x-0.95x in 8 trials of 8.
         """
         if self.done:
             return
