@@ -133,7 +133,7 @@ class ThreadTuner:
         self.history: list[tuple[int, float]] = []  # (threads, records/s) per window
         self.reason = ""
         self._since: float | None = None  # when the current window began (None: in start-up)
-        self._warm = 0  # batches seen before the first window (start-up)
+        self._warm = 0  # batches seen before the window began (start-up; reset by _new_window)
         self._fresh = 0  # buffers the pool had made at the last batch
         self._restarts = 0  # times the current window started again after a fresh buffer
         self._new_window(None)
@@ -143,14 +143,15 @@ class ThreadTuner:
 
     def new_pass(self) -> None:
         """Go on in a new pass: its start-up stays out of the window, as the first pass's did."""
-        self._warm = 0
         self._new_window(None)
 
     def _new_window(self, since: float | None, *, restart: bool = False) -> None:
-        """Start counting a measuring window at ``since`` (None: after the start-up batches);
-        ``restart``: the same window again, from ``since``."""
+        """Start counting a measuring window at ``since`` (None: once a look-ahead's worth of
+        batches has gone by, counted afresh); ``restart``: the same window again."""
         if not restart:
             self._restarts = 0
+        if since is None:
+            self._warm = 0
         self._since = since
         self._cpu = self._cpu_clock() if since is not None else 0.0
         self._rows = self._batches = 0
@@ -180,7 +181,6 @@ class ThreadTuner:
             self._fresh = fresh
             if self._since is not None and self._restarts < MAX_RESTARTS:
                 self._restarts += 1
-                self._warm = 0
                 self._new_window(None, restart=True)
                 return
         if self._since is None:

@@ -209,8 +209,7 @@ class Loader:
         # Compressed files decoded whole (labels), kept from one epoch and pass to the next
         # (stoker.batch.KeptDecoded), within an eighth of what the batches in flight leave of
         # the memory budget; the buffer pool keeps the rest (see _Pass).
-        spare = self.memory_budget - self.prefetch * self.batch_bytes
-        self._kept_decoded = KeptDecoded(max(0, min(KEPT_DECODED_BYTES, spare // 8)))
+        self._kept_decoded = KeptDecoded(max(0, min(KEPT_DECODED_BYTES, self._spare_bytes // 8)))
         self._pool: Allocator | None = None  # the batch buffers, kept between passes (see _pass_pool)
         self._pool_factory: Callable[[int], Allocator] | None = None
         # No finalizer closes the maps when the loader goes: a pass still running holds them
@@ -248,6 +247,11 @@ class Loader:
             self.shapes = {n: s for n, (s, _) in stage.records.items()}
         return stage
 
+    @property
+    def _spare_bytes(self) -> int:
+        """What the batches in flight (``prefetch`` of them) leave of ``memory_budget``."""
+        return self.memory_budget - self.prefetch * self.batch_bytes
+
     def _check_resident(self, fields: Mapping[str, Any]) -> None:
         """Global shuffle reads compressed fields from memory: they must fit the budget."""
         compressed = [n for n in fields if any(i[n].compression is not None for i in self.dataset.files)]
@@ -255,7 +259,7 @@ class Loader:
             return
         total = len(self.dataset)
         need = sum(total * fields[n].record_bytes for n in compressed)
-        allowed = self.memory_budget - self.prefetch * self.batch_bytes
+        allowed = self._spare_bytes
         if need > allowed:
             # Too large to hold: fields a persistent index covers are read record by record from
             # its seek points instead (slower per record, bounded memory); the rest must fit.
@@ -483,7 +487,7 @@ class _Pass:
     """One pass over the loader's epochs: the iterator ``iter(loader)`` returns."""
 
     def __init__(self, loader: Loader) -> None:
-        pooled = loader.memory_budget - loader.prefetch * loader.batch_bytes - loader._kept_decoded.limit
+        pooled = loader._spare_bytes - loader._kept_decoded.limit
         self._pool, own_pool = loader._pass_pool(pooled)
         ds = loader.dataset
         self._assembler = ds._assembler(
