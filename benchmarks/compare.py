@@ -3,7 +3,10 @@
 Every contender runs in a fresh process; each round runs every contender of a workload
 once, in alternating order; ratios are taken within a round, then their median and spread
 are reported (this kind of machine drifts by tens of percent within a minute). Every
-contender is timed from its second batch on: start-up and the first batch are excluded alike.
+contender, the ceiling included, runs ``--warmup`` seconds (and at least one batch) before it
+is timed, so each is measured in its steady state: start-ups (threads, first maps, first touch of
+new buffers, graph tracing) are excluded alike. W1-cold has no warm-up beyond its first batch:
+its one cold pass would be half spent.
 
 Workloads (all on the same files; batch 256):
 
@@ -31,7 +34,8 @@ Contenders, each in its fastest reasonable configuration we know:
 - ``grain``: a batched source (element i = batch i, read as one slice) with ``num_threads`` = cores;
 - ``stoker numpy`` and the adapters ``to_torch``, ``to_jax``, ``to_tf`` (W1 only).
 
-    python benchmarks/compare.py [--rounds 5] [--seconds 2.5] [--workloads W1,W2] [--out benchmarks/results]
+    python benchmarks/compare.py [--rounds 5] [--seconds 2.5] [--warmup 1] [--workloads W1,W2]
+                                 [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -259,10 +263,20 @@ def size_of(batch: Any) -> int:
     return int(first.shape[0])
 
 
-def child(kind: str, workload: str, data: Path, seconds: float) -> dict[str, float]:
+def warmup_for(workload: str, warmup: float) -> float:
+    """Seconds run before the timed ones: none for W1-cold (its one cold pass would be half spent)."""
+    return 0.0 if workload == "W1-cold" else warmup
+
+
+def child(kind: str, workload: str, data: Path, seconds: float, warmup: float = 0.0) -> dict[str, float]:
+    began = time.perf_counter()
     it = batches(kind, workload, data)
     busy = BUSY_MS / 1000 if workload == "W1-busy" else 0.0
     next(it)  # start-up and first batch excluded, for every contender alike
+    while time.perf_counter() - began < warmup:  # then the warm-up, as the timed loop runs
+        next(it)
+        if busy:
+            burn(busy)
     n = 0
     start = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
@@ -275,8 +289,9 @@ def child(kind: str, workload: str, data: Path, seconds: float) -> dict[str, flo
     return {"records": n, "seconds": elapsed}
 
 
-def consumer_alone(seconds: float) -> dict[str, float]:
+def consumer_alone(seconds: float, warmup: float = 0.0) -> dict[str, float]:
     """W1-busy's ceiling: the consumer's step with batches that cost nothing to load."""
+    burn(warmup)
     n = 0
     start = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
@@ -286,16 +301,18 @@ def consumer_alone(seconds: float) -> dict[str, float]:
 
 
 # -- one run of one contender -----------------------------------------------------------------
-def run_one(kind: str, workload: str, data: Path, seconds: float) -> dict[str, Any] | None:
+def run_one(kind: str, workload: str, data: Path, seconds: float, warmup: float = 0.0) -> dict[str, Any] | None:
     """Records/s (and stoker's stats) of one contender, in a fresh process; None if it failed."""
     dtype = out_dtype(workload)
+    warmup = warmup_for(workload, warmup)
     if workload == "W1-cold":
         os.sync()
         _evict_page_cache([str(p) for p in data.iterdir() if p.name.startswith(("img_", "out_"))])
     if kind == "stoker numpy":
         cfg: dict[str, Any] = {"fields": stoker_fields(workload, data), "batch": BATCH, "cast": dtype,
                                "seconds": seconds, "shuffle": "global" if workload == "W3" else None,
-                               "busy_ms": BUSY_MS if workload == "W1-busy" else 0, "warmup": True}  # fmt: skip
+                               "busy_ms": BUSY_MS if workload == "W1-busy" else 0,
+                               "warmup": warmup or True}  # fmt: skip
         m = run_child("stoker", cfg)
         return {"rate": m.records_per_s, "stats": m.stats}
     if kind == "ceiling" and workload != "W1-busy":
@@ -305,11 +322,11 @@ def run_one(kind: str, workload: str, data: Path, seconds: float) -> dict[str, A
         # keeps its maps across epochs too). W1-cold: mapped per visit, the cold pass as before.
         loop = "inflate_cast" if w2 else "mmap_stream" if workload == "W1-cold" else "mmap_kept"
         cfg = {"paths": paths, "header": 0, "shape": [RES, RES, 1], "src_dtype": "|i1", "out_dtype": dtype,
-               "batch": BATCH, "loop": loop, "threads": cores(), "seconds": seconds}  # fmt: skip
+               "batch": BATCH, "loop": loop, "threads": cores(), "seconds": seconds, "warmup": warmup}  # fmt: skip
         return {"rate": run_child("ceiling", cfg).records_per_s}
     proc = subprocess.run(
         [sys.executable, __file__, "--child", kind, "--workload", workload, "--data", str(data),
-         "--seconds", str(seconds)],
+         "--seconds", str(seconds), "--warmup", str(warmup)],
         capture_output=True, text=True, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )  # fmt: skip
     if proc.returncode != 0:
@@ -331,7 +348,8 @@ def per_round(rates: dict[str, list[float | None]], a: str, b: str) -> list[floa
 def report(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
         f"# stoker vs peers and the ceiling ({meta['date']}, {meta['machine']}, {meta['cores']} cores, "
-        f"{meta['rounds']} alternated rounds of {meta['seconds']:g}s, batch {BATCH})",
+        f"{meta['rounds']} alternated rounds of {meta['seconds']:g}s after {meta.get('warmup', 0):g}s of warm-up, "
+        f"batch {BATCH})",
         "",
         "Ratios are per round (same round), then median [min..max].",
         "",
@@ -390,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=2.5)
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs before it is timed")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
     ap.add_argument("--contenders", default=None, help="comma-separated subset of contenders (ceiling is always run)")
     ap.add_argument("--cache", default=os.environ.get("STOKER_CACHE", ".stoker-cache"))
@@ -399,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        out = consumer_alone(args.seconds) if args.child == "consumer alone" else (
-            child(args.child, args.workload, Path(args.data), args.seconds))  # fmt: skip
+        out = consumer_alone(args.seconds, args.warmup) if args.child == "consumer alone" else (
+            child(args.child, args.workload, Path(args.data), args.seconds, args.warmup))  # fmt: skip
         print(json.dumps(out))
         return 0
     from stoker.doctor import verdict
@@ -421,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         stats: list[tuple[float, dict[str, Any]]] = []
         for r in range(args.rounds):
             for kind in kinds if r % 2 == 0 else reversed(kinds):
-                run = run_one("consumer alone" if (kind, w) == ("ceiling", "W1-busy") else kind, w, data, args.seconds)
+                run = run_one("consumer alone" if (kind, w) == ("ceiling", "W1-busy") else kind, w, data,
+                              args.seconds, args.warmup)  # fmt: skip
                 rates[kind].append(run["rate"] if run else None)
                 if run and run.get("stats"):
                     stats.append((run["rate"], run["stats"]))
@@ -436,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             res["stoker_stats"] = median_stats.to_dict()
         results[w] = res
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(t0)), "machine": platform.machine(), "cores": cores(),
-            "rounds": args.rounds, "seconds": args.seconds, "busy_ms": BUSY_MS}  # fmt: skip
+            "rounds": args.rounds, "seconds": args.seconds, "warmup": args.warmup, "busy_ms": BUSY_MS}  # fmt: skip
     text = report(results, meta)
     print(text)
     out = Path(args.out)

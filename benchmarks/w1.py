@@ -3,12 +3,14 @@
 Alternates, round after round, each contender in a fresh process: stoker and the ceiling
 loops (see stoker.bench) with float32 output, the same with int8 output, and stoker at
 batch_size 16 to show engine overhead at small batches, the two shuffle modes, and W3-cold
-(global shuffle and sequential with the page cache evicted before each round). Warm stoker contenders are timed
-from their second batch (thread start-up and the first batch excluded, as benchmarks/compare.py does for every
-contender; the ceiling loops have no start-up to speak of). Prints per-contender medians and
-the per-round ratios stoker / best ceiling loop of the same round (median and spread).
+(global shuffle and sequential with the page cache evicted before each round). Warm contenders,
+stoker and the ceiling loops alike, run ``--warmup`` seconds before they are timed (their
+steady state: stoker's thread start-up, first maps and new buffers, and the ceiling loops' first
+pass over fresh maps excluded, as benchmarks/compare.py does for every contender); cold ones are
+timed from their second batch. Prints per-contender medians and the per-round ratios
+stoker / best ceiling loop of the same round (median and spread).
 
-    python benchmarks/w1.py [--rounds 5] [--seconds 3] [--out benchmarks/results/w1.md]
+    python benchmarks/w1.py [--rounds 5] [--seconds 3] [--warmup 1] [--out benchmarks/results/w1.md]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds each warm contender runs before it is timed")
     ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
     ap.add_argument("--out", default="benchmarks/results/w1.md")
     args = ap.parse_args()
@@ -38,6 +41,7 @@ def main() -> int:
     ]
     paths = sorted(str(p) for p in data.glob("img_*.bin"))
     threads = len(os.sched_getaffinity(0))
+    warm = args.warmup or True  # seconds; True: the first batch only
     contenders: dict[str, dict[str, object]] = {}
     for out in ("float32", "int8"):
         # The images alone are cast, as the ceiling loops cast them; labels stay float32.
@@ -46,26 +50,26 @@ def main() -> int:
             "batch": 256,
             "cast": {"image": out},
             "seconds": args.seconds,
-            "warmup": True,
+            "warmup": warm,
         }
         for loop in CEILING_LOOPS:
             contenders[f"ceiling:{loop} {out}"] = {
                 "paths": paths, "header": 0, "shape": [128, 128, 1], "src_dtype": "|i1", "out_dtype": out,
-                "batch": 256, "loop": loop, "threads": threads, "seconds": args.seconds,
+                "batch": 256, "loop": loop, "threads": threads, "seconds": args.seconds, "warmup": args.warmup,
             }  # fmt: skip
     # A new pass per epoch, as a PyTorch loop or Keras' fit iterates (the dataset is one epoch
     # in ~0.5 s here, so the seconds hold several passes and their start-ups).
     contenders["stoker float32 pass per epoch"] = {
-        "fields": fields, "batch": 256, "cast": {"image": "float32"}, "seconds": args.seconds, "warmup": True,
+        "fields": fields, "batch": 256, "cast": {"image": "float32"}, "seconds": args.seconds, "warmup": warm,
         "pass_per_epoch": True,
     }  # fmt: skip
     contenders["stoker float32 batch16"] = {
-        "fields": fields, "batch": 16, "cast": "float32", "seconds": args.seconds, "warmup": True,
+        "fields": fields, "batch": 16, "cast": "float32", "seconds": args.seconds, "warmup": warm,
     }  # fmt: skip
     for mode in ("global", "files"):
         contenders[f"stoker float32 shuffle={mode}"] = {
             "fields": fields, "batch": 256, "cast": "float32", "seconds": args.seconds, "shuffle": mode,
-            "warmup": True,
+            "warmup": warm,
         }  # fmt: skip
     # W3-cold: the page cache evicted (posix_fadvise DONTNEED on every file) at the start of the
     # round, the larger-than-RAM case; sequential cold beside it for the disk's own pace.
@@ -83,7 +87,8 @@ def main() -> int:
     results = measure(contenders, rounds=args.rounds, on_result=progress)
     lines = [
         f"# W1 results ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, {platform.processor() or platform.machine()}, "
-        f"{threads} cores, {args.rounds} alternated rounds of {args.seconds:g}s, warm page cache)",
+        f"{threads} cores, {args.rounds} alternated rounds of {args.seconds:g}s after {args.warmup:g}s of warm-up, "
+        "warm page cache)",
         "",
         "| contender | records/s median | min | max | MB/s |",
         "|---|---:|---:|---:|---:|",

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoker.bench import CEILING_LOOPS, burn, run_child
+from stoker.bench import CEILING_LOOPS, _Tally, burn, run_child
 from stoker.cli import main
 from stoker.sample import expected_label, write_sample
 from stoker.stats import LoaderStats
@@ -64,6 +64,42 @@ def test_every_raw_ceiling_loop_copies_whole_records_of_every_file(sample: Path,
     assert m.records > 2 * 64 and m.bytes_read == m.records * 16 * 16
 
 
+def test_a_warm_up_runs_before_stoker_s_timed_seconds_and_is_not_counted(sample: Path) -> None:
+    cfg = {"fields": _fields(sample), "batch": 16, "cast": "float32", "seconds": 0.2, "warmup": 0.5}
+    began = time.perf_counter()
+    m = run_child("stoker", cfg)
+    assert time.perf_counter() - began >= 0.7
+    assert 0.2 <= m.seconds < 0.45  # the timed seconds only
+    stats = LoaderStats.from_dict(m.stats or {})
+    # The loader delivered the warm-up's batches too; the measurement counts the timed ones.
+    assert 0 < m.records < stats.records and m.bytes_read == m.records * (16 * 16 + 4)
+
+
+@pytest.mark.parametrize("loop", ["mmap_kept", "inflate_cast"])
+def test_a_warm_up_runs_before_the_ceiling_s_timed_seconds(sample: Path, loop: str) -> None:
+    if loop == "inflate_cast":
+        for g in range(2):
+            (sample / f"img_{g}.bin.gz").write_bytes(gzip.compress(np.arange(64 * 256, dtype=np.int8).tobytes()))
+    paths = sorted(str(p) for p in sample.glob("img_*.bin.gz" if loop == "inflate_cast" else "img_*.bin"))
+    cfg = {"paths": paths, "header": 0, "shape": [16, 16, 1], "src_dtype": "|i1", "out_dtype": "float32",
+           "batch": 16, "loop": loop, "threads": 2, "seconds": 0.2, "warmup": 0.5}  # fmt: skip
+    began = time.perf_counter()
+    m = run_child("ceiling", cfg)
+    assert time.perf_counter() - began >= 0.7
+    assert 0.15 <= m.seconds < 0.45 and m.records > 0 and m.bytes_read == m.records * 16 * 16
+
+
+def test_a_ceiling_thread_counts_from_its_first_batch_done_in_the_timed_window() -> None:
+    tally = _Tally()
+    now = time.perf_counter()
+    assert not tally.add(16, now + 60, now + 120)  # warm-up: not counted
+    assert tally.begun is None and tally.n - tally.base == 16
+    assert not tally.add(16, now, now + 120)  # the first batch done in the window: the count starts after it
+    assert tally.begun is not None and tally.n - tally.base == 0
+    assert tally.add(16, now, now)  # one more, and the window is over
+    assert tally.n - tally.base == 16 and tally.ended >= tally.begun
+
+
 def test_burn_keeps_the_thread_on_the_cpu() -> None:
     cpu = time.thread_time()
     burn(0.05)
@@ -72,7 +108,8 @@ def test_burn_keeps_the_thread_on_the_cpu() -> None:
 
 def test_bench_prints_stages_cpu_threads_and_a_verdict(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "--field", f"image={sample}/img_*.bin:int8:16x16x1",
-                 "--field", f"label={sample}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3"])  # fmt: skip
+                 "--field", f"label={sample}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3",
+                 "--warmup", "0.1"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     assert "% of ceiling" in out and "MB/s" in out
@@ -86,7 +123,8 @@ def test_bench_on_a_compressed_widest_field_measures_the_inflate_ceiling(
 ) -> None:
     for g in range(2):
         (tmp_path / f"img_{g}.bin.gz").write_bytes(gzip.compress(np.zeros(40 * 64, np.int8).tobytes()))
-    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin.gz:int8:8x8", "--rounds", "1", "--seconds", "0.2"])
+    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin.gz:int8:8x8", "--rounds", "1", "--seconds", "0.2",
+                 "--warmup", "0"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0 and "ceiling:inflate_cast" in out and "verdict: " in out
 

@@ -141,9 +141,10 @@ def test_bad_config_contents_name_the_config(tmp_path: Path, capsys) -> None:
 def test_bench_on_a_tiny_dataset_prints_records_per_second_and_the_ceiling_ratio(sample: Path, capsys) -> None:
     argv = ["bench", "--field", f"image={sample}/img_*.bin:int8:8x8x1", "--field",
             f"label={sample}/out_*.bin.gz:float32:gzip",
-            "--rounds", "1", "--seconds", "0.3", "--batch-size", "16"]  # fmt: skip
+            "--rounds", "1", "--seconds", "0.3", "--warmup", "0.2", "--batch-size", "16"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "records/s" in out
     assert "stoker / ceiling: median" in out
     assert "ceiling:mmap_stream" in out and "ceiling:mmap_kept" in out
+    assert "1 alternated rounds of 0.3s, each after 0.2s of warm-up" in out

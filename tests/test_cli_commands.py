@@ -72,7 +72,8 @@ def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytes
     main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
     capsys.readouterr()
     code = main(["bench", "--field", f"image={tmp_path}/img_*.bin:int8:16x16x1",
-                 "--field", f"label={tmp_path}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3"])  # fmt: skip
+                 "--field", f"label={tmp_path}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3",
+                 "--warmup", "0"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     assert "records/s" in out and "ceiling:mmap_stream" in out and "stoker / ceiling: median" in out

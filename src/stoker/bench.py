@@ -26,6 +26,12 @@ staging buffer, then cast into the output by ``stoker.kernels.cast_into`` (no en
 pairing, no checks).
 With ``evict`` in the config, every file's pages are dropped from the page cache first
 (cold-cache runs: the ceiling is then a cold read plus the cast).
+
+``warmup`` in a config (seconds, for stoker and the ceiling alike) runs the contender that
+long before its timed ``seconds`` begin, so both are measured in their steady state: the
+start-up (threads, first maps of the files, first touch of new buffers, decoding the label
+files, autotune's first window) is left out of both. ``warmup: true`` leaves out stoker's
+first batch only.
 """
 
 from __future__ import annotations
@@ -67,15 +73,37 @@ class Measurement:
         return self.bytes_read / self.seconds / 1e6
 
 
+class _Tally:
+    """Records a ceiling thread makes, counted from the first batch done at or after ``begin``."""
+
+    __slots__ = ("base", "begun", "ended", "n")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.base = 0
+        self.begun: float | None = None
+        self.ended = 0.0
+
+    def add(self, k: int, begin: float, until: float) -> bool:
+        """Count ``k`` records; True once the timed window is over."""
+        self.n += k
+        now = time.perf_counter()
+        if self.begun is None and now >= begin:
+            self.begun, self.base = now, self.n
+        self.ended = now
+        return now >= until
+
+
 def _ceiling_worker(
     paths: Sequence[str], header: int, shape: tuple[int, ...], src_dtype: str, out_dtype: str,
-    batch: int, loop: str, until: float, counts: list[int],
+    batch: int, loop: str, begin: float, until: float, tallies: list[_Tally],
 ) -> None:  # fmt: skip
     src_dt, out_dt = np.dtype(src_dtype), np.dtype(out_dtype)
     rb = int(np.prod(shape)) * src_dt.itemsize
     out = np.empty((batch, *shape), out_dt)
     staging = np.empty(batch * rb, np.uint8)
-    n = 0
+    tally = _Tally()
+    tallies.append(tally)
     if loop == "inflate_cast":
         from .inflate import Inflater
 
@@ -88,10 +116,10 @@ def _ceiling_worker(
                         if k == 0:
                             break
                         cast_into(out[:k], staging[: k * rb].view(src_dt).reshape(k, *shape))
-                        n += k
+                        if tally.add(k, begin, until):
+                            break
                 if time.perf_counter() >= until:
                     break
-        counts.append(n)
         return
     kept: dict[str, mmap.mmap] = {}
     while time.perf_counter() < until:
@@ -121,8 +149,7 @@ def _ceiling_worker(
                         view = memoryview(staging)[: k * rb]  # type: ignore[arg-type]
                         os.preadv(fd, [view], header + i * rb)
                         np.copyto(out[:k], staging[: k * rb].view(src_dt).reshape(k, *shape), casting="unsafe")
-                    n += k
-                    if time.perf_counter() >= until:
+                    if tally.add(k, begin, until):
                         break
                 if m is not None and loop != "mmap_kept":
                     m.close()
@@ -132,7 +159,6 @@ def _ceiling_worker(
                 break
     for m in kept.values():
         m.close()
-    counts.append(n)
 
 
 CEILING_LOOPS = ("mmap_cast", "mmap_cast_fresh", "preadv_cast", "mmap_stream", "mmap_kept")
@@ -142,12 +168,12 @@ COMPRESSED_CEILING_LOOPS = ("inflate_cast",)
 def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
     threads = cfg["threads"]
     paths = cfg["paths"]
-    counts: list[int] = []
+    tallies: list[_Tally] = []
     if cfg.get("evict"):
         _evict_page_cache(paths)
-    cpu = time.process_time()
     start = time.perf_counter()
-    until = start + cfg["seconds"]
+    begin = start + _warmup_seconds(cfg)
+    until = begin + cfg["seconds"]
     workers = [
         threading.Thread(
             target=_ceiling_worker,
@@ -159,22 +185,35 @@ def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
                 cfg["out_dtype"],
                 cfg["batch"],
                 cfg["loop"],
+                begin,
                 until,
-                counts,
+                tallies,
             ),
         )
         for i in range(threads)
     ]
     for w in workers:
         w.start()
+    time.sleep(max(0.0, begin - time.perf_counter()))
+    cpu = time.process_time()
     for w in workers:
         w.join()
-    elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu
+    # Each thread counts from its first batch done in the timed window; the window is from
+    # the earliest such batch to the last batch done.
+    timed = [t for t in tallies if t.begun is not None]
+    records = sum(t.n - t.base for t in timed)
+    elapsed = max(t.ended for t in timed) - min(t.begun for t in timed if t.begun is not None) if timed else 0.0
+    if not records:  # nothing done in the window (no records in the files): the whole run's pace, zero
+        elapsed = time.perf_counter() - start
     rb = int(np.prod(cfg["shape"])) * np.dtype(cfg["src_dtype"]).itemsize
-    return {
-        "records": sum(counts), "seconds": elapsed, "bytes_read": sum(counts) * rb,
-        "cpu_seconds": time.process_time() - cpu,
-    }  # fmt: skip
+    return {"records": records, "seconds": elapsed, "bytes_read": records * rb, "cpu_seconds": cpu}
+
+
+def _warmup_seconds(cfg: dict[str, Any]) -> float:
+    """The config's warm-up in seconds (``true``: none beyond stoker's first batch)."""
+    w = cfg.get("warmup") or 0
+    return 0.0 if w is True else float(w)
 
 
 def burn(seconds: float) -> None:
@@ -215,9 +254,18 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
             while True:
                 yield from loader
 
+        began = time.perf_counter()
         batches = epoch_after_epoch() if per_epoch and not cold else iter(loader)
         if cfg.get("warmup"):  # start-up and first batch excluded, as peers' benchmarks do
             next(batches)
+            # A warm-up in seconds: the steady state is timed, as the ceiling's is.
+            warm_until = began + _warmup_seconds(cfg)
+            if time.perf_counter() < warm_until:
+                for _ in batches:
+                    if busy:
+                        burn(busy)
+                    if time.perf_counter() >= warm_until:
+                        break
         cpu = time.process_time()
         start = time.perf_counter()
         until = start + cfg["seconds"]

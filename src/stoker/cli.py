@@ -203,7 +203,8 @@ def _run_compare(args: argparse.Namespace) -> int:
     if not script.is_file():
         raise SpecError(f"--compare runs {script}, which is not there: run it from a source checkout of stoker")
     rounds = 5 if args.rounds is None else args.rounds  # the minimum for peer comparisons
-    argv = [sys.executable, str(script), "--rounds", str(rounds), "--seconds", str(args.seconds)]
+    argv = [sys.executable, str(script), "--rounds", str(rounds), "--seconds", str(args.seconds),
+            "--warmup", str(args.warmup)]  # fmt: skip
     if args.workloads:
         argv += ["--workloads", args.workloads]
     import subprocess
@@ -230,7 +231,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ds = dataset_from_fields(specs)
     cast = args.cast
     contenders: dict[str, dict[str, Any]] = {
-        "stoker": {"fields": specs, "batch": args.batch_size, "cast": cast, "seconds": args.seconds},
+        "stoker": {
+            "fields": specs,
+            "batch": args.batch_size,
+            "cast": cast,
+            "seconds": args.seconds,
+            "warmup": args.warmup or True,
+        },
     }
     widest = max(ds.fields, key=lambda n: ds.fields[n].record_bytes)
     if not args.no_ceiling:
@@ -244,10 +251,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             contenders[f"ceiling:{loop}"] = {
                 "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": f.dtype.str,
                 "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": threads,
-                "seconds": args.seconds,
+                "seconds": args.seconds, "warmup": args.warmup,
             }  # fmt: skip
     print(f"{ds!r}: {len(ds)} records; batch {args.batch_size}, cast {cast or 'none'}; "
-          f"{args.rounds} alternated rounds of {args.seconds}s")  # fmt: skip
+          f"{args.rounds} alternated rounds of {args.seconds:g}s, each after {args.warmup:g}s of warm-up")  # fmt: skip
     bar = _Progress(args.rounds * len(contenders), "bench")
     results = measure(contenders, rounds=args.rounds, on_result=lambda r, m: bar.step(f"{m.contender}"))
     print(f"{'contender':<22} {'records/s (median)':>19} {'min':>10} {'max':>10} {'MB/s':>8}")
@@ -325,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cast", default="float32", help="output dtype of every field ('none' to keep stored types)")
     p.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 3; 5 with --compare)")
     p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds each contender runs before it is timed: its steady state is measured (default 1)",
+    )
     p.add_argument("--no-ceiling", action="store_true")
     p.add_argument("--compare", action="store_true",
                    help="run benchmarks/compare.py: tf.data, DataLoader, Grain and stoker per workload")  # fmt: skip
