@@ -11,9 +11,10 @@ inside a parallel deterministic interleave, one decode + cast per batch in a par
 "numpy_function bridge" is to_tf with ``STOKER_TF_BRIDGE=numpy_function``: the fallback used
 where the native op cannot be compiled. Rounds alternate the contenders, each in a fresh process
 (this kind of machine drifts by tens of percent within a minute); ratios are taken within a
-round, then their median is reported.
+round, then their median is reported. Each contender runs ``--warmup`` seconds (and at least one
+batch or call) unmeasured before its timed seconds: all are timed in their steady state.
 
-    python benchmarks/tf_compare.py [--rounds 5] [--seconds 3] [--data DIR] [--out FILE]
+    python benchmarks/tf_compare.py [--rounds 5] [--seconds 3] [--warmup 1] [--data DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -122,9 +123,11 @@ def _batches(kind: str, data: Path) -> Iterator[Any]:
     return iter(loader.to_tf()) if kind == "to_tf" else iter(loader)
 
 
-def _child_in_graph(kind: str, data: Path, seconds: float) -> dict[str, float]:
+def _child_in_graph(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, float]:
     """The batches pulled inside a tf.function, STEPS_PER_CALL per call (Keras' fit loop)."""
     import tensorflow as tf
+
+    began = time.perf_counter()
 
     ds = _best(data) if kind == "best" else _dataset(data).loader(BATCH, cast={"image": "float32"}, epochs=None).to_tf()
     it = iter(ds)
@@ -139,6 +142,8 @@ def _child_in_graph(kind: str, data: Path, seconds: float) -> dict[str, float]:
         return n
 
     steps(it)  # trace and warm up outside the timed window
+    while time.perf_counter() - began < warmup:
+        steps(it)
     n = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -146,14 +151,17 @@ def _child_in_graph(kind: str, data: Path, seconds: float) -> dict[str, float]:
     return {"records": n, "seconds": time.perf_counter() - start}
 
 
-def _child(kind: str, data: Path, seconds: float) -> dict[str, float]:
+def _child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, float]:
     if kind == "to_tf_pyfunc":
         os.environ["STOKER_TF_BRIDGE"] = "numpy_function"
         kind = "to_tf"
     if kind.endswith("_graph"):
-        return _child_in_graph(kind.removesuffix("_graph"), data, seconds)
+        return _child_in_graph(kind.removesuffix("_graph"), data, seconds, warmup)
+    began = time.perf_counter()
     it = _batches(kind, data)
     next(it)  # build, trace and warm up outside the timed window
+    while time.perf_counter() - began < warmup:
+        next(it)
     n = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -163,9 +171,10 @@ def _child(kind: str, data: Path, seconds: float) -> dict[str, float]:
     return {"records": n, "seconds": time.perf_counter() - start}
 
 
-def _run(kind: str, data: Path, seconds: float) -> float:
+def _run(kind: str, data: Path, seconds: float, warmup: float) -> float:
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", kind, "--data", str(data), "--seconds", str(seconds)],
+        [sys.executable, __file__, "--child", kind, "--data", str(data), "--seconds", str(seconds),
+         "--warmup", str(warmup)],
         capture_output=True, text=True, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )  # fmt: skip
     if proc.returncode != 0:
@@ -178,13 +187,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs before it is timed")
     ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
     ap.add_argument("--out", default=None, help="also write the table to this file")
     ap.add_argument("--child", choices=sorted(CONTENDERS.values()), help=argparse.SUPPRESS)
     args = ap.parse_args()
     data = Path(args.data)
     if args.child:
-        print(json.dumps(_child(args.child, data, args.seconds)))
+        print(json.dumps(_child(args.child, data, args.seconds, args.warmup)))
         return 0
     cached_sample(data)
     results: dict[str, list[float]] = {name: [] for name in CONTENDERS}
@@ -192,7 +202,7 @@ def main() -> int:
     for r in range(args.rounds):
         order = list(CONTENDERS) if r % 2 == 0 else list(reversed(CONTENDERS))
         for name in order:
-            rate = _run(CONTENDERS[name], data, args.seconds)
+            rate = _run(CONTENDERS[name], data, args.seconds, args.warmup)
             results[name].append(rate)
             print(f"  round {r + 1}: {name:<28} {rate:>10,.0f} records/s", file=sys.stderr)
 
@@ -204,7 +214,7 @@ def main() -> int:
     lines = [
         f"# tf.data vs stoker on W1 ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, "
         f"{platform.processor() or platform.machine()}, {cores} cores, {args.rounds} alternated rounds of "
-        f"{args.seconds:g}s, warm page cache; float32 images, batch {BATCH})",
+        f"{args.seconds:g}s after {args.warmup:g}s of warm-up, warm page cache; float32 images, batch {BATCH})",
         "",
         "| contender | records/s median | min | max |",
         "|---|---:|---:|---:|",

@@ -10,11 +10,13 @@ Contenders (float32 images, batch 256, labels decoded from the gzip files):
 - ``grain``: ``grain.MapDataset.source(...)`` over the same random-access source,
   ``.batch(256)``, ``.to_iter_dataset(ReadOptions(num_threads=cores))``.
 
-Every contender runs in a fresh process, rounds alternate the order, and each is timed
-from its first batch on (worker start-up and first-batch latency are excluded alike).
-Prints a markdown table of medians and per-round ratios.
+Every contender runs in a fresh process, rounds alternate the order, and each runs ``--warmup``
+seconds (and at least one batch) unmeasured before its timed seconds, so all are timed in their
+steady state (worker start-up and first-batch latency are excluded alike). Prints a markdown
+table of medians and per-round ratios.
 
-    python benchmarks/torch_jax_compare.py [--rounds 3] [--seconds 3] [--out benchmarks/results/torch_jax.md]
+    python benchmarks/torch_jax_compare.py [--rounds 3] [--seconds 3] [--warmup 1]
+                                           [--out benchmarks/results/torch_jax.md]
 """
 
 from __future__ import annotations
@@ -120,9 +122,12 @@ def size_of(batch: Any) -> int:
     return int(first.shape[0])
 
 
-def child(name: str, data: str, seconds: float) -> dict[str, float]:
+def child(name: str, data: str, seconds: float, warmup: float = 0.0) -> dict[str, float]:
+    began = time.perf_counter()
     it = batches(name, data)
     next(it)  # start-up and first batch excluded, for every contender alike
+    while time.perf_counter() - began < warmup:
+        next(it)
     n = 0
     start = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
@@ -133,9 +138,10 @@ def child(name: str, data: str, seconds: float) -> dict[str, float]:
     return {"records": n, "seconds": elapsed}
 
 
-def run_child(name: str, data: str, seconds: float) -> float | None:
+def run_child(name: str, data: str, seconds: float, warmup: float = 0.0) -> float | None:
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", name, "--data", data, "--seconds", str(seconds)],
+        [sys.executable, __file__, "--child", name, "--data", data, "--seconds", str(seconds),
+         "--warmup", str(warmup)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if proc.returncode != 0:
@@ -161,19 +167,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs before it is timed")
     ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
     ap.add_argument("--out", help="also write the table to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.data, args.seconds)))
+        print(json.dumps(child(args.child, args.data, args.seconds, args.warmup)))
         return 0
     data = cached_sample(args.data)
     names = [n for n in CONTENDERS if available(n)]
     results: dict[str, list[float | None]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else reversed(names):
-            rate = run_child(name, str(data), args.seconds)
+            rate = run_child(name, str(data), args.seconds, args.warmup)
             results[name].append(rate)
             print(f"  round {r + 1}: {name:<18} {rate or 0:>12,.0f} records/s", file=sys.stderr)
 
@@ -183,7 +190,8 @@ def main() -> int:
 
     lines = [
         f"# stoker adapters vs DataLoader and Grain on W1 ({time.strftime('%Y-%m-%d')}, "
-        f"{platform.machine()}, {cores()} cores, {args.rounds} alternated rounds of {args.seconds:g}s, "
+        f"{platform.machine()}, {cores()} cores, {args.rounds} alternated rounds of {args.seconds:g}s "
+        f"after {args.warmup:g}s of warm-up, "
         "float32 images, batch 256, warm page cache)",
         "",
         "| contender | records/s median | min | max |",
