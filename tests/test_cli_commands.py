@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,24 @@ def test_user_mistakes_print_type_and_message_without_traceback(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Error: " in err and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "need"),
+    [("--rounds", "0", "at least 1"), ("--seconds", "0", "more than 0"), ("--seconds", "-1", "more than 0"),
+     ("--warmup", "-0.5", "0 or more"), ("--batch-size", "0", "at least 1")],
+)  # fmt: skip
+def test_bench_refuses_numbers_it_cannot_measure_with_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, need: str
+) -> None:
+    main(["sample", str(tmp_path), "--pairs", "1", "--records", "8", "--inrez", "8"])
+    capsys.readouterr()
+    started = time.perf_counter()
+    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin:int8:8x8", flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith(f"SpecError: stoker bench {flag} {float(value):g}: must be {need}")
+    assert time.perf_counter() - started < 1.0  # refused before any round ran (each runs 4 s)
 
 
 def test_parse_field_reads_shape_and_compression_in_any_order() -> None:

@@ -212,7 +212,20 @@ def _run_compare(args: argparse.Namespace) -> int:
     return subprocess.run(argv, check=False).returncode
 
 
+def _check_bench_numbers(args: argparse.Namespace) -> None:
+    """Refuse numbers no measurement can be made with, before any child process starts."""
+    for flag, value, ok, need in (
+        ("--rounds", args.rounds, args.rounds is None or args.rounds >= 1, "at least 1"),
+        ("--seconds", args.seconds, args.seconds > 0, "more than 0"),
+        ("--warmup", args.warmup, args.warmup >= 0, "0 or more"),
+        ("--batch-size", args.batch_size, args.batch_size >= 1, "at least 1"),
+    ):
+        if not ok:
+            raise SpecError(f"stoker bench {flag} {value:g}: must be {need}")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    _check_bench_numbers(args)
     if args.compare:
         return _run_compare(args)
     if args.rounds is None:
