@@ -80,6 +80,17 @@ def test_bench_refuses_numbers_it_cannot_measure_with_before_starting_anything(
     assert time.perf_counter() - started < 1.0  # refused before any round ran (each runs 4 s)
 
 
+def test_bench_refuses_a_cast_to_no_dtype_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main(["sample", str(tmp_path), "--pairs", "1", "--records", "8", "--inrez", "8"])
+    capsys.readouterr()
+    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin:int8:8x8", "--cast", "notadtype"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("SpecError: cast for field 'image': 'notadtype' is not a numpy dtype")
+
+
 def test_parse_field_reads_shape_and_compression_in_any_order() -> None:
     spec = parse_field("image=data/img_*.bin:int8:128x128x1:none")
     assert spec == {"name": "image", "files": "data/img_*.bin", "dtype": "int8", "shape": [128, 128, 1],

@@ -243,6 +243,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         specs = _sample_fields(directory, args.inrez)
     ds = dataset_from_fields(specs)
     cast = args.cast
+    ds.loader(args.batch_size, cast=cast).close()  # its argument checks (cast) here, not in a child's traceback
     contenders: dict[str, dict[str, Any]] = {
         "stoker": {
             "fields": specs,
