@@ -87,6 +87,14 @@ def test_held_jax_arrays_never_change_while_the_loader_goes_on(sample: stoker.Da
         assert np.array_equal(expected_label(got["image"]), got["label"])
 
 
+def test_loader_to_jax_takes_its_arguments_by_position_too(sample: stoker.Dataset) -> None:
+    with sample.loader(16).to_jax(None, 1) as batches:
+        assert batches.prefetch_to_device == 1
+        it = iter(batches)
+        next(it)
+        assert batches.loader.position == (0, 16 * 2)  # one taken, one on the device
+
+
 def test_prefetch_runs_ahead_but_the_state_counts_what_the_user_took(sample: stoker.Dataset) -> None:
     with sample.loader(16).to_jax(prefetch_to_device=3) as batches:
         it = iter(batches)

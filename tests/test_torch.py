@@ -169,6 +169,16 @@ def test_cast_on_device_casts_after_the_transfer(sample: stoker.Dataset) -> None
         assert np.array_equal(e["image"].astype(np.float32), g["image"].numpy())
 
 
+def test_loader_to_torch_takes_the_device_by_position_as_the_readme_shows(sample: stoker.Dataset) -> None:
+    with sample.loader(32) as loader:
+        expected = [dict(b) for b in loader]
+    with sample.loader(32).to_torch("cpu", False, {"image": torch.float32}) as batches:
+        assert batches.device == torch.device("cpu") and batches.cast_on_device == {"image": torch.float32}
+        got = list(batches)
+    for e, g in zip(expected, got, strict=True):
+        assert np.array_equal(e["image"].astype(np.float32), g["image"].numpy())
+
+
 def test_to_torch_rejects_unknown_fields_and_non_dtypes(sample: stoker.Dataset) -> None:
     with sample.loader(8) as loader:
         with pytest.raises(stoker.SpecError, match="unknown field 'pixels'"):

@@ -409,23 +409,24 @@ class Loader:
             },
         )
 
-    def to_torch(self, **kwargs: Any) -> Any:
-        """This loader as an iterable of dicts of torch tensors; see :mod:`stoker.torch`."""
+    # The adapters' own signatures, so ``loader.to_torch("cuda", ...)`` works as documented.
+    def to_torch(self, device: Any = None, pin_memory: bool = False, cast_on_device: Any = None) -> Any:
+        """This loader as an iterable of dicts of torch tensors; see :func:`stoker.torch.to_torch`."""
         from .torch import to_torch
 
-        return to_torch(self, **kwargs)
+        return to_torch(self, device=device, pin_memory=pin_memory, cast_on_device=cast_on_device)
 
-    def to_jax(self, **kwargs: Any) -> Any:
-        """This loader as an iterable of dicts of jax arrays; see :mod:`stoker.jax`."""
+    def to_jax(self, sharding: Any = None, prefetch_to_device: int = 2) -> Any:
+        """This loader as an iterable of dicts of jax arrays; see :func:`stoker.jax.to_jax`."""
         from .jax import to_jax
 
-        return to_jax(self, **kwargs)
+        return to_jax(self, sharding=sharding, prefetch_to_device=prefetch_to_device)
 
-    def to_tf(self, **kwargs: Any) -> Any:
-        """This loader as a ``tf.data.Dataset`` (zero-copy); see :mod:`stoker.tf`."""
+    def to_tf(self, *, element_spec: Any = None) -> Any:
+        """This loader as a ``tf.data.Dataset`` (zero-copy); see :func:`stoker.tf.to_tf`."""
         from .tf import to_tf
 
-        return to_tf(self, **kwargs)
+        return to_tf(self, element_spec=element_spec)
 
     def close(self) -> None:
         """Stop every pass's threads, close its files and unmap the files kept mapped; idempotent."""
