@@ -1,0 +1,292 @@
+"""W1 onto a CUDA GPU: stoker's batches through ``to_torch`` and ``to_jax`` to the device, beside the host ceilings.
+
+Needs a CUDA machine (PyTorch with CUDA, optionally JAX with its CUDA plugin); CI has none, so
+nothing here runs in the test suite. Two parts:
+
+- ``--check``: correctness of the asynchronous paths. Batches go to the GPU without any
+  synchronization in the loop (pinned host buffers, ``non_blocking`` copies; JAX's
+  ``device_put``), a checksum kernel is queued behind each copy, and only at the end are the
+  checksums compared with an independent numpy reading of the same records. A host buffer
+  recycled while its copy is still in flight would show as a wrong checksum. Held batches
+  (every tenth, kept on the device to the end) are compared whole.
+- the benchmark: contenders in fresh processes, rounds alternating the order, each timed in its
+  steady state after ``--warmup`` seconds: the host ceiling loop and stoker's numpy iteration
+  (float32 and int8 out), ``to_torch("cuda")`` pinned with int8 shipped and cast on the device
+  (the recommended setup), pinned with float32 cast on the host, unpinned with the cast on the
+  device, ``to_jax`` on the GPU (float32 and int8), and the bare host-to-device copy of one
+  pinned batch buffer again and again (the PCIe ceiling for each dtype). A GPU consumer is
+  timed to the end of its last copy (``torch.cuda.synchronize`` / ``block_until_ready``).
+
+    python benchmarks/gpu.py --check
+    python benchmarks/gpu.py [--rounds 3] [--seconds 2] [--warmup 1] [--data DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import stoker
+from stoker.bench import run_child
+from stoker.sample import cached_sample
+
+BATCH = 256
+RES = 128
+CONTENDERS = {
+    "ceiling float32 (host)": "ceiling:float32",
+    "ceiling int8 (host)": "ceiling:int8",
+    "stoker numpy float32 (host)": "numpy:float32",
+    "stoker numpy int8 (host)": "numpy:int8",
+    "to_torch cuda pinned, int8 + cast on device": "torch:pinned:int8",
+    "to_torch cuda pinned, float32 cast on host": "torch:pinned:float32",
+    "to_torch cuda unpinned, int8 + cast on device": "torch:unpinned:int8",
+    "to_jax gpu, float32 cast on host": "jax:float32",
+    "to_jax gpu, int8": "jax:int8",
+    "H2D copy of a pinned int8 batch (PCIe ceiling)": "h2d:int8",
+    "H2D copy of a pinned float32 batch (PCIe ceiling)": "h2d:float32",
+}
+
+
+def dataset(data: Path) -> stoker.Dataset:
+    return stoker.Dataset(
+        image=stoker.Field(str(data / "img_*.bin"), "int8", (RES, RES, 1)),
+        label=stoker.Field(str(data / "out_*.bin.gz"), "float32", compression="gzip"),
+    )
+
+
+def _timed(batches: Any, seconds: float, warmup: float, sync: Any = None) -> dict[str, float]:
+    """Records per second of ``batches`` after ``warmup`` s; ``sync(batch)`` waits for the device."""
+    began = time.perf_counter()
+    it = iter(batches)
+    batch = next(it)
+    while time.perf_counter() - began < warmup:
+        batch = next(it)
+    if sync is not None:
+        sync(batch)
+    n = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        batch = next(it)
+        n += int(batch["label"].shape[0])
+    if sync is not None:
+        sync(batch)
+    return {"records": n, "seconds": time.perf_counter() - start}
+
+
+def child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, float]:
+    family, *rest = kind.split(":")
+    ds = dataset(data)
+    if family == "numpy":
+        with ds.loader(BATCH, epochs=None, cast={"image": rest[0]}) as loader:
+            return _timed(loader, seconds, warmup)
+    if family == "torch":
+        import torch
+
+        pinned, dtype = rest[0] == "pinned", rest[1]
+        loader = ds.loader(BATCH, epochs=None, cast={"image": dtype})
+        cast = {"image": torch.float32} if dtype == "int8" else None
+        with loader.to_torch("cuda", pin_memory=pinned, cast_on_device=cast) as batches:
+            return _timed(batches, seconds, warmup, lambda _: torch.cuda.synchronize())
+    if family == "jax":
+        import jax
+
+        loader = ds.loader(BATCH, epochs=None, cast={"image": rest[0]})
+        with loader.to_jax() as batches:
+            return _timed(batches, seconds, warmup, jax.block_until_ready)
+    if family == "h2d":
+        import torch
+
+        itemsize = np.dtype(rest[0]).itemsize
+        host = torch.empty(BATCH * RES * RES * itemsize, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty_like(host, device="cuda")
+        began = time.perf_counter()
+        while time.perf_counter() - began < warmup:
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        n = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for _ in range(10):
+                dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            n += 10 * BATCH
+        return {"records": n, "seconds": time.perf_counter() - start}
+    raise ValueError(f"unknown contender {kind!r}")
+
+
+def ceiling(data: Path, dtype: str, seconds: float, warmup: float) -> float:
+    paths = sorted(str(p) for p in data.glob("img_*.bin"))
+    cfg = {"paths": paths, "header": 0, "shape": [RES, RES, 1], "src_dtype": "|i1", "out_dtype": dtype,
+           "batch": BATCH, "loop": "mmap_kept", "threads": len(os.sched_getaffinity(0)), "seconds": seconds,
+           "warmup": warmup}  # fmt: skip
+    return run_child("ceiling", cfg).records_per_s
+
+
+def run(kind: str, data: Path, seconds: float, warmup: float) -> float | None:
+    if kind.startswith("ceiling:"):
+        return ceiling(data, kind.split(":")[1], seconds, warmup)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", kind, "--data", str(data), "--seconds", str(seconds),
+         "--warmup", str(warmup)],
+        capture_output=True, text=True, check=False,
+        env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    )  # fmt: skip
+    if proc.returncode != 0:
+        print(f"  {kind} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return float(out["records"] / out["seconds"])
+
+
+# -- correctness of the asynchronous paths --------------------------------------------------------
+def _reference(ds: stoker.Dataset, batches: int) -> list[tuple[int, int, np.ndarray]]:
+    """Per batch: the int8 images' sum, their row-weighted sum, and the labels (numpy, no GPU)."""
+    out = []
+    with ds.loader(BATCH, epochs=None) as loader:
+        for _, batch in zip(range(batches), loader, strict=False):
+            rows = batch["image"].reshape(len(batch["image"]), -1).astype(np.int64).sum(axis=1)
+            weights = np.arange(1, len(rows) + 1, dtype=np.int64)
+            out.append((int(rows.sum()), int((rows * weights).sum()), batch["label"].copy()))
+    return out
+
+
+def check(data: Path, batches: int) -> int:
+    ds = dataset(data)
+    ref = _reference(ds, batches)
+    failures: list[str] = []
+    import torch
+
+    paths = ((True, "int8"), (True, "float32"), (False, "int8")) if torch.cuda.is_available() else ()
+    if not paths:
+        print("CUDA is not available: to_torch('cuda') not checked")
+    for pinned, host_dtype in paths:
+        name = f"to_torch cuda pin_memory={pinned}, images {host_dtype} on the host"
+        cast = {"image": torch.float32} if host_dtype == "int8" else None
+        sums: list[tuple[Any, Any, Any]] = []
+        held: list[tuple[int, Any]] = []
+        with ds.loader(BATCH, epochs=None, cast={"image": host_dtype}).to_torch(
+            "cuda", pin_memory=pinned, cast_on_device=cast
+        ) as tl:
+            for k, batch in zip(range(batches), tl, strict=False):
+                rows = batch["image"].reshape(batch["image"].shape[0], -1).to(torch.int64).sum(dim=1)
+                weights = torch.arange(1, rows.shape[0] + 1, device=rows.device, dtype=torch.int64)
+                sums.append((rows.sum(), (rows * weights).sum(), batch["label"]))  # queued, not waited for
+                if k % 10 == 0:
+                    held.append((k, batch["image"]))
+            torch.cuda.synchronize()
+        bad = [k for k, (s, w, lab) in enumerate(sums)
+               if (int(s), int(w)) != ref[k][:2] or not np.array_equal(lab.cpu().numpy(), ref[k][2])]  # fmt: skip
+        with ds.loader(BATCH, epochs=None, cast={"image": "float32"}) as again:
+            expect = {k: b["image"].copy() for k, b in zip(range(batches), again, strict=False) if k % 10 == 0}
+        bad_held = [k for k, img in held if not np.array_equal(img.cpu().numpy(), expect[k])]
+        dtypes = {str(batch["image"].dtype), str(batch["image"].device)}
+        print(f"{name}: {batches} batches, checksums wrong in {len(bad)}, held batches changed: {len(bad_held)}"
+              f" ({', '.join(sorted(dtypes))})")  # fmt: skip
+        if bad or bad_held:
+            failures.append(f"{name}: batches {bad[:10]} wrong, held {bad_held[:10]} changed")
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        print("jax not installed: to_jax not checked")
+    else:
+        for host_dtype in ("float32", "int8"):
+            name = f"to_jax on {jax.devices()[0]}, images {host_dtype}"
+            jsums: list[tuple[Any, Any]] = []
+            jheld: list[tuple[int, Any]] = []
+            with ds.loader(BATCH, epochs=None, cast={"image": host_dtype}).to_jax() as jl:
+                for k, batch in zip(range(batches), jl, strict=False):
+                    # Row sums on the device, queued behind the transfer (int32 is exact here: a
+                    # row holds 16384 values of at most 128 in magnitude); totals on the host.
+                    rows = batch["image"].reshape(batch["image"].shape[0], -1).astype(jnp.int32).sum(axis=1)
+                    jsums.append((rows, batch["label"]))
+                    if k % 10 == 0:
+                        jheld.append((k, batch["image"]))
+            bad = []
+            for k, (rows, lab) in enumerate(jsums):
+                r = np.asarray(rows).astype(np.int64)
+                w = np.arange(1, len(r) + 1, dtype=np.int64)
+                if (int(r.sum()), int((r * w).sum())) != ref[k][:2] or not np.array_equal(np.asarray(lab), ref[k][2]):
+                    bad.append(k)
+            with ds.loader(BATCH, epochs=None, cast={"image": host_dtype}) as again:
+                expect = {k: b["image"].copy() for k, b in zip(range(batches), again, strict=False) if k % 10 == 0}
+            bad_held = [k for k, img in jheld if not np.array_equal(np.asarray(img), expect[k])]
+            print(f"{name}: {batches} batches, checksums wrong in {len(bad)}, held batches changed: {len(bad_held)}")
+            if bad or bad_held:
+                failures.append(f"{name}: batches {bad[:10]} wrong, held {bad_held[:10]} changed")
+    for f in failures:
+        print("FAILED:", f)
+    return 1 if failures else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs before it is timed")
+    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--check", action="store_true", help="check the asynchronous paths' batches, then stop")
+    ap.add_argument("--batches", type=int, default=300, help="batches per path in --check")
+    ap.add_argument("--only", default=None, help="comma-separated subset of contenders' keys")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    data = Path(args.data)
+    if args.child:
+        print(json.dumps(child(args.child, data, args.seconds, args.warmup)))
+        return 0
+    cached_sample(data)
+    if args.check:
+        return check(data, args.batches)
+    keys = None if args.only is None else set(args.only.split(","))
+    names = [n for n, k in CONTENDERS.items() if keys is None or k in keys]
+    results: dict[str, list[float | None]] = {n: [] for n in names}
+    t0 = time.time()
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else list(reversed(names)):
+            rate = run(CONTENDERS[name], data, args.seconds, args.warmup)
+            results[name].append(rate)
+            print(f"  round {r + 1}: {name:<50} {rate or 0:>12,.0f} records/s", file=sys.stderr)
+    gpu = "no GPU"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    lines = [
+        f"# W1 onto the GPU ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, {platform.machine()}, "
+        f"{len(os.sched_getaffinity(0))} cores, {gpu}, {args.rounds} alternated rounds of {args.seconds:g}s "
+        f"after {args.warmup:g}s of warm-up, batch {BATCH}, 128x128 images, warm page cache)",
+        "",
+        "| contender | records/s median | min | max | image GB/s (as produced or shipped) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, rates in results.items():
+        ok = [x for x in rates if x]
+        if not ok:
+            lines.append(f"| {name} | failed | | | |")
+            continue
+        per = RES * RES * (1 if "int8" in name else 4)
+        med = statistics.median(ok)
+        lines.append(f"| {name} | {med:,.0f} | {min(ok):,.0f} | {max(ok):,.0f} | {med * per / 1e9:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
