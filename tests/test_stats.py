@@ -13,6 +13,7 @@ import pytest
 
 import stoker
 from conftest import LAB_GZ, FieldPlan, build, check_batches
+from stoker.autotune import ThreadTuner
 from stoker.doctor import verdict
 from stoker.readahead import Readahead, drop_behind_for, physical_memory
 from stoker.stats import LoaderStats
@@ -474,6 +475,52 @@ def test_the_tuner_tries_no_worker_more_once_the_process_keeps_every_core_busy()
     tuner, calls = climb(1.2)
     assert calls == ["add", "window 7", "retire", "window 6"]
     assert "3 threads gave 1.02x of 2" in tuner.reason
+
+
+def _climb_on_many_cores(records_per_s: dict[int, float], busy: dict[int, float]) -> tuple[ThreadTuner, list[str]]:
+    """A climb from 16 workers on 16 cores; at t workers batches of 256 come at records_per_s[t]
+    and the process keeps busy[t] cores busy."""
+    now, cpu = [0.0], [0.0]
+    tuner = ThreadTuner(start=16, max_threads=32, tune_prefetch=True, fits=100, cores=16, cpu_clock=lambda: cpu[0])
+    w = Workers()
+    for _ in range(20000):
+        if tuner.done:
+            break
+        step = 256 / records_per_s[tuner.threads]
+        cpu[0] += busy[tuner.threads] * step
+        tuner.observe(w, now[0], now[0] + step, now[0], 256)
+        now[0] += step
+    assert tuner.done
+    return tuner, w.calls
+
+
+def test_workers_that_wait_on_the_gil_are_halved_while_half_runs_as_fast() -> None:
+    from stoker.autotune import GAIN, HALVE_BELOW
+
+    # W1 int8 on a 16-core host, as measured: 16 threads keep 3.6 cores busy and run slower
+    # than 8, which keep 4.3 busy (below HALVE_BELOW of 8), and 4 (3.8 busy) run as fast as 8.
+    assert HALVE_BELOW * 8 > 4.3 and HALVE_BELOW * 4 <= 3.8 and 1.22e6 * GAIN >= 1.18e6
+    tuner, calls = _climb_on_many_cores({16: 919e3, 8: 1.18e6, 4: 1.22e6}, {16: 3.6, 8: 4.3, 4: 3.8})
+    assert tuner.threads == 4
+    assert calls == ["retire"] * 8 + ["window 12"] + ["retire"] * 4 + ["window 8"]
+    assert tuner.reason == "4 threads ran 1.03x of 8 with half the workers (3.80 cores busy): kept"
+    assert [t for t, _ in tuner.history] == [16, 8, 4]
+
+
+def test_a_halving_that_runs_slower_is_taken_back_and_the_climb_goes_on() -> None:
+    # Workers waiting on a cold disk also keep few cores busy; there half of them run slower.
+    tuner, calls = _climb_on_many_cores({16: 600e3, 8: 400e3, 17: 601e3}, {16: 4.0, 8: 2.5, 17: 4.1})
+    assert calls[:10] == ["retire"] * 8 + ["window 12"] + ["add"]  # halved, then taken back
+    assert calls[10:17] == ["add"] * 7 and calls[17:20] == ["add", "window 21", "retire"]  # and one more tried
+    assert tuner.threads == 16 and "17 threads gave 1.00x of 16" in tuner.reason
+    assert [t for t, _ in tuner.history] == [16, 8, 17]
+
+
+def test_workers_that_keep_their_cores_busy_are_not_halved() -> None:
+    # One worker per core keeping 15 of the 16 cores busy: CPU-bound, neither halved nor climbed.
+    tuner, calls = _climb_on_many_cores({16: 1.0e6}, {16: 15.0})
+    assert calls == [] and tuner.threads == 16
+    assert tuner.reason.startswith("CPU-bound: 15.00 of 16 cores busy")
 
 
 def test_a_climb_handed_to_the_next_pass_goes_on_and_skips_that_pass_s_start_up() -> None:

@@ -19,6 +19,12 @@ every core busy (its CPU time over the window, consumer included): a pipeline th
 CPU-bound cannot gain from one more thread, and the trial only costs a window of contention
 (W1 float32 on 2 cores, where two workers and the consumer use 1.93 cores: see SATURATED).
 Workers waiting on a cold disk or a network leave cores idle, and there the climb goes on.
+On a machine of ``MIN_HALVING`` cores or more, a first window whose workers keep fewer than
+``HALVE_BELOW`` of a core each busy (threads that wait on the GIL, or on a disk) is followed by
+one at half the workers: kept while it runs as fast (within ``GAIN``), halved again while that
+holds, else the workers come back and the climb goes on from there. W1 on 16 cores (an H200
+host): one worker per core kept 3-6 of the 16 busy, and 8 threads ran 1.1x (float32) and 1.7x
+(int8) the records/s of the 16-18 the climb had settled on.
 ``prefetch``, when None, follows
 :func:`default_prefetch` (four batches more than the workers, deeper for small batches) within
 ``memory_budget``.
@@ -46,9 +52,11 @@ __all__ = [
     "CLEAR_LOSS",
     "EARLY_FRACTION",
     "GAIN",
+    "HALVE_BELOW",
     "IN_FLIGHT_BYTES",
     "MAX_RESTARTS",
     "MIN_BATCHES",
+    "MIN_HALVING",
     "MIN_SECONDS",
     "SATURATED",
     "ThreadTuner",
@@ -72,6 +80,14 @@ EARLY_FRACTION = 1 / 3
 # third (even cut short by CLEAR_LOSS) left the default at 0.862 of the ceiling against 0.894
 # for threads=2 fixed; with this rule 0.867 against 0.871 (5 alternated rounds of 3 s each).
 SATURATED = 0.9
+# Halving (ThreadTuner._halve): tried after the first window from this many workers up, when
+# they keep fewer than HALVE_BELOW of a core each busy. W1 on a 16-core H200 host (one round of
+# 2 s after 1 s at each fixed count; cores busy / threads): float32 16 threads 547k records/s at
+# 4.1/16, 8 threads 791k at 5.3/8, 4 threads 696k at 3.9/4; int8 16: 919k at 3.6/16, 8: 1.18M at
+# 4.3/8, 4: 1.22M at 3.8/4; the climb, starting at 16, had settled on 17-18 threads (711k, 712k):
+# the threads wait on the GIL (the per-batch Python), and more of them only add hand-offs.
+MIN_HALVING = 4
+HALVE_BELOW = 0.6
 # A window restarts at most this many times for fresh buffers (ThreadTuner.observe): a consumer
 # that keeps every batch makes the pool allocate at every one, and the climb must still end.
 MAX_RESTARTS = 3
@@ -140,6 +156,7 @@ class ThreadTuner:
         self._down: float | None = None  # records/s before a step down (consumer-bound), until judged
         self._base: float | None = None  # records/s at the worker count the climb stands on
         self._trial: float | None = None  # records/s of one worker more, until measured against again
+        self._halved: tuple[float, int] | None = None  # (records/s, workers) before a halving, until judged
 
     def new_pass(self) -> None:
         """Go on in a new pass: its start-up stays out of the window, as the first pass's did."""
@@ -229,6 +246,25 @@ class ThreadTuner:
                 return
             self._finish(f"consumer-bound at {self.threads} thread(s): more workers would take its CPU")
             return
+        if self._halved is not None:  # this window ran half the workers of the one before
+            before, more = self._halved
+            self._halved = None
+            if rate * GAIN < before:  # they were needed: back to them, and the climb goes on from there
+                for _ in range(more - self.threads):
+                    workers.add_worker()
+                self.threads = more
+                self._base = before
+                self._climb(workers)
+                return
+            if self._halve(workers, rate, busy):
+                return
+            self._finish(
+                f"{self.threads} threads ran {rate / before:.2f}x of {more} with half the workers "
+                f"({busy:.2f} cores busy): kept"
+            )
+            return
+        if self._base is None and self._trial is None and self._halve(workers, rate, busy):
+            return  # the first window: its workers mostly waited
         if self._trial is not None:  # this window ran one worker fewer than the trial before it
             trial, self._trial = self._trial, None
             if trial <= rate * GAIN:  # measured again, the gain was drift: the worker stays out
@@ -261,6 +297,10 @@ class ThreadTuner:
                 "so no worker more was tried"
             )
             return
+        self._climb(workers)
+
+    def _climb(self, workers: Workers) -> None:
+        """One worker more, to be measured in the next window (or the end, at the maximum)."""
         if self.threads >= self.max_threads:
             self._resize(workers)
             self._finish(f"reached the maximum of {self.max_threads} threads")
@@ -268,6 +308,24 @@ class ThreadTuner:
         self.threads += 1
         workers.add_worker()
         self._resize(workers)
+
+    def _halve(self, workers: Workers, rate: float, busy: float) -> bool:
+        """Try half the workers when they keep less than HALVE_BELOW of a core each busy.
+
+        Threads that wait on the GIL gain nothing from more of their kind and lose to the hand-offs:
+        on 16 cores, W1's workers spent most of their time waiting for it (see MIN_HALVING). Workers
+        that wait on a cold disk look the same from here, so the next window decides: a halving that
+        runs slower than noise is taken back and the climb goes on from the count before it.
+        """
+        if self.threads < MIN_HALVING or self.threads // 2 < 1 or busy >= HALVE_BELOW * self.threads:
+            return False
+        self._halved = (rate, self.threads)
+        half = self.threads // 2
+        for _ in range(self.threads - half):
+            workers.retire_worker()
+        self.threads = half
+        self._resize(workers)
+        return True
 
     def _clearly_losing(self, elapsed: float, rate: float) -> bool:
         """A trial of one worker more that already runs well below the count before it ends early.
