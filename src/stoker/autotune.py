@@ -317,7 +317,7 @@ class ThreadTuner:
         that wait on a cold disk look the same from here, so the next window decides: a halving that
         runs slower than noise is taken back and the climb goes on from the count before it.
         """
-        if self.threads < MIN_HALVING or self.threads // 2 < 1 or busy >= HALVE_BELOW * self.threads:
+        if self.threads < MIN_HALVING or busy >= HALVE_BELOW * self.threads:
             return False
         self._halved = (rate, self.threads)
         half = self.threads // 2
