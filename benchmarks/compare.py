@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import _evict_page_cache, burn, run_child
+from stoker.bench import _evict_page_cache, burn, run_child, time_batches
 from stoker.sample import cached_sample
 
 RES = 128
@@ -258,11 +258,6 @@ def batches(kind: str, workload: str, data: Path) -> Iterator[Any]:
     raise ValueError(kind)
 
 
-def size_of(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, list | tuple) else batch["image"]
-    return int(first.shape[0])
-
-
 def warmup_for(workload: str, warmup: float) -> float:
     """Seconds run before the timed ones: none for W1-cold (its one cold pass would be half spent)."""
     return 0.0 if workload == "W1-cold" else warmup
@@ -272,21 +267,12 @@ def child(kind: str, workload: str, data: Path, seconds: float, warmup: float = 
     began = time.perf_counter()
     it = batches(kind, workload, data)
     busy = BUSY_MS / 1000 if workload == "W1-busy" else 0.0
-    next(it)  # start-up and first batch excluded, for every contender alike
-    while time.perf_counter() - began < warmup:  # then the warm-up, as the timed loop runs
-        next(it)
-        if busy:
-            burn(busy)
-    n = 0
-    start = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        n += size_of(next(it))
-        if busy:
-            burn(busy)
+    # Start-up, the first batch and the warm-up excluded, for every contender alike.
+    out = time_batches(it, seconds, warmup=warmup, began=began, step=(lambda: burn(busy)) if busy else None)
     close = getattr(it, "close", None)
     if close is not None:
         close()
-    return {"records": n, "seconds": elapsed}
+    return out
 
 
 def consumer_alone(seconds: float, warmup: float = 0.0) -> dict[str, float]:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 import stoker
-from stoker.bench import run_child
+from stoker.bench import run_child, time_batches
 from stoker.sample import cached_sample
 
 BATCH = 256
@@ -64,31 +64,12 @@ def dataset(data: Path) -> stoker.Dataset:
     )
 
 
-def _timed(batches: Any, seconds: float, warmup: float, sync: Any = None) -> dict[str, float]:
-    """Records per second of ``batches`` after ``warmup`` s; ``sync(batch)`` waits for the device."""
-    began = time.perf_counter()
-    it = iter(batches)
-    batch = next(it)
-    while time.perf_counter() - began < warmup:
-        batch = next(it)
-    if sync is not None:
-        sync(batch)
-    n = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        batch = next(it)
-        n += int(batch["label"].shape[0])
-    if sync is not None:
-        sync(batch)
-    return {"records": n, "seconds": time.perf_counter() - start}
-
-
 def child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, float]:
     family, *rest = kind.split(":")
     ds = dataset(data)
     if family == "numpy":
         with ds.loader(BATCH, epochs=None, cast={"image": rest[0]}) as loader:
-            return _timed(loader, seconds, warmup)
+            return time_batches(iter(loader), seconds, warmup=warmup)
     if family == "torch":
         import torch
 
@@ -96,13 +77,13 @@ def child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, flo
         loader = ds.loader(BATCH, epochs=None, cast={"image": dtype})
         cast = {"image": torch.float32} if dtype == "int8" else None
         with loader.to_torch("cuda", pin_memory=pinned, cast_on_device=cast) as batches:
-            return _timed(batches, seconds, warmup, lambda _: torch.cuda.synchronize())
+            return time_batches(iter(batches), seconds, warmup=warmup, sync=lambda _: torch.cuda.synchronize())
     if family == "jax":
         import jax
 
         loader = ds.loader(BATCH, epochs=None, cast={"image": rest[0]})
         with loader.to_jax() as batches:
-            return _timed(batches, seconds, warmup, jax.block_until_ready)
+            return time_batches(iter(batches), seconds, warmup=warmup, sync=jax.block_until_ready)
     if family == "h2d":
         import torch
 
@@ -149,51 +130,63 @@ def run(kind: str, data: Path, seconds: float, warmup: float) -> float | None:
 
 
 # -- correctness of the asynchronous paths --------------------------------------------------------
-def _reference(ds: stoker.Dataset, batches: int) -> list[tuple[int, int, np.ndarray]]:
-    """Per batch: the int8 images' sum, their row-weighted sum, and the labels (numpy, no GPU)."""
+def _totals(rows: np.ndarray) -> tuple[int, int]:
+    """A batch's checksums from its images' per-row sums: their total and their row-weighted total."""
+    rows = rows.astype(np.int64)
+    return int(rows.sum()), int((rows * np.arange(1, len(rows) + 1, dtype=np.int64)).sum())
+
+
+def _reference(ds: stoker.Dataset, batches: int) -> list[tuple[tuple[int, int], np.ndarray]]:
+    """Per batch: the int8 images' checksums and the labels (numpy, no GPU)."""
     out = []
     with ds.loader(BATCH, epochs=None) as loader:
         for _, batch in zip(range(batches), loader, strict=False):
             rows = batch["image"].reshape(len(batch["image"]), -1).astype(np.int64).sum(axis=1)
-            weights = np.arange(1, len(rows) + 1, dtype=np.int64)
-            out.append((int(rows.sum()), int((rows * weights).sum()), batch["label"].copy()))
+            out.append((_totals(rows), batch["label"].copy()))
     return out
+
+
+def _check_path(
+    name: str, device_batches: Any, row_sums: Any, to_numpy: Any, held_dtype: str,
+    ds: stoker.Dataset, ref: list[tuple[tuple[int, int], np.ndarray]],
+) -> str | None:  # fmt: skip
+    """Run ``device_batches`` with no synchronization, ``row_sums(images)`` queued on the device
+    behind each copy; compare only at the end. None, or what went wrong."""
+    sums: list[tuple[Any, Any]] = []
+    held: list[tuple[int, Any]] = []
+    with device_batches as batches:
+        for k, batch in zip(range(len(ref)), batches, strict=False):
+            sums.append((row_sums(batch["image"]), batch["label"]))
+            if k % 10 == 0:
+                held.append((k, batch["image"]))
+    bad = [k for k, (rows, lab) in enumerate(sums)
+           if _totals(to_numpy(rows)) != ref[k][0] or not np.array_equal(to_numpy(lab), ref[k][1])]  # fmt: skip
+    with ds.loader(BATCH, epochs=None, cast={"image": held_dtype}) as again:
+        expect = {k: b["image"].copy() for k, b in zip(range(len(ref)), again, strict=False) if k % 10 == 0}
+    bad_held = [k for k, img in held if not np.array_equal(to_numpy(img), expect[k])]
+    dtype = held[0][1].dtype if held else "-"
+    print(f"{name}: {len(sums)} batches, checksums wrong in {len(bad)}, held batches changed: {len(bad_held)} "
+          f"(images {dtype} on the device)")  # fmt: skip
+    return f"{name}: batches {bad[:10]} wrong, held {bad_held[:10]} changed" if bad or bad_held else None
 
 
 def check(data: Path, batches: int) -> int:
     ds = dataset(data)
     ref = _reference(ds, batches)
-    failures: list[str] = []
+    failures: list[str | None] = []
     import torch
 
     paths = ((True, "int8"), (True, "float32"), (False, "int8")) if torch.cuda.is_available() else ()
     if not paths:
         print("CUDA is not available: to_torch('cuda') not checked")
     for pinned, host_dtype in paths:
-        name = f"to_torch cuda pin_memory={pinned}, images {host_dtype} on the host"
         cast = {"image": torch.float32} if host_dtype == "int8" else None
-        sums: list[tuple[Any, Any, Any]] = []
-        held: list[tuple[int, Any]] = []
-        with ds.loader(BATCH, epochs=None, cast={"image": host_dtype}).to_torch(
-            "cuda", pin_memory=pinned, cast_on_device=cast
-        ) as tl:
-            for k, batch in zip(range(batches), tl, strict=False):
-                rows = batch["image"].reshape(batch["image"].shape[0], -1).to(torch.int64).sum(dim=1)
-                weights = torch.arange(1, rows.shape[0] + 1, device=rows.device, dtype=torch.int64)
-                sums.append((rows.sum(), (rows * weights).sum(), batch["label"]))  # queued, not waited for
-                if k % 10 == 0:
-                    held.append((k, batch["image"]))
-            torch.cuda.synchronize()
-        bad = [k for k, (s, w, lab) in enumerate(sums)
-               if (int(s), int(w)) != ref[k][:2] or not np.array_equal(lab.cpu().numpy(), ref[k][2])]  # fmt: skip
-        with ds.loader(BATCH, epochs=None, cast={"image": "float32"}) as again:
-            expect = {k: b["image"].copy() for k, b in zip(range(batches), again, strict=False) if k % 10 == 0}
-        bad_held = [k for k, img in held if not np.array_equal(img.cpu().numpy(), expect[k])]
-        dtypes = {str(batch["image"].dtype), str(batch["image"].device)}
-        print(f"{name}: {batches} batches, checksums wrong in {len(bad)}, held batches changed: {len(bad_held)}"
-              f" ({', '.join(sorted(dtypes))})")  # fmt: skip
-        if bad or bad_held:
-            failures.append(f"{name}: batches {bad[:10]} wrong, held {bad_held[:10]} changed")
+        failures.append(_check_path(
+            f"to_torch cuda pin_memory={pinned}, images {host_dtype} on the host",
+            ds.loader(BATCH, epochs=None, cast={"image": host_dtype}).to_torch("cuda", pinned, cast),
+            lambda images: images.reshape(images.shape[0], -1).to(torch.int64).sum(dim=1),
+            lambda t: t.cpu().numpy(), "float32", ds, ref,
+        ))  # fmt: skip
     try:
         import jax
         import jax.numpy as jnp
@@ -201,32 +194,17 @@ def check(data: Path, batches: int) -> int:
         print("jax not installed: to_jax not checked")
     else:
         for host_dtype in ("float32", "int8"):
-            name = f"to_jax on {jax.devices()[0]}, images {host_dtype}"
-            jsums: list[tuple[Any, Any]] = []
-            jheld: list[tuple[int, Any]] = []
-            with ds.loader(BATCH, epochs=None, cast={"image": host_dtype}).to_jax() as jl:
-                for k, batch in zip(range(batches), jl, strict=False):
-                    # Row sums on the device, queued behind the transfer (int32 is exact here: a
-                    # row holds 16384 values of at most 128 in magnitude); totals on the host.
-                    rows = batch["image"].reshape(batch["image"].shape[0], -1).astype(jnp.int32).sum(axis=1)
-                    jsums.append((rows, batch["label"]))
-                    if k % 10 == 0:
-                        jheld.append((k, batch["image"]))
-            bad = []
-            for k, (rows, lab) in enumerate(jsums):
-                r = np.asarray(rows).astype(np.int64)
-                w = np.arange(1, len(r) + 1, dtype=np.int64)
-                if (int(r.sum()), int((r * w).sum())) != ref[k][:2] or not np.array_equal(np.asarray(lab), ref[k][2]):
-                    bad.append(k)
-            with ds.loader(BATCH, epochs=None, cast={"image": host_dtype}) as again:
-                expect = {k: b["image"].copy() for k, b in zip(range(batches), again, strict=False) if k % 10 == 0}
-            bad_held = [k for k, img in jheld if not np.array_equal(np.asarray(img), expect[k])]
-            print(f"{name}: {batches} batches, checksums wrong in {len(bad)}, held batches changed: {len(bad_held)}")
-            if bad or bad_held:
-                failures.append(f"{name}: batches {bad[:10]} wrong, held {bad_held[:10]} changed")
+            failures.append(_check_path(
+                f"to_jax on {jax.devices()[0]}, images {host_dtype}",
+                ds.loader(BATCH, epochs=None, cast={"image": host_dtype}).to_jax(),
+                # int32 row sums are exact: a row holds 16384 values of at most 128 in magnitude.
+                lambda images: images.reshape(images.shape[0], -1).astype(jnp.int32).sum(axis=1),
+                np.asarray, host_dtype, ds, ref,
+            ))  # fmt: skip
     for f in failures:
-        print("FAILED:", f)
-    return 1 if failures else 0
+        if f is not None:
+            print("FAILED:", f)
+    return 1 if any(failures) else 0
 
 
 def main() -> int:

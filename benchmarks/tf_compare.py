@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stoker.bench import time_batches
 from stoker.sample import cached_sample
 
 BATCH = 256
@@ -158,17 +159,7 @@ def _child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, fl
     if kind.endswith("_graph"):
         return _child_in_graph(kind.removesuffix("_graph"), data, seconds, warmup)
     began = time.perf_counter()
-    it = _batches(kind, data)
-    next(it)  # build, trace and warm up outside the timed window
-    while time.perf_counter() - began < warmup:
-        next(it)
-    n = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        batch = next(it)
-        labels = batch[1] if isinstance(batch, tuple) else batch["label"]
-        n += int(labels.shape[0])
-    return {"records": n, "seconds": time.perf_counter() - start}
+    return time_batches(_batches(kind, data), seconds, warmup=warmup, began=began)  # build and trace untimed
 
 
 def _run(kind: str, data: Path, seconds: float, warmup: float) -> float:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker.bench import time_batches
 from stoker.sample import cached_sample
 
 RES = 128
@@ -117,25 +118,14 @@ def batches(name: str, data: str) -> Any:
     raise ValueError(name)
 
 
-def size_of(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, list | tuple) else batch["image"]
-    return int(first.shape[0])
-
-
 def child(name: str, data: str, seconds: float, warmup: float = 0.0) -> dict[str, float]:
     began = time.perf_counter()
     it = batches(name, data)
-    next(it)  # start-up and first batch excluded, for every contender alike
-    while time.perf_counter() - began < warmup:
-        next(it)
-    n = 0
-    start = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        n += size_of(next(it))
+    out = time_batches(it, seconds, warmup=warmup, began=began)  # start-up and first batch excluded alike
     close = getattr(it, "close", None)
     if close is not None:
         close()
-    return {"records": n, "seconds": elapsed}
+    return out
 
 
 def run_child(name: str, data: str, seconds: float, warmup: float = 0.0) -> float | None:

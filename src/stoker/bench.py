@@ -52,7 +52,17 @@ import numpy as np
 
 from .kernels import cast_into
 
-__all__ = ["CEILING_LOOPS", "COMPRESSED_CEILING_LOOPS", "Measurement", "burn", "measure", "run_child", "summarize"]
+__all__ = [
+    "CEILING_LOOPS",
+    "COMPRESSED_CEILING_LOOPS",
+    "Measurement",
+    "batch_rows",
+    "burn",
+    "measure",
+    "run_child",
+    "summarize",
+    "time_batches",
+]
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,48 @@ def _warmup_seconds(cfg: dict[str, Any]) -> float:
     return 0.0 if w is True else float(w)
 
 
+def batch_rows(batch: Any) -> int:
+    """Records in a batch: a dict of arrays or tensors (its first field), or a tuple (its first item)."""
+    first = batch[0] if isinstance(batch, list | tuple) else next(iter(batch.values()))
+    return int(first.shape[0])
+
+
+def time_batches(
+    batches: Iterator[Any],
+    seconds: float,
+    *,
+    warmup: float = 0.0,
+    began: float | None = None,
+    step: Callable[[], None] | None = None,
+    sync: Callable[[Any], None] | None = None,
+) -> dict[str, float]:
+    """Records per second of ``batches`` in their steady state, for the benchmark scripts' children.
+
+    The first batch, then every batch until ``warmup`` seconds after ``began`` (default: now;
+    pass the time before the pipeline was built to count its start-up into the warm-up), run
+    unmeasured; then ``seconds`` are timed. ``step()`` runs after each batch but the first (a
+    consumer's own work); ``sync(batch)`` waits for a device before the clock starts and stops.
+    """
+    began = time.perf_counter() if began is None else began
+    batch = next(batches)
+    while time.perf_counter() - began < warmup:
+        batch = next(batches)
+        if step is not None:
+            step()
+    if sync is not None:
+        sync(batch)
+    n = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        batch = next(batches)
+        n += batch_rows(batch)
+        if step is not None:
+            step()
+    if sync is not None:
+        sync(batch)
+    return {"records": n, "seconds": time.perf_counter() - start}
+
+
 def burn(seconds: float) -> None:
     """Keep this thread on the CPU for ``seconds``, as a training step on the host would."""
     end = time.thread_time() + seconds
@@ -270,7 +322,7 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         until = start + cfg["seconds"]
         for batch in batches:
-            n += len(next(iter(batch.values())))
+            n += batch_rows(batch)
             if busy:
                 burn(busy)
             if time.perf_counter() >= until:
