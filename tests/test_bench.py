@@ -142,6 +142,23 @@ def test_bench_prints_stages_cpu_threads_and_a_verdict(sample: Path, capsys: pyt
     assert "verdict: " in out
 
 
+def test_bench_runs_stoker_with_the_threads_prefetch_and_memory_budget_given(
+    sample: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 16 rows of 16x16 float32 + a float32 label: 16,448 bytes a batch; 3 batches' worth.
+    code = main(["bench", "--field", f"image={sample}/img_*.bin:int8:16x16x1",
+                 "--field", f"label={sample}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3",
+                 "--warmup", "0.1", "--batch-size", "16", "--threads", "2", "--memory-budget", "50000"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "threads=2 prefetch=1 (held down by memory_budget: it holds 3 batches of 0.0 MiB)" in out
+    assert "verdict: memory_budget-bound: memory_budget=50000 holds 3 batches" in out
+    code = main(["bench", "--field", f"image={sample}/img_*.bin:int8:16x16x1", "--rounds", "1",
+                 "--seconds", "0.3", "--warmup", "0", "--batch-size", "16", "--threads", "2", "--prefetch", "3",
+                 "--no-ceiling"])  # fmt: skip
+    assert code == 0 and "threads=2 prefetch=3 " in capsys.readouterr().out
+
+
 def test_bench_on_a_compressed_widest_field_measures_the_inflate_ceiling(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -80,6 +80,27 @@ def test_bench_refuses_numbers_it_cannot_measure_with_before_starting_anything(
     assert time.perf_counter() - started < 1.0  # refused before any round ran (each runs 4 s)
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--memory-budget", "lots"], "SpecError: memory_budget='lots' must be a byte count like 512MiB"),
+     (["--memory-budget", "1KiB"], "SpecError: memory_budget='1KiB' (1024 bytes) holds less than one batch"),
+     (["--prefetch", "0"], "SpecError: prefetch=0 must be a positive integer"),
+     (["--threads", "-2"], "SpecError: threads=-2 must be a positive integer"),
+     (["--prefetch", "900", "--memory-budget", "1MiB"], "SpecError: prefetch=900 batches of 65536 bytes exceed")],
+)  # fmt: skip
+def test_bench_refuses_loader_settings_the_loader_refuses_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    main(["sample", str(tmp_path), "--pairs", "1", "--records", "8", "--inrez", "8"])
+    capsys.readouterr()
+    started = time.perf_counter()
+    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin:int8:8x8", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith(message)
+    assert time.perf_counter() - started < 1.0  # refused before any round ran
+
+
 def test_bench_refuses_a_cast_to_no_dtype_before_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

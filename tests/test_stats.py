@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -372,6 +373,32 @@ def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
     assert [t for t, _ in tuner.history] == [1, 2, 1, 3]
 
 
+def test_the_tuner_tries_no_worker_more_than_the_memory_budget_leaves_batches_for() -> None:
+    # A budget holding 3 batches beside what the loader keeps: prefetch 1 at any worker count.
+    tuner, w, now = (
+        ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=3, batch_bytes=128 << 20),
+        Workers(),
+        0.0,
+    )
+    for _ in range(1000):
+        if tuner.done:
+            break
+        tuner.observe(w, now, now + 0.01, now, 2048)
+        now += 0.01
+    assert tuner.done and tuner.threads == 2
+    assert "add" not in w.calls
+    assert tuner.reason == "memory_budget leaves room for prefetch=1, no batch for a worker more, so none was tried"
+    # Room for more batches than workers: the climb goes on as before.
+    roomy = ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=100, batch_bytes=128 << 20)
+    w = Workers()
+    for _ in range(1000):
+        if roomy.done or "add" in w.calls:
+            break
+        roomy.observe(w, now, now + 0.01, now, 2048)
+        now += 0.01
+    assert "add" in w.calls
+
+
 def test_a_trial_worker_that_clearly_loses_is_taken_back_before_its_window_ends() -> None:
     from stoker.autotune import CLEAR_LOSS, EARLY_FRACTION, MIN_BATCHES, MIN_SECONDS, ThreadTuner
 
@@ -633,3 +660,80 @@ def test_worker_cpu_is_sampled_and_scaled_to_the_busy_time(tmp_path: Path) -> No
         s = loader.stats()
     assert n == 4 * 75 and s.busy_seconds > 0
     assert 0.2 < s.busy_cpu_seconds / s.busy_seconds <= 1.05, (s.busy_cpu_seconds, s.busy_seconds)
+
+
+def _suggested_budget(message: str) -> str:
+    m = re.search(r"memory_budget='([0-9]+[MG]iB)'", message)
+    assert m, message
+    return m.group(1)
+
+
+def test_a_budget_that_holds_back_prefetch_is_the_verdict_and_its_advice_lets_every_worker_run(
+    tmp_path: Path,
+) -> None:
+    ds = build(tmp_path, [400] * 2, {"wide": WIDE_RAW, "label": LAB_GZ})
+    batch_bytes = 16 * (64 * 64 * 2 + 4)
+    # Three batches: the default keeps half of what it holds beside the decoded files kept.
+    with ds.loader(16, threads=2, memory_budget=3 * batch_bytes + 100) as loader:
+        for _ in loader:
+            pass
+        s = loader.stats()
+    assert (s.prefetch, s.threads, s.budget_batches, s.batch_bytes) == (1, 2, 3, batch_bytes)
+    assert s.prefetch_limited
+    assert "prefetch=1 (held down by memory_budget: it holds 3 batches of 0.1 MiB)" in str(s)
+    v = verdict(s)
+    assert v.startswith(f"memory_budget-bound: memory_budget={3 * batch_bytes + 100} holds 3 batches of 0.1 MiB, "
+                        "so prefetch=1 keeps at most 1 of 2 workers busy")  # fmt: skip
+    assert "at 40% of the ceiling" in verdict(s, 0.4)
+    # The budget the verdict names gives every worker a batch in flight.
+    with ds.loader(16, threads=2, memory_budget=_suggested_budget(v)) as loader:
+        for _ in loader:
+            pass
+        better = loader.stats()
+    assert better.prefetch >= 2 and not better.prefetch_limited
+    assert "memory_budget" not in verdict(better) and "held down" not in str(better)
+    # A prefetch the user chose: that is the setting named, not the budget.
+    with ds.loader(16, threads=2, prefetch=1) as loader:
+        for _ in loader:
+            pass
+        chosen = loader.stats()
+    assert not chosen.prefetch_limited
+    assert verdict(chosen).startswith("prefetch=1 keeps at most 1 of 2 workers busy: raise prefetch= to 2 or more")
+
+
+@pytest.mark.parametrize("batch", [16, 64, 256, 1024])
+@pytest.mark.parametrize("budget", ["1MiB", "5MiB", "40MiB", "64MiB", "700MiB"])
+def test_the_default_prefetch_leaves_the_pool_room_to_recycle_as_many_batches(
+    tmp_path: Path, batch: int, budget: str
+) -> None:
+    ds = build(tmp_path, [64] * 2, {"wide": WIDE_RAW})
+    try:
+        loader = ds.loader(batch, threads=2, memory_budget=budget)
+    except stoker.StokerError as e:
+        assert "holds less than one batch" in str(e)  # 1024 rows of 8 KiB exceed 1MiB and 5MiB
+        return
+    with loader:
+        pool = loader._spare_bytes - loader._kept_decoded.limit
+        if loader._fits < 2:  # one batch in flight at least, whatever is left to recycle
+            assert loader.prefetch == 1
+        else:
+            assert loader.prefetch * loader.batch_bytes <= pool
+        assert loader.prefetch * loader.batch_bytes <= loader.memory_budget
+
+
+def test_buffers_made_anew_are_counted_and_named_when_the_pool_cannot_recycle_them(tmp_path: Path) -> None:
+    ds = build(tmp_path, [400] * 2, {"wide": WIDE_RAW, "label": LAB_GZ})
+    with ds.loader(8, threads=2) as loader:
+        for _ in loader:  # each batch dropped before the next: recycled
+            pass
+        dropped = loader.stats()
+    assert dropped.batches == 100
+    assert 0 < dropped.buffers_made <= 2 * (dropped.prefetch + 6)  # two fields' buffers per batch
+    assert not verdict(dropped).startswith("batch buffers made anew")
+    with ds.loader(8, threads=2) as loader:
+        held = list(loader)  # every batch kept: none comes back to the pool
+        s = loader.stats()
+    assert s.buffers_made >= 2 * len(held)
+    v = verdict(s)
+    assert v.startswith(f"batch buffers made anew instead of recycled: {s.buffers_made} for 100 batches, ")
+    assert "the pool recycles a batch once you drop it" in v and "holding fewer batches" in v

@@ -62,6 +62,7 @@ __all__ = [
     "ThreadTuner",
     "available_cores",
     "default_prefetch",
+    "wanted_prefetch",
 ]
 
 # Short enough to settle within the first second of a W1-sized pass, long enough that a
@@ -110,10 +111,17 @@ MAX_PREFETCH = 16
 SPARE = MAX_PER_WAKE  # room for a whole wake-up's batches beyond one per worker
 
 
-def default_prefetch(threads: int, batch_bytes: int, fits: int) -> int:
-    """Batches in flight by default; at most half of what ``memory_budget`` holds (``fits``)."""
+def wanted_prefetch(threads: int, batch_bytes: int) -> int:
+    """Batches in flight by default where ``memory_budget`` does not bind (see above)."""
     deep = -(-IN_FLIGHT_BYTES // max(1, batch_bytes))
-    return max(1, min(max(threads + SPARE, min(deep, MAX_PREFETCH)), fits // 2))
+    return max(threads + SPARE, min(deep, MAX_PREFETCH))
+
+
+def default_prefetch(threads: int, batch_bytes: int, fits: int) -> int:
+    """Batches in flight by default; at most half of ``fits``, the batches ``memory_budget``
+    holds beside the decoded files a loader keeps (see ``Loader``): the other half lets the
+    pool recycle as many batches as are in flight."""
+    return max(1, min(wanted_prefetch(threads, batch_bytes), fits // 2))
 
 
 class Workers(Protocol):
@@ -304,6 +312,16 @@ class ThreadTuner:
         if self.threads >= self.max_threads:
             self._resize(workers)
             self._finish(f"reached the maximum of {self.max_threads} threads")
+            return
+        if self.tune_prefetch and self.prefetch_for(self.threads + 1) <= self.threads:
+            # memory_budget holds the window at or below the workers there are: one more would
+            # only wait for a batch to fill (W1 float32 at batch 2048 in 512MiB, window 1: a third
+            # worker's trial ran 0.73-0.78x of two).
+            self._resize(workers)
+            self._finish(
+                f"memory_budget leaves room for prefetch={self.prefetch_for(self.threads + 1)}, no batch for a "
+                "worker more, so none was tried"
+            )
             return
         self.threads += 1
         workers.add_worker()

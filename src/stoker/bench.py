@@ -298,6 +298,7 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         cast=cfg["cast"] or None,
         threads=cfg.get("threads"),
         prefetch=cfg.get("prefetch"),
+        memory_budget=cfg.get("memory_budget") or "512MiB",
         shuffle=shuffle,
         seed=0 if shuffle else None,
     ) as loader:

@@ -243,7 +243,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         specs = _sample_fields(directory, args.inrez)
     ds = dataset_from_fields(specs)
     cast = args.cast
-    ds.loader(args.batch_size, cast=cast).close()  # its argument checks (cast) here, not in a child's traceback
+    settings = {"threads": args.threads, "prefetch": args.prefetch, "memory_budget": args.memory_budget}
+    # Its argument checks (cast, threads, prefetch, memory_budget) here, not in a child's traceback.
+    ds.loader(args.batch_size, cast=cast, **{k: v for k, v in settings.items() if v is not None}).close()
     contenders: dict[str, dict[str, Any]] = {
         "stoker": {
             "fields": specs,
@@ -251,6 +253,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "cast": cast,
             "seconds": args.seconds,
             "warmup": args.warmup or True,
+            **settings,
         },
     }
     widest = max(ds.fields, key=lambda n: ds.fields[n].record_bytes)
@@ -297,8 +300,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if median_run.stats:
         stats = LoaderStats.from_dict(median_run.stats)
         print(f"stoker (median round): {stats.records_per_s:,.0f} records/s, {stats.mb_per_s:,.0f} MB/s; "
-              f"CPU {stats.cpu_utilization:.0%} of {stats.cores} cores; threads={stats.threads} "
-              f"prefetch={stats.prefetch}" + "".join(f" ({k}: {v})" for k, v in stats.tuning.items()))  # fmt: skip
+              f"CPU {stats.cpu_utilization:.0%} of {stats.cores} cores; {stats.settings}")  # fmt: skip
         print(f"you waited on stoker {stats.wait_fraction:.0%} of the loop; stoker waited on you "
               f"{stats.consumer_fraction:.0%}")  # fmt: skip
         print("worker time by stage: " + ", ".join(
@@ -352,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds each contender runs before it is timed: its steady state is measured (default 1)",
     )
+    p.add_argument("--threads", type=int, default=None, help="stoker's worker threads (default: autotuned)")
+    p.add_argument("--prefetch", type=int, default=None, help="batches in flight (default: from memory_budget)")
+    p.add_argument("--memory-budget", default=None, help="the loader's memory_budget, e.g. 1GiB (default 512MiB)")
     p.add_argument("--no-ceiling", action="store_true")
     p.add_argument("--compare", action="store_true",
                    help="run benchmarks/compare.py: tf.data, DataLoader, Grain and stoker per workload")  # fmt: skip

@@ -9,6 +9,7 @@ stage takes the time.
 
 from __future__ import annotations
 
+from .engine import MAX_PER_WAKE
 from .inflate import BACKEND
 from .stats import LoaderStats
 
@@ -20,6 +21,11 @@ CONSUMER_BOUND = 0.5
 AT_CEILING = 0.9
 # Workers busy on reads but on the CPU less than this share of that time: they wait on storage.
 IO_BOUND_CPU = 0.5
+# Batch buffers made anew for more than this share of the buffers delivered (after at least
+# CHURN_MIN_BATCHES batches): the pool has too little room to recycle them. A fresh buffer's
+# first touch costs far more than its batch (see stoker.autotune.ThreadTuner.observe).
+CHURN_SHARE = 0.1
+CHURN_MIN_BATCHES = 50
 
 
 def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: str = BACKEND) -> str:
@@ -45,6 +51,9 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
             "(less data per record, or faster memory/storage, would move it)"
         )
     where = "" if ceiling_ratio is None else f" at {ceiling_ratio:.0%} of the ceiling"
+    memory = _memory_verdict(stats, where)
+    if memory:
+        return memory
     table = stats.stage_table()
     if not table:
         return f"no worker stage measured{where}"
@@ -109,3 +118,51 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         f"per-batch overhead (buffers, files, bookkeeping) limits you ({share:.0%} of worker time{where}): "
         f"raise batch_size (now {stats.batch_size})"
     )
+
+
+def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
+    """Batches in flight or buffer recycling held back by ``memory_budget`` (or ``prefetch=``)."""
+    fits, bb, threads, prefetch = stats.budget_batches, stats.batch_bytes, stats.threads, stats.prefetch
+    if fits == 0:
+        return None
+    held = (
+        f"memory_budget={_exact(stats.memory_budget)} holds {fits} batch{'es' if fits != 1 else ''} "
+        f"of {bb / 2**20:,.1f} MiB"
+    )
+    fields = max(1, len(stats.record_bytes))
+    # Beyond the first fill: a buffer for each batch in flight, a wake-up's worth the consumer
+    # takes at once, and the one it holds (stoker.engine.MAX_PER_WAKE), per field.
+    anew = stats.buffers_made - (prefetch + MAX_PER_WAKE + 2) * fields
+    if stats.batches >= CHURN_MIN_BATCHES and anew > CHURN_SHARE * stats.batches * fields:
+        # The pool keeps what the consumer drops, within what prefetch leaves of the budget.
+        need = (2 * prefetch + 2) * bb + (64 << 20)
+        return (
+            f"batch buffers made anew instead of recycled: {stats.buffers_made} for {stats.batches} batches{where}, "
+            f"each paying a first touch of its pages; the pool recycles a batch once you drop it, within what "
+            f"{held} leaves beside prefetch={prefetch} in flight: memory_budget={_size(need)!r} (or a lower "
+            "prefetch=, or holding fewer batches) would move it"
+        )
+    if prefetch >= threads:
+        return None
+    if stats.prefetch_limited:
+        # The default prefetch takes half of what the budget holds beside the decoded files a
+        # loader keeps (at most 64 MiB; see stoker.loader): this reaches ``threads`` batches.
+        need = 2 * threads * bb + (64 << 20)
+        return (
+            f"memory_budget-bound: {held}, so prefetch={prefetch} keeps at most {prefetch} of {threads} "
+            f"workers busy{where}: memory_budget={_size(need)!r} (or a smaller batch_size) lets every worker run"
+        )
+    return (
+        f"prefetch={prefetch} keeps at most {prefetch} of {threads} workers busy{where}: raise prefetch= to "
+        f"{threads} or more ({held})"
+    )
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` rounded up to 64 MiB steps (GiB where whole), as memory_budget= accepts it."""
+    mib = -(-nbytes // 2**26) * 64  # a round figure: 64 MiB steps
+    return f"{mib // 1024}GiB" if mib % 1024 == 0 else f"{mib}MiB"
+
+
+def _exact(nbytes: int) -> str:
+    return f"{nbytes >> 30}GiB" if nbytes % 2**30 == 0 else f"{nbytes >> 20}MiB" if nbytes % 2**20 == 0 else f"{nbytes}"

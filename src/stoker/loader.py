@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .autotune import ThreadTuner, available_cores, default_prefetch
+from .autotune import ThreadTuner, available_cores, default_prefetch, wanted_prefetch
 from .batch import (
     GROUP_KEY,
     INDEX_KEY,
@@ -138,11 +138,18 @@ class Loader:
                 f"({self.batch_bytes} bytes for batch_size={self.batch_size}); raise memory_budget or lower batch_size"
             )
         fits = self.memory_budget // self.batch_bytes
+        # What the default prefetch takes half of: the batches the budget holds beside the
+        # decoded files the loader keeps (at most KEPT_DECODED_BYTES, an eighth of what
+        # prefetch leaves; see _kept_decoded), so the pool can recycle as many batches as are
+        # in flight. Halving ``fits`` alone left it one short where the budget binds: W1
+        # float32 at batch 2048 in 1600MiB (prefetch 6, room for 5) made a fresh 128 MiB
+        # buffer for one batch in ten in 2 of 4 rounds, at 0.56-0.64x the records/s of the
+        # others; at prefetch 5 none did (4 alternated rounds of 4 s).
+        self._fits = max(0, self.memory_budget - min(KEPT_DECODED_BYTES, self.memory_budget // 8)) // self.batch_bytes
         if prefetch is None:
-            # See stoker.autotune.default_prefetch (measured there). At most half the budget for
-            # batches in flight, the rest for recycled buffers. Autotuned threads: reserved for
-            # the most workers it may reach.
-            self.prefetch = default_prefetch(self._max_threads, self.batch_bytes, fits)
+            # See stoker.autotune.default_prefetch (measured there). Autotuned threads:
+            # reserved for the most workers it may reach.
+            self.prefetch = default_prefetch(self._max_threads, self.batch_bytes, self._fits)
         else:
             self.prefetch = _positive("prefetch", prefetch) or 1
             if self.prefetch > fits:
@@ -150,7 +157,6 @@ class Loader:
                     f"prefetch={prefetch} batches of {self.batch_bytes} bytes exceed memory_budget={memory_budget!r} "
                     f"({self.memory_budget} bytes); at most {fits} fit"
                 )
-        self._fits = fits
         self.tuning = ""  # what autotune measured and chose, once it has
         self._climb: ThreadTuner | None = None  # autotune's climb, until done (it spans passes)
         self._executor: Executor = executor or ThreadExecutor(self.threads)
@@ -407,6 +413,10 @@ class Loader:
                 "readahead": "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else ""),
                 **({"autotune": self.tuning} if self.tuning else {}),
             },
+            memory_budget=self.memory_budget,
+            batch_bytes=self.batch_bytes,
+            prefetch_limited=self._tune_prefetch and self.prefetch < wanted_prefetch(self.threads, self.batch_bytes),
+            buffers_made=getattr(self._pool, "allocated", 0),
         )
 
     # The adapters' own signatures, so ``loader.to_torch("cuda", ...)`` works as documented.

@@ -184,6 +184,15 @@ class LoaderStats:
     record_bytes: dict[str, int] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)
     tuning: dict[str, str] = field(default_factory=dict)
+    memory_budget: int = 0  # the loader's memory_budget, in bytes (0: not known)
+    batch_bytes: int = 0  # bytes of one delivered batch, every field's buffer together
+    buffers_made: int = 0  # batch buffers the loader's pool has made anew (not recycled) so far
+    prefetch_limited: bool = False  # stoker chose prefetch, and memory_budget held it below its default
+
+    @property
+    def budget_batches(self) -> int:
+        """How many whole batches ``memory_budget`` holds (0 where either is not known)."""
+        return self.memory_budget // self.batch_bytes if self.batch_bytes > 0 else 0
 
     @property
     def seconds(self) -> float:
@@ -233,6 +242,19 @@ class LoaderStats:
         """Worker-seconds not spent on a batch (window full, or nothing to do)."""
         return max(0.0, self.threads * self.wall_seconds - self.busy_seconds)
 
+    @property
+    def settings(self) -> str:
+        """``threads=... prefetch=...``, what bounds them, and what autotune chose."""
+        bound = ""
+        if self.prefetch_limited:
+            bound = (
+                f" (held down by memory_budget: it holds {self.budget_batches} batches "
+                f"of {self.batch_bytes / 2**20:,.1f} MiB)"
+            )
+        return f"threads={self.threads} prefetch={self.prefetch}{bound}" + "".join(
+            f" ({k}: {v})" for k, v in self.tuning.items()
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable fields (``from_dict`` reverses it)."""
         return asdict(self)
@@ -254,8 +276,7 @@ class LoaderStats:
             f"{self.records_per_s:,.0f} records/s, {self.mb_per_s:,.0f} MB/s read",
             f"consumer waited on the pipeline {self.wait_fraction:.0%} of the time; "
             f"the pipeline waited on the consumer {self.consumer_fraction:.0%}",
-            f"CPU {self.cpu_utilization:.0%} of {self.cores} cores; threads={self.threads} prefetch={self.prefetch}"
-            + "".join(f" ({k}: {v})" for k, v in self.tuning.items()),
+            f"CPU {self.cpu_utilization:.0%} of {self.cores} cores; {self.settings}",
             "worker time by stage: " + ", ".join(f"{st}[{n}] {share:.0%}" for st, n, _, share in self.stage_table()),
         ]
         return "\n".join(lines)
