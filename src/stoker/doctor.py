@@ -9,6 +9,7 @@ stage takes the time.
 
 from __future__ import annotations
 
+from .batch import KEPT_DECODED_BYTES
 from .engine import MAX_PER_WAKE
 from .inflate import BACKEND
 from .stats import LoaderStats
@@ -135,19 +136,23 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
     anew = stats.buffers_made - (prefetch + MAX_PER_WAKE + 2) * fields
     if stats.batches >= CHURN_MIN_BATCHES and anew > CHURN_SHARE * stats.batches * fields:
         # The pool keeps what the consumer drops, within what prefetch leaves of the budget.
-        need = (2 * prefetch + 2) * bb + (64 << 20)
+        need = (2 * prefetch + 2) * bb + KEPT_DECODED_BYTES
+        move = (
+            "hold fewer batches, or lower prefetch="
+            if stats.memory_budget >= need  # room enough: the batches never came back
+            else f"memory_budget={_size(need)!r}, a lower prefetch=, or holding fewer batches"
+        )
         return (
             f"batch buffers made anew instead of recycled: {stats.buffers_made} for {stats.batches} batches{where}, "
             f"each paying a first touch of its pages; the pool recycles a batch once you drop it, within what "
-            f"{held} leaves beside prefetch={prefetch} in flight: memory_budget={_size(need)!r} (or a lower "
-            "prefetch=, or holding fewer batches) would move it"
+            f"{held} leaves beside prefetch={prefetch} in flight: {move} would move it"
         )
     if prefetch >= threads:
         return None
     if stats.prefetch_limited:
         # The default prefetch takes half of what the budget holds beside the decoded files a
-        # loader keeps (at most 64 MiB; see stoker.loader): this reaches ``threads`` batches.
-        need = 2 * threads * bb + (64 << 20)
+        # loader keeps (see stoker.loader): this reaches ``threads`` batches.
+        need = 2 * threads * bb + KEPT_DECODED_BYTES
         return (
             f"memory_budget-bound: {held}, so prefetch={prefetch} keeps at most {prefetch} of {threads} "
             f"workers busy{where}: memory_budget={_size(need)!r} (or a smaller batch_size) lets every worker run"
@@ -165,4 +170,5 @@ def _size(nbytes: int) -> str:
 
 
 def _exact(nbytes: int) -> str:
+    """``nbytes`` as memory_budget= was likely given: GiB or MiB where whole, else bytes."""
     return f"{nbytes >> 30}GiB" if nbytes % 2**30 == 0 else f"{nbytes >> 20}MiB" if nbytes % 2**20 == 0 else f"{nbytes}"
