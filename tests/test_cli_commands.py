@@ -101,6 +101,16 @@ def test_bench_refuses_loader_settings_the_loader_refuses_before_starting_anythi
     assert time.perf_counter() - started < 1.0  # refused before any round ran
 
 
+def test_bench_compare_refuses_loader_settings_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.perf_counter()
+    code = main(["bench", "--compare", "--memory-budget", "1GiB", "--threads", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("SpecError: stoker bench --compare runs every contender in its own best configuration; "
+                          "--threads, --memory-budget set stoker's loader for a run without --compare")  # fmt: skip
+    assert time.perf_counter() - started < 1.0  # nothing started
+
+
 def test_bench_refuses_a_cast_to_no_dtype_before_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -227,6 +227,13 @@ def _check_bench_numbers(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     _check_bench_numbers(args)
     if args.compare:
+        given = [f for f, v in (("--threads", args.threads), ("--prefetch", args.prefetch),
+                                ("--memory-budget", args.memory_budget)) if v is not None]  # fmt: skip
+        if given:
+            raise SpecError(
+                f"stoker bench --compare runs every contender in its own best configuration; {', '.join(given)} "
+                "set stoker's loader for a run without --compare"
+            )
         return _run_compare(args)
     if args.rounds is None:
         args.rounds = 3
