@@ -298,9 +298,9 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         cast=cfg["cast"] or None,
         threads=cfg.get("threads"),
         prefetch=cfg.get("prefetch"),
-        memory_budget=cfg.get("memory_budget") or "512MiB",
         shuffle=shuffle,
         seed=0 if shuffle else None,
+        **({"memory_budget": cfg["memory_budget"]} if cfg.get("memory_budget") else {}),  # else the loader's default
     ) as loader:
 
         def epoch_after_epoch() -> Iterator[dict[str, np.ndarray]]:
