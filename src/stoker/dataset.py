@@ -144,7 +144,11 @@ class Dataset:
             cast: one dtype for every field, or ``{field: dtype}``; applied while assembling.
             threads, prefetch: worker threads and batches prepared ahead; None = chosen by
                 stoker. They never change what is delivered.
-            memory_budget: bytes the engine may hold (batches in flight plus recycled buffers).
+            memory_budget: bytes the engine may hold (batches in flight plus recycled buffers,
+                and small compressed files kept decoded). The default prefetch takes at most
+                half of the batches it holds, so large batches may leave workers idle:
+                ``loader.stats()`` then says ``held down by memory_budget`` and
+                :func:`stoker.doctor.verdict` names a budget that gives every worker a batch.
             with_index: add ``__group__`` and ``__index__`` arrays (int64) to audit pairing.
             shuffle: False (the interleave order), "global" (a seeded permutation of all
                 records per epoch, random access) or "files" (group order permuted per epoch,
