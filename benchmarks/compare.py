@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -55,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import _evict_page_cache, burn, run_child, time_batches
+from stoker.bench import _evict_page_cache, burn, child_json, run_child, time_batches
 from stoker.sample import cached_sample
 
 RES = 128
@@ -310,15 +309,13 @@ def run_one(kind: str, workload: str, data: Path, seconds: float, warmup: float 
         cfg = {"paths": paths, "header": 0, "shape": [RES, RES, 1], "src_dtype": "|i1", "out_dtype": dtype,
                "batch": BATCH, "loop": loop, "threads": cores(), "seconds": seconds, "warmup": warmup}  # fmt: skip
         return {"rate": run_child("ceiling", cfg).records_per_s}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", kind, "--workload", workload, "--data", str(data),
-         "--seconds", str(seconds), "--warmup", str(warmup)],
-        capture_output=True, text=True, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )  # fmt: skip
-    if proc.returncode != 0:
-        print(f"  {workload} {kind} failed:\n{proc.stderr[-1500:]}", file=sys.stderr)
+    argv = [__file__, "--child", kind, "--workload", workload, "--data", str(data), "--seconds", str(seconds),
+            "--warmup", str(warmup)]  # fmt: skip
+    try:
+        out = child_json(f"{workload} {kind}", argv, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    except RuntimeError as e:
+        print(f"  {e}", file=sys.stderr)
         return None
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"rate": out["records"] / out["seconds"]}
 
 

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 import stoker
-from stoker.bench import run_child, time_batches
+from stoker.bench import child_json, run_child, time_batches
 from stoker.sample import cached_sample
 
 BATCH = 256
@@ -116,16 +115,12 @@ def ceiling(data: Path, dtype: str, seconds: float, warmup: float) -> float:
 def run(kind: str, data: Path, seconds: float, warmup: float) -> float | None:
     if kind.startswith("ceiling:"):
         return ceiling(data, kind.split(":")[1], seconds, warmup)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", kind, "--data", str(data), "--seconds", str(seconds),
-         "--warmup", str(warmup)],
-        capture_output=True, text=True, check=False,
-        env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-    )  # fmt: skip
-    if proc.returncode != 0:
-        print(f"  {kind} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+    argv = [__file__, "--child", kind, "--data", str(data), "--seconds", str(seconds), "--warmup", str(warmup)]
+    try:
+        out = child_json(kind, argv, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    except RuntimeError as e:
+        print(f"  {e}", file=sys.stderr)
         return None
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
     return float(out["records"] / out["seconds"])
 
 

@@ -24,14 +24,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import time_batches
+from stoker.bench import child_json, time_batches
 from stoker.sample import cached_sample
 
 BATCH = 256
@@ -163,14 +162,8 @@ def _child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, fl
 
 
 def _run(kind: str, data: Path, seconds: float, warmup: float) -> float:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", kind, "--data", str(data), "--seconds", str(seconds),
-         "--warmup", str(warmup)],
-        capture_output=True, text=True, check=False, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"contender {kind!r} failed:\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    argv = [__file__, "--child", kind, "--data", str(data), "--seconds", str(seconds), "--warmup", str(warmup)]
+    out = child_json(kind, argv, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     return float(out["records"] / out["seconds"])
 
 

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import time_batches
+from stoker.bench import child_json, time_batches
 from stoker.sample import cached_sample
 
 RES = 128
@@ -129,16 +128,13 @@ def child(name: str, data: str, seconds: float, warmup: float = 0.0) -> dict[str
 
 
 def run_child(name: str, data: str, seconds: float, warmup: float = 0.0) -> float | None:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", name, "--data", data, "--seconds", str(seconds),
-         "--warmup", str(warmup)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        print(f"  {name} failed:\n{proc.stderr[-1500:]}", file=sys.stderr)
+    try:
+        out = child_json(name, [__file__, "--child", name, "--data", data, "--seconds", str(seconds),
+                                "--warmup", str(warmup)])  # fmt: skip
+    except RuntimeError as e:
+        print(f"  {e}", file=sys.stderr)
         return None
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out["records"] / out["seconds"]
+    return float(out["records"] / out["seconds"])
 
 
 def available(name: str) -> bool:

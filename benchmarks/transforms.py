@@ -31,7 +31,6 @@ import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ import numpy as np
 
 import stoker
 import stoker.transforms as transforms
+from stoker.bench import child_json
 from stoker.sample import cached_sample
 from stoker.transforms import Normalize, RandomFlip
 
@@ -162,11 +162,7 @@ def main() -> int:
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            cmd = [sys.executable, __file__, "--child", name, "--data", str(data), "--seconds", str(args.seconds)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode:
-                raise RuntimeError(f"contender {name!r} failed:\n{proc.stderr[-2000:]}")
-            out = json.loads(proc.stdout.strip().splitlines()[-1])
+            out = child_json(name, [__file__, "--child", name, "--data", str(data), "--seconds", str(args.seconds)])
             rates[name].append(out["records"] / out["seconds"])
             per_cpu[name].append(out["records"] / max(out["cpu"], 1e-9))
             print(f"  round {r + 1}: {name:<20} {rates[name][-1]:>10,.0f} records/s", file=sys.stderr)

@@ -37,7 +37,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -46,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import _evict_page_cache
+from stoker.bench import _evict_page_cache, child_json
 from stoker.readahead import physical_memory
 from stoker.sample import cached_sample
 
@@ -147,13 +146,7 @@ def child(kind: str, data: Path, seconds: float) -> dict[str, Any]:
 def run(kind: str, data: Path, seconds: float) -> dict[str, Any]:
     os.sync()
     _evict_page_cache([str(p) for p in data.iterdir() if p.name.startswith(("img_", "out_"))])
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", kind, "--data", str(data), "--seconds", str(seconds)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} failed:\n{proc.stderr[-2000:]}")
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = child_json(kind, [__file__, "--child", kind, "--data", str(data), "--seconds", str(seconds)])
     out["mb_per_s"] = out["bytes"] / out["seconds"] / 1e6
     out["records_per_s"] = out["bytes"] / RECORD_BYTES / out["seconds"]
     return out

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoker.bench import CEILING_LOOPS, _Tally, batch_rows, burn, run_child, time_batches
+from stoker.bench import CEILING_LOOPS, _Tally, batch_rows, burn, child_json, run_child, time_batches
 from stoker.cli import main
 from stoker.sample import expected_label, write_sample
 from stoker.stats import LoaderStats
@@ -217,3 +217,20 @@ def test_bench_compare_runs_benchmarks_compare_and_passes_its_exit_status(capfd:
     # An unknown workload is refused by compare.py before any data is generated.
     assert main(["bench", "--compare", "--workloads", "W9", "--rounds", "1"]) == 2
     assert "unknown workload(s) ['W9']" in capfd.readouterr().err
+
+
+def test_child_json_returns_the_last_line_s_object_and_names_a_failing_child(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "if sys.argv[1] == 'fail':\n"
+        "    sys.exit('no such contender: ' + os.environ.get('WHICH', '?'))\n"
+        "print('noise first')\n"
+        "print(json.dumps({'records': 10, 'seconds': 2.0, 'which': os.environ.get('WHICH')}))\n"
+    )
+    out = child_json("ok", [str(script), "ok"], env={"WHICH": "given"})
+    assert out == {"records": 10, "seconds": 2.0, "which": "given"}
+    with pytest.raises(RuntimeError) as e:
+        child_json("W1 grain", [str(script), "fail"], env={"WHICH": "grain"})
+    assert str(e.value).startswith("benchmark child 'W1 grain' failed:\n")
+    assert "no such contender: grain" in str(e.value)

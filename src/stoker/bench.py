@@ -58,6 +58,7 @@ __all__ = [
     "Measurement",
     "batch_rows",
     "burn",
+    "child_json",
     "measure",
     "run_child",
     "summarize",
@@ -346,15 +347,26 @@ def _evict_page_cache(paths: Sequence[str]) -> None:
             os.close(fd)
 
 
-def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
-    """Run one contender for ``cfg['seconds']`` in a fresh process and return its figures."""
+def child_json(name: str, args: Sequence[str], *, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``python args...`` in a fresh process and return the JSON object on the last line it
+    prints; a RuntimeError naming ``name``, with the end of its stderr, if it fails. Every
+    benchmark child (this module's and the scripts' under benchmarks/) is run this way.
+
+    ``env``: variables set for the child on top of this process's environment.
+    """
     proc = subprocess.run(
-        [sys.executable, "-m", "stoker.bench", contender, json.dumps(cfg)],
-        capture_output=True, text=True, check=False,
+        [sys.executable, *args], capture_output=True, text=True, check=False,
+        env=None if env is None else {**os.environ, **env},
     )  # fmt: skip
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmark child {contender!r} failed:\n{proc.stderr[-2000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"benchmark child {name!r} failed:\n{proc.stderr[-2000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
+    """Run one contender for ``cfg['seconds']`` in a fresh process and return its figures."""
+    out = child_json(contender, ["-m", "stoker.bench", contender, json.dumps(cfg)])
     return Measurement(
         contender, out["records"], out["seconds"], out["bytes_read"], out.get("stats"), out.get("cpu_seconds", 0.0)
     )
