@@ -218,15 +218,16 @@ def test_an_unaligned_array_from_a_transform_is_copied_and_correct(sample: stoke
         np.testing.assert_array_equal(part, e[1:5])
 
 
-def test_a_tensorflow_without_map_dataset_gets_the_public_chain_and_the_same_batches(
-    sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("missing", ["_MapDataset", "_GeneratorDataset"])
+def test_a_tensorflow_without_the_internals_gets_the_public_chain_and_the_same_batches(
+    sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch, missing: str
 ) -> None:
-    """A TensorFlow that moved tf.data's internal _MapDataset: to_tf warns once and still delivers."""
-    monkeypatch.setattr(stf, "_MapDataset", None)  # what the guarded import leaves on such a TensorFlow
+    """A TensorFlow that moved one of tf.data's internals to_tf uses: it warns once and still delivers."""
+    monkeypatch.setattr(stf, missing, None)  # what the guarded import leaves on such a TensorFlow
     monkeypatch.setattr(stf, "_warned_public", [])
-    assert stf.bridge().startswith(f"numpy_function: TensorFlow {tf.__version__} has no tf.data _MapDataset")
+    assert stf.bridge().startswith(f"numpy_function: TensorFlow {tf.__version__} has no tf.data {missing}")
     loader = sample.loader(20, cast={"image": "float32"}, with_index=True, drop_remainder=True)
-    with pytest.warns(RuntimeWarning, match="no tf.data _MapDataset"):
+    with pytest.warns(RuntimeWarning, match=f"no tf.data {missing}"):
         tfds = loader.to_tf()
     assert tfds.element_spec["image"].shape.as_list() == [20, 16, 16, 1]  # static batch dim kept
     assert b"StokerNextBatch" not in tfds._as_serialized_graph().numpy()
@@ -238,7 +239,7 @@ def test_a_tensorflow_without_map_dataset_gets_the_public_chain_and_the_same_bat
             for k in e:
                 np.testing.assert_array_equal(a[k], e[k])
     monkeypatch.setenv("STOKER_TF_BRIDGE", "native")
-    with pytest.raises(RuntimeError, match="STOKER_TF_BRIDGE=native.*no tf.data _MapDataset"):
+    with pytest.raises(RuntimeError, match=f"STOKER_TF_BRIDGE=native.*no tf.data {missing}"):
         loader.to_tf()
 
 
@@ -262,3 +263,54 @@ def test_the_public_chain_fails_naming_the_file_after_the_good_batches_and_leave
     while any(t.name.startswith("stoker-worker") and t.name not in before for t in threading.enumerate()):
         assert time.monotonic() < deadline, "a worker outlived the abandoned TF iterator"
         time.sleep(0.05)
+
+
+def test_the_numpy_function_bridge_closes_an_abandoned_pass(
+    sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the op, the pass's close runs through tf.numpy_function when TF destroys the iterator."""
+    monkeypatch.setenv("STOKER_TF_BRIDGE", "numpy_function")
+    before = {t.name for t in threading.enumerate()}
+    open_before = set(stf._PASSES)
+    for i, _ in enumerate(sample.loader(4, threads=2, epochs=None).to_tf()):
+        if i == 3:
+            assert any(t.name.startswith("stoker-worker") and t.name not in before for t in threading.enumerate())
+            break
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("stoker-worker") and t.name not in before for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a worker outlived the abandoned TF iterator"
+        time.sleep(0.05)
+    assert set(stf._PASSES) <= open_before, "the abandoned pass is still registered"
+
+
+_HELD_AT_EXIT = """
+import sys
+import stoker
+ds = stoker.Dataset(
+    image=stoker.Field(sys.argv[1] + "/img_*.bin", dtype="int8", shape=(16, 16, 1)),
+    label=stoker.Field(sys.argv[1] + "/out_*.bin.gz", dtype="float32"),
+)
+it = iter(ds.loader(8, epochs=None).to_tf())  # a module global: alive until the interpreter exits
+for _ in range(3):
+    next(it)
+print("pulled 3")
+"""
+
+
+@pytest.mark.parametrize("bridge", ["auto", "numpy_function"])
+def test_an_iterator_alive_at_exit_ends_the_process_quietly(sample: stoker.Dataset, bridge: str) -> None:
+    """TensorFlow destroys such an iterator after Python has exited; the native close then has nothing
+    to do and says nothing (tf.data's from_generator logs "Error occurred when finalizing")."""
+    import subprocess
+    import sys
+
+    data = str(Path(sample.files[0]["image"].path).parent)
+    env = dict(os.environ, STOKER_TF_BRIDGE=bridge, TF_CPP_MIN_LOG_LEVEL="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELD_AT_EXIT, data], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "pulled 3"
+    if bridge == "auto":
+        assert "finalizing" not in proc.stderr and "Error" not in proc.stderr, proc.stderr[-2000:]

@@ -18,6 +18,9 @@
  *   None at the end of the pass: the op then fails with OutOfRange, which ends the
  *   map stage stoker.tf runs it in (preserve_cardinality=False). A Python exception
  *   becomes the op's error, with the exception's type and message.
+ *   With an empty Tout the call is a pass's close (key -k closes pass k, run when
+ *   TensorFlow destroys its iterator): where Python has exited already there is nothing
+ *   left to close, so it succeeds quietly instead of making TensorFlow log an error.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -253,7 +256,8 @@ static void compute(void *kernel, TF_OpKernelContext *ctx) {
     int64_t key = *(int64_t *)TF_TensorData(key_tensor);
     TF_DeleteTensor(key_tensor);
     if (!Py_IsInitialized() || finalizing()) { /* TensorFlow still running as Python exits */
-        fail(ctx, TF_CANCELLED, OP_NAME ": the Python interpreter is shutting down");
+        if (k->n > 0) /* a close (no outputs) has nothing left to do */
+            fail(ctx, TF_CANCELLED, OP_NAME ": the Python interpreter is shutting down");
         TF_DeleteStatus(status);
         return;
     }

@@ -40,13 +40,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-# tf.data's map with use_inter_op_parallelism and preserve_cardinality exposed: internal to
-# TensorFlow (checked on the version stoker's [tf] extra pins). A TensorFlow that moves it
-# gets the public map -> take_while -> map chain instead (see to_tf), with a warning.
+# tf.data's map with use_inter_op_parallelism and preserve_cardinality exposed, and the
+# generator dataset with init/next/finalize functions that from_generator is built on:
+# internal to TensorFlow (checked on the version stoker's [tf] extra pins). A TensorFlow
+# that moves either gets from_generator and the public map -> take_while -> map chain
+# instead (see to_tf), with a warning.
 try:
     from tensorflow.python.data.ops.map_op import _MapDataset
 except ImportError:  # pragma: no cover - depends on the TensorFlow installed; tests force the path
     _MapDataset = None
+try:
+    from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
+except ImportError:  # pragma: no cover - as above
+    _GeneratorDataset = None
 
 from .dataset import resolve_cast
 from .engine import ALIGNMENT
@@ -154,68 +160,111 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     shapes = [spec[n].shape for n in names]
     seen: list[tuple[int, ...] | None] = [None] * len(names)  # shapes found compatible (see _checked)
 
-    def open_pass() -> Iterator[np.int64]:
-        """One element per iteration of the dataset: the key of a fresh pass."""
-        key = next(_KEYS)
-        it = iter(loader)
-        count = itertools.count()
-
-        def pull() -> list[np.ndarray] | None:
-            try:
-                batch = next(it)
-            except StopIteration:
-                return None
-            return _checked(batch, next(count), names, dtypes, shapes, seen)
-
-        _PASSES[key] = pull
-        try:
-            yield np.int64(key)
-        finally:
-            # Runs on exhaustion, and on GeneratorExit when TF drops an iterator early.
-            _PASSES.pop(key, None)
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-            _drain()
+    def open_pass() -> int:
+        return _open_pass(loader, names, dtypes, shapes, seen)
 
     tout = [spec[n].dtype for n in names]
-    if _MapDataset is None and os.environ.get(BRIDGE_ENV) == "native":
+    if _missing_internals() and os.environ.get(BRIDGE_ENV) == "native":
         raise RuntimeError(
-            f"{BRIDGE_ENV}=native: TensorFlow {tf.__version__} has no tf.data _MapDataset, which the native "
-            "bridge's one-stage map needs; unset it to use the public chain"
+            f"{BRIDGE_ENV}=native: TensorFlow {tf.__version__} has no tf.data {_missing_internals()}, which the "
+            "native bridge's one-stage map needs; unset it to use the public chain"
         )
-    op = _native()[0] if _MapDataset is not None else None
-
-    def py_next(key: np.ndarray) -> list[np.ndarray]:
-        """The tf.numpy_function bridge (StopIteration is tf.errors.OutOfRangeError)."""
-        values = _PASSES[int(key)]()
-        if values is None:
-            raise StopIteration
-        return values
+    options = tf.data.Options()
+    # inject_prefetch: TF would add a prefetch thread after the last stage; the loader already
+    # runs ahead, and that extra thread hop per batch cost ~25% (W1, 2 cores: 1.3x without it,
+    # alternated A/B in a graph consumer). A prefetch the user adds downstream is kept.
+    options.experimental_optimization.inject_prefetch = False
+    if _missing_internals():
+        return _public_chain(open_pass, names, dtypes, shapes, tout).with_options(options)
+    op = _native()[0]
 
     def call(k: tf.Tensor) -> dict[str, tf.Tensor]:
-        values = op(k, Tout=tout) if op is not None else tf.numpy_function(py_next, [k], tout, stateful=True)
+        values = op(k, Tout=tout) if op is not None else tf.numpy_function(_py_next, [k], tout, stateful=True)
         for value, shape in zip(values, shapes, strict=True):
             value.set_shape(shape)
         return dict(zip(names, values, strict=True))
 
-    def one_stage(key: tf.Tensor) -> tf.data.Dataset:
-        # One stage per batch: the bridge runs on the thread that asks (no inter-op thread
-        # hop), and its OutOfRange at the end of the pass ends this inner dataset
-        # (preserve_cardinality=False; tf.data's public map would turn it into an error).
-        return _MapDataset(
-            tf.data.Dataset.from_tensors(key).repeat(), call, use_inter_op_parallelism=False, preserve_cardinality=False
-        )
+    def init(_: tf.Tensor) -> tf.Tensor:
+        key = tf.numpy_function(lambda: np.int64(open_pass()), [], tf.int64, stateful=True)
+        key.set_shape(())
+        return key
 
-    batches = one_stage if _MapDataset is not None else _public_chain(names, dtypes, shapes, tout)
+    def finalize(k: tf.Tensor) -> tf.Tensor:
+        # Native: a close the op finds Python gone for is a quiet no-op, so an iterator
+        # TensorFlow destroys after the interpreter has exited logs nothing.
+        done = op(-k, Tout=[]) if op is not None else tf.numpy_function(_py_next, [-k], [], stateful=True)
+        with tf.control_dependencies(done if isinstance(done, list) else [done]):
+            return tf.constant(0, tf.int64)
 
-    keys = tf.data.Dataset.from_generator(open_pass, output_signature=tf.TensorSpec((), tf.int64))
-    # inject_prefetch: TF would add a prefetch thread after the last stage; the loader already
-    # runs ahead, and that extra thread hop per batch cost ~25% (W1, 2 cores: 1.3x without it,
-    # alternated A/B in a graph consumer). A prefetch the user adds downstream is kept.
-    options = tf.data.Options()
-    options.experimental_optimization.inject_prefetch = False
-    return keys.flat_map(batches).with_options(options)
+    def one_pass(token: tf.Tensor) -> tf.data.Dataset:
+        # A pass per iterator: TensorFlow runs `init` at its first element, repeats the key
+        # (the identity costs no op), and runs `finalize` when it destroys the iterator (an
+        # early break, a dropped iterator); the pass's own end closes it at once. One map
+        # stage per batch: the bridge runs on the thread that asks (no inter-op thread hop),
+        # and its OutOfRange at the end of the pass ends the stage (preserve_cardinality=False;
+        # tf.data's public map would turn it into an error).
+        keys = _GeneratorDataset(token, init, lambda k: k, finalize, tf.TensorSpec((), tf.int64))
+        return _MapDataset(keys, call, use_inter_op_parallelism=False, preserve_cardinality=False)
+
+    # Inside flat_map: tf.data's graph optimizations see a function, not a GeneratorDataset
+    # they cannot serialize (which would log a warning and skip them).
+    return tf.data.Dataset.from_tensors(np.int64(0)).flat_map(one_pass).with_options(options)
+
+
+def _missing_internals() -> str:
+    """The tf.data internals the one-stage pipeline needs that this TensorFlow lacks ("" if none)."""
+    return " and ".join(
+        n for n, v in (("_MapDataset", _MapDataset), ("_GeneratorDataset", _GeneratorDataset)) if v is None
+    )
+
+
+def _open_pass(
+    loader: Loader,
+    names: list[str],
+    dtypes: list[np.dtype],
+    shapes: list[tf.TensorShape],
+    seen: list[tuple[int, ...] | None],
+) -> int:
+    """Start a pass of ``loader``; its batches are pulled under the key returned, its close under -key.
+
+    The pass's end closes the loader's pass at once (threads and files); its entries stay until
+    the close call, so a late call finds its key (a pull gets the end again, a close nothing).
+    """
+    key = next(_KEYS)
+    it = iter(loader)
+    count = itertools.count()
+
+    def end() -> None:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+        _drain()
+
+    def pull() -> list[np.ndarray] | None:
+        try:
+            batch = next(it)
+        except StopIteration:
+            end()
+            return None
+        return _checked(batch, next(count), names, dtypes, shapes, seen)
+
+    def close() -> list[np.ndarray]:
+        _PASSES.pop(key, None)
+        _PASSES.pop(-key, None)
+        end()
+        return []
+
+    _PASSES[key] = pull
+    _PASSES[-key] = close
+    return key
+
+
+def _py_next(key: np.ndarray) -> list[np.ndarray]:
+    """The tf.numpy_function bridge (StopIteration is tf.errors.OutOfRangeError)."""
+    values = _native_next(int(key))
+    if values is None:
+        raise StopIteration
+    return values
 
 
 # What the public chain's bridge returns first: whether the pass delivered a batch.
@@ -224,20 +273,26 @@ _warned_public: list[bool] = []
 
 
 def _public_chain(
-    names: list[str], dtypes: list[np.dtype], shapes: list[tf.TensorShape], tout: list[tf.DType]
-) -> Callable[[tf.Tensor], tf.data.Dataset]:
-    """``to_tf``'s inner dataset from public tf.data alone, for a TensorFlow without ``_MapDataset``.
+    open_pass: Callable[[], int],
+    names: list[str],
+    dtypes: list[np.dtype],
+    shapes: list[tf.TensorShape],
+    tout: list[tf.DType],
+) -> tf.data.Dataset:
+    """``to_tf``'s dataset from public tf.data alone, for a TensorFlow without the internals it uses.
 
-    The public ``map`` keeps cardinality: an OutOfRange from inside it is an error, not the end
-    of the pass. So the bridge returns a flag first (False once the pass is over, with empty
-    arrays that never leave ``take_while``), through ``tf.numpy_function`` (the native op ends a
-    pass by OutOfRange): same batches, ~3 stages and more CPU per batch than the one-stage map.
+    A pass per iterator comes from ``from_generator`` (whose generator closes the pass when
+    TensorFlow drops it). The public ``map`` keeps cardinality: an OutOfRange from inside it is
+    an error, not the end of the pass. So the bridge returns a flag first (False once the pass
+    is over, with empty arrays that never leave ``take_while``), through ``tf.numpy_function``
+    (the native op ends a pass by OutOfRange): same batches, ~3 stages and more CPU per batch
+    than the one-stage map.
     """
     if not _warned_public:
         _warned_public.append(True)
         warnings.warn(
-            f"stoker.tf: TensorFlow {tf.__version__} has no tf.data _MapDataset (stoker is checked on the "
-            "version its [tf] extra pins); to_tf uses public map/take_while with tf.numpy_function "
+            f"stoker.tf: TensorFlow {tf.__version__} has no tf.data {_missing_internals()} (stoker is checked on "
+            "the version its [tf] extra pins); to_tf uses public map/take_while with tf.numpy_function "
             "instead (same batches, more CPU per batch)",
             RuntimeWarning,
             stacklevel=4,
@@ -247,8 +302,16 @@ def _public_chain(
         for shape, dtype in zip(shapes, dtypes, strict=True)
     ]
 
+    def passes() -> Iterator[np.int64]:
+        """One element per iteration of the dataset: the key of a fresh pass."""
+        key = open_pass()
+        try:
+            yield np.int64(key)
+        finally:  # on exhaustion, and on GeneratorExit when TF drops an iterator early
+            _native_next(-key)
+
     def flagged(key: np.ndarray) -> list[np.ndarray]:
-        values = _PASSES[int(key)]()
+        values = _native_next(int(key))
         return [_FALSE, *ended] if values is None else [_TRUE, *values]
 
     def call(k: tf.Tensor) -> tuple[tf.Tensor, ...]:
@@ -262,7 +325,8 @@ def _public_chain(
     def batches(key: tf.Tensor) -> tf.data.Dataset:
         return tf.data.Dataset.from_tensors(key).repeat().map(call).take_while(lambda ok, *_: ok).map(shaped)
 
-    return batches
+    keys = tf.data.Dataset.from_generator(passes, output_signature=tf.TensorSpec((), tf.int64))
+    return keys.flat_map(batches)
 
 
 def _checked(
@@ -305,14 +369,20 @@ def _checked(
     return out
 
 
-# Open passes of every to_tf dataset, by key: each pulls the pass's next batch (None at its end).
+# Open passes of every to_tf dataset: under key, the pass's next batch (None at its end); under
+# -key, its close (an empty list). Keys start at 1, so no key is its own negative.
 _PASSES: dict[int, Callable[[], list[np.ndarray] | None]] = {}
-_KEYS = itertools.count()
+_KEYS = itertools.count(1)
 
 
 def _native_next(key: int) -> list[np.ndarray] | None:
-    """Called by the StokerNextBatch op (``_tfbridge.c``) with the GIL held."""
-    return _PASSES[key]()
+    """Called by the StokerNextBatch op (``_tfbridge.c``) with the GIL held, and by the fallbacks."""
+    fn = _PASSES.get(key)
+    if fn is None:
+        if key < 0:  # closed already
+            return []
+        raise KeyError(f"to_tf: no open pass {key}")
+    return fn()
 
 
 BRIDGE_ENV = "STOKER_TF_BRIDGE"
@@ -333,8 +403,11 @@ def bridge() -> str:
     ~0.5 ms more CPU per batch (W1: 0.71x of numpy against the op's 0.77x).
     ``STOKER_TF_BRIDGE=native`` makes a failed build an error instead of a fallback.
     """
-    if _MapDataset is None:
-        return f"numpy_function: TensorFlow {tf.__version__} has no tf.data _MapDataset (public map/take_while chain)"
+    if _missing_internals():
+        return (
+            f"numpy_function: TensorFlow {tf.__version__} has no tf.data {_missing_internals()} "
+            "(public map/take_while chain)"
+        )
     op, why = _native()
     return "native" if op is not None else f"numpy_function: {why}"
 
