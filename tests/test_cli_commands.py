@@ -138,3 +138,44 @@ def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytes
     out = capsys.readouterr().out
     assert code == 0
     assert "records/s" in out and "ceiling:mmap_stream" in out and "stoker / ceiling: median" in out
+
+
+def test_bench_casts_per_field_as_the_loader_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--cast NAME=DTYPE[,NAME=DTYPE]: the loader's cast map; the ceiling casts its field the same way."""
+    main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
+    capsys.readouterr()
+    fields = [
+        "--field",
+        f"image={tmp_path}/img_*.bin:int8:16x16x1",
+        "--field",
+        f"label={tmp_path}/out_*.bin.gz:float32",
+    ]
+    code = main(["bench", *fields, "--cast", "image=float16", "--rounds", "1", "--seconds", "0.3", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "batch 256, cast image=float16;" in out
+    assert "stoker / ceiling: median" in out
+    assert "verdict: " in out
+
+
+@pytest.mark.parametrize(
+    ("cast", "message"),
+    [
+        ("imag=float32", "SpecError: cast names unknown field(s) ['imag']; fields are ['image', 'label']"),
+        ("image=float32,x", "SpecError: --cast 'image=float32,x': 'x' is not NAME=DTYPE"),
+        ("image=", "SpecError: --cast 'image=': 'image=' is not NAME=DTYPE"),
+        ("label=complex64", "SpecError: cast for field 'label': complex64 must be a bool, integer or float dtype"),
+    ],
+)
+def test_bench_refuses_a_bad_per_field_cast_before_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cast: str, message: str
+) -> None:
+    main(["sample", str(tmp_path), "--pairs", "1", "--records", "8", "--inrez", "8"])
+    capsys.readouterr()
+    started = time.perf_counter()
+    fields = ["--field", f"image={tmp_path}/img_*.bin:int8:8x8", "--field", f"label={tmp_path}/out_*.bin.gz:float32"]
+    code = main(["bench", *fields, "--cast", cast])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith(message)
+    assert time.perf_counter() - started < 1.0

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .dataset import Dataset
+from .dataset import Dataset, resolve_cast
 from .errors import PairingError, SpecError, StokerError
 from .sample import CONFIG_NAME, cached_sample, write_sample
 from .spec import Field
@@ -249,7 +249,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )  # fmt: skip
         specs = _sample_fields(directory, args.inrez)
     ds = dataset_from_fields(specs)
-    cast = args.cast
+    cast = _parse_cast(args.cast)
     settings = {"threads": args.threads, "prefetch": args.prefetch, "memory_budget": args.memory_budget}
     # Its argument checks (cast, threads, prefetch, memory_budget) here, not in a child's traceback.
     ds.loader(args.batch_size, cast=cast, **{k: v for k, v in settings.items() if v is not None}).close()
@@ -266,7 +266,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     widest = max(ds.fields, key=lambda n: ds.fields[n].record_bytes)
     if not args.no_ceiling:
         f = ds.fields[widest]
-        out_dtype = cast or f.native_dtype.str
+        out_dtype = resolve_cast(ds.fields, cast)[widest].str
         paths = [i[widest].path for i in ds.files]
         threads = len(os.sched_getaffinity(0))
         # The widest field bounds the copy; compressed, its decompression bounds it instead.
@@ -277,7 +277,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": threads,
                 "seconds": args.seconds, "warmup": args.warmup,
             }  # fmt: skip
-    print(f"{ds!r}: {len(ds)} records; batch {args.batch_size}, cast {cast or 'none'}; "
+    shown = ", ".join(f"{k}={v}" for k, v in cast.items()) if isinstance(cast, dict) else cast or "none"
+    print(f"{ds!r}: {len(ds)} records; batch {args.batch_size}, cast {shown}; "
           f"{args.rounds} alternated rounds of {args.seconds:g}s, each after {args.warmup:g}s of warm-up")  # fmt: skip
     bar = _Progress(args.rounds * len(contenders), "bench")
     results = measure(contenders, rounds=args.rounds, on_result=lambda r, m: bar.step(f"{m.contender}"))
@@ -352,7 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="stream the dataset and compare with the machine's ceiling on the same files")
     _add_field_args(p)
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--cast", default="float32", help="output dtype of every field ('none' to keep stored types)")
+    p.add_argument(
+        "--cast",
+        default="float32",
+        help="output dtype of every field, or NAME=DTYPE[,NAME=DTYPE] per field ('none' to keep stored types)",
+    )
     p.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 3; 5 with --compare)")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument(
@@ -373,6 +378,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inrez", type=int, default=128)
     p.set_defaults(run=cmd_bench)
     return parser
+
+
+def _parse_cast(text: str | None) -> str | dict[str, str] | None:
+    """``--cast``: one dtype for every field, or ``NAME=DTYPE[,NAME=DTYPE]`` (the loader's cast map)."""
+    if text is None or "=" not in text:
+        return text
+    cast: dict[str, str] = {}
+    for item in text.split(","):
+        name, sep, dtype = item.partition("=")
+        if not sep or not name.strip() or not dtype.strip():
+            raise SpecError(f"--cast {text!r}: {item!r} is not NAME=DTYPE (or give one dtype for every field)")
+        cast[name.strip()] = dtype.strip()
+    return cast
 
 
 def main(argv: Sequence[str] | None = None) -> int:
