@@ -17,7 +17,7 @@ from conftest import LAB_GZ, FieldPlan, build, check_batches
 from stoker.autotune import ThreadTuner
 from stoker.doctor import verdict
 from stoker.readahead import Readahead, drop_behind_for, physical_memory
-from stoker.stats import LoaderStats
+from stoker.stats import CPU_SAMPLE_SECONDS, LoaderStats
 
 WIDE_GZ = FieldPlan("wide", "int16", (64, 64), kind="gzip")
 WIDE_RAW = FieldPlan("wide", "int16", (64, 64))
@@ -109,7 +109,8 @@ def test_near_the_ceiling_the_verdict_says_the_copy_is_the_limit(tmp_path: Path)
         list(loader)
         s = loader.stats()
     assert verdict(s, 0.93).startswith("at 93% of this machine's ceiling: the copy is the limit")
-    below = verdict(s, 0.5)
+    # A pass this short can look blocked or starved (see the per-batch test); the stage verdict here.
+    below = verdict(dataclasses.replace(s, busy_runnable_seconds=None), 0.5)
     assert "at 50% of the ceiling" in below and "'wide'" in below
 
 
@@ -601,10 +602,84 @@ def test_low_worker_cpu_is_storage_bound_only_when_the_bytes_came_from_the_disk(
     assert s.disk_read_bytes is not None and s.load_average >= 0
     # Workers that ran on a CPU a tenth of their busy time: the disk is to blame only if
     # the bytes came from it; otherwise the CPU went elsewhere.
-    starved = dataclasses.replace(s, busy_cpu_seconds=s.busy_seconds / 10, disk_read_bytes=0)
+    # (Without the kernel's scheduler statistics, which tell blocked from runnable: see below.)
+    starved = dataclasses.replace(
+        s, busy_cpu_seconds=s.busy_seconds / 10, disk_read_bytes=0, busy_runnable_seconds=None
+    )
     assert verdict(starved).startswith("CPU-starved: workers (read+cast of field 'wide') ran on a CPU only 10%")
     cold = dataclasses.replace(starved, disk_read_bytes=s.source_bytes)
     assert verdict(cold).startswith("storage-bound: reads of field 'wide' wait on the disk")
+
+
+def test_workers_blocked_at_low_cpu_are_per_batch_bound_and_runnable_ones_cpu_starved(tmp_path: Path) -> None:
+    ds = build(tmp_path, [300] * 2, {"wide": WIDE_RAW})
+    with ds.loader(16, cast="float32", threads=2, epochs=None) as loader:
+        it = iter(loader)
+        began = time.perf_counter()
+        while time.perf_counter() - began < 10 * CPU_SAMPLE_SECONDS:  # a span the CPU is sampled on
+            next(it)
+        s = loader.stats()
+    # A real pass reads the kernel's scheduler statistics (Linux): time runnable but off a CPU.
+    assert s.busy_runnable_seconds is not None and 0 <= s.busy_runnable_seconds <= s.busy_seconds
+    # Workers on a CPU half their busy time and blocked for the rest, the process at half its
+    # cores, nothing read from the disk: they take turns at the GIL for per-batch work.
+    gil = dataclasses.replace(
+        s,
+        busy_cpu_seconds=s.busy_seconds / 2,
+        busy_runnable_seconds=s.busy_seconds / 20,
+        cpu_seconds=s.wall_seconds * s.cores / 2,
+        disk_read_bytes=0,
+    )
+    assert gil.blocked_share == pytest.approx(0.9)
+    got = verdict(gil, 0.3)
+    assert got.startswith(f"per-batch work limits you: {s.batches / s.seconds:,.0f} batches/s of 16 records at 30%")
+    assert "ran on a CPU only 50% of their busy time and were blocked 90% of the rest" in got
+    assert got.endswith("raise batch_size (now 16)")
+    # The same workers runnable, waiting for a CPU, a third of their busy time: others have the cores.
+    runnable = dataclasses.replace(gil, busy_runnable_seconds=s.busy_seconds / 3)
+    assert verdict(runnable).startswith(
+        "CPU-starved: workers (read+cast of field 'wide') waited for a CPU 33% of their busy time while the "
+        "process used 50% of"
+    )
+    # Cores saturated (the process's own threads), or the bytes from the disk: neither verdict.
+    for other in (
+        dataclasses.replace(gil, cpu_seconds=s.wall_seconds * s.cores),
+        dataclasses.replace(runnable, cpu_seconds=s.wall_seconds * s.cores),
+        dataclasses.replace(gil, disk_read_bytes=s.source_bytes),
+    ):
+        assert not verdict(other).startswith(("per-batch", "CPU-starved: workers (read+cast of field 'wide') waited"))
+    # No scheduler statistics (not Linux): no guess between the two.
+    unknown = dataclasses.replace(gil, busy_runnable_seconds=None)
+    assert unknown.blocked_share is None and not verdict(unknown).startswith("per-batch")
+
+
+def test_below_the_ceiling_the_copy_verdict_names_per_batch_work_as_the_gap(tmp_path: Path) -> None:
+    ds = build(tmp_path, [300] * 2, {"wide": WIDE_RAW})
+    with ds.loader(64, cast="float32", threads=2) as loader:
+        list(loader)
+        s = loader.stats()
+    copy = sum(s.field_stage_seconds["wide"].values())
+    # The copy on top, the workers on a CPU, per-batch work a fifth of worker time.
+    s = dataclasses.replace(
+        s,
+        field_stage_seconds={"wide": {"read+cast": copy}},
+        busy_seconds=copy * 1.25,
+        busy_cpu_seconds=copy * 1.25,
+        busy_runnable_seconds=0.0,
+        cpu_seconds=s.wall_seconds * s.cores,
+        assemble_seconds=copy * 0.25,
+        memory_budget=0,
+        buffers_made=0,
+    )
+    below = verdict(s, 0.7)
+    assert below.startswith("the copy of field 'wide' with its cast to float32 limits you (80% of worker time at 70%")
+    assert below.endswith(
+        "; the gap to the ceiling is stoker's per-batch work (assemble 20% of worker time): "
+        "a larger batch_size (now 64) spreads it over more records"
+    )
+    assert "gap to the ceiling" not in verdict(s)  # no ceiling measured: no gap to name
+    lean = dataclasses.replace(s, busy_seconds=copy * 1.05, busy_cpu_seconds=copy * 1.05, assemble_seconds=copy * 0.05)
+    assert "gap to the ceiling" not in verdict(lean, 0.7)
 
 
 def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it_drops() -> None:

@@ -33,7 +33,7 @@ from .readahead import Readahead
 from .remote import is_remote
 from .seekpoints import SeekPoint
 from .spec import Field
-from .stats import CPU_SAMPLE_SECONDS, Counters
+from .stats import CPU_SAMPLE_SECONDS, Counters, thread_clock
 
 __all__ = ["GROUP_KEY", "INDEX_KEY", "VALID_KEY", "Assembler", "KeptMaps", "Task", "fill_padding"]
 
@@ -422,7 +422,7 @@ class Assembler:
         began = time.perf_counter()
         # This thread's CPU clock, on one batch in every CPU_SAMPLE_SECONDS (Counters.batch_done).
         local = self._local
-        began_cpu = time.thread_time() if began >= getattr(local, "cpu_due", 0.0) else None
+        began_clock = thread_clock() if began >= getattr(local, "cpu_due", 0.0) else None
         out: dict[str, np.ndarray] = {}
         fused = self._fused_fields(plan)
         if fused:
@@ -451,10 +451,15 @@ class Assembler:
                     stream.abandon(ticket)
             raise
         ended = time.perf_counter()
-        if began_cpu is None:
+        if began_clock is None:
             self.counters.batch_done(ended - began)
         else:
-            self.counters.batch_done(ended - began, time.thread_time() - began_cpu)
+            cpu, runnable = thread_clock()
+            self.counters.batch_done(
+                ended - began,
+                cpu - began_clock[0],
+                None if runnable is None or began_clock[1] is None else runnable - began_clock[1],
+            )
             local.cpu_due = ended + CPU_SAMPLE_SECONDS
         return out, plan
 

@@ -27,6 +27,21 @@ IO_BOUND_CPU = 0.5
 # first touch costs far more than its batch (see stoker.autotune.ThreadTuner.observe).
 CHURN_SHARE = 0.1
 CHURN_MIN_BATCHES = 50
+# Below CPU_SATURATED of the process's cores, workers' busy time off a CPU tells why (the
+# kernel's scheduler statistics): runnable and waiting for a CPU STARVED of their busy time or
+# more, other processes have the cores; on a CPU less than GIL_CPU of it and blocked (not
+# runnable) at least BLOCKED of the rest, the workers take turns at the GIL. Measured (2 cores,
+# 64x64 float32 records): batch 16 and 64 alone, 0.38 and 0.60 on a CPU, 0.07 and 0.09
+# runnable, blocked 0.88 and 0.78 of the rest, the process at 58% and 70%; under one or two CPU
+# burners, 0.23-0.51 runnable, blocked 0.09-0.42 of the rest, the process at 14-49%.
+STARVED = 0.2
+GIL_CPU = 0.75
+CPU_SATURATED = 0.85
+BLOCKED = 0.6
+# Below the ceiling with the copy on top, per-batch work this share of worker time or more is
+# named as the gap (W1 at batch 256: ~6%, at 0.90 of the ceiling; 64x64 records at batch 256:
+# 12% at 0.71, and 0.87 at batch 1024 with 6%).
+ASSEMBLE_GAP = 0.08
 
 
 def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: str = BACKEND) -> str:
@@ -78,7 +93,26 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
     if stage in ("read", "read+cast", "gather"):
         cpu_share = stats.busy_cpu_seconds / stats.busy_seconds if stats.busy_seconds > 0 else 1.0
         from_disk = stats.disk_read_bytes
-        if cpu_share < IO_BOUND_CPU and from_disk is not None and from_disk < stats.source_bytes // 10:
+        cached = from_disk is not None and from_disk < stats.source_bytes // 10
+        runnable, blocked = stats.busy_runnable_seconds, stats.blocked_share
+        if cached and runnable is not None and stats.cpu_utilization < CPU_SATURATED:
+            if runnable >= STARVED * stats.busy_seconds:
+                return (
+                    f"CPU-starved: workers ({stage} of field {name!r}) waited for a CPU "
+                    f"{runnable / stats.busy_seconds:.0%} of their busy time{where} while the process used "
+                    f"{stats.cpu_utilization:.0%} of {cores} cores: other processes take the CPU (the machine's "
+                    f"load average is {stats.load_average:.1f})"
+                )
+            if cpu_share < GIL_CPU and blocked is not None and blocked >= BLOCKED:
+                rate = stats.batches / stats.seconds
+                return (
+                    f"per-batch work limits you: {rate:,.0f} batches/s of {stats.batch_size} records{where}; "
+                    f"workers ran on a CPU only {cpu_share:.0%} of their busy time and were blocked {blocked:.0%} "
+                    f"of the rest (not waiting for a CPU: the process used {stats.cpu_utilization:.0%} of "
+                    f"{cores} cores): they take turns at Python's GIL for each batch's bookkeeping, so records "
+                    f"per batch set the rate: raise batch_size (now {stats.batch_size})"
+                )
+        if cpu_share < IO_BOUND_CPU and cached:
             return (
                 f"CPU-starved: workers ({stage} of field {name!r}) ran on a CPU only {cpu_share:.0%} of their "
                 f"busy time{where} though "
@@ -99,13 +133,21 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
                 f"time{where}): shuffle='files' reads each file front to back"
             )
         busy = f"CPU {stats.cpu_utilization:.0%} of {cores} cores"
+        # The ceiling makes the same copy: below it, stoker's own per-batch work is the gap.
+        assemble = next((sh for st, _, _, sh in table if st == "assemble"), 0.0)
+        gap = (
+            f"; the gap to the ceiling is stoker's per-batch work (assemble {assemble:.0%} of worker time): "
+            f"a larger batch_size (now {stats.batch_size}) spreads it over more records"
+            if ceiling_ratio is not None and assemble >= ASSEMBLE_GAP
+            else ""
+        )
         if stage == "read+cast":
             return (
                 f"the copy of field {name!r} with its cast to {stats.dtypes.get(name, '?')} limits you "
                 f"({share:.0%} of worker time{where}, {busy}): keep the stored dtype and cast on the "
-                "accelerator to move fewer bytes"
+                f"accelerator to move fewer bytes{gap}"
             )
-        return f"the copy of field {name!r} limits you ({share:.0%} of worker time{where}, {busy})"
+        return f"the copy of field {name!r} limits you ({share:.0%} of worker time{where}, {busy}){gap}"
     if stage == "copy":
         return f"copying decompressed records of field {name!r} limits you ({share:.0%} of worker time{where}): " + (
             more_threads or "store that field uncompressed so it is read straight into the batch"

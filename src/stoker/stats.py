@@ -51,6 +51,8 @@ class Counters:
         self.busy = 0.0  # worker-seconds inside batch assembly
         self.busy_cpu = 0.0  # CPU seconds of the workers in the batches sampled for it (below)
         self.busy_sampled = 0.0  # worker-seconds of those batches
+        self.busy_runnable = 0.0  # seconds those batches' workers were runnable but off a CPU (schedstat)
+        self.runnable_sampled = 0.0  # worker-seconds of the sampled batches that had schedstat
         self.batches = 0
         self.records = 0
         self.out_bytes: dict[str, int] = {}
@@ -68,18 +70,26 @@ class Counters:
         with self._lock:
             self.stage[key] = self.stage.get(key, 0.0) + seconds
 
-    def batch_done(self, seconds: float, cpu_seconds: float | None = None) -> None:
+    def batch_done(
+        self, seconds: float, cpu_seconds: float | None = None, runnable_seconds: float | None = None
+    ) -> None:
         """A worker assembled a batch in ``seconds``; ``cpu_seconds`` of its CPU where sampled.
 
         A worker reads its CPU clock (a system call, not a vDSO read) on one batch in every
         CPU_SAMPLE_SECONDS, not on each: two reads per batch were 10% of the GIL-held time on
-        W1. The busy CPU is the busy time at the sampled batches' CPU share.
+        W1. The busy CPU is the busy time at the sampled batches' CPU share. Where the kernel
+        keeps scheduler statistics, the same sample gives ``runnable_seconds``: time the worker
+        could have run but waited for a CPU (taken by other threads or processes). The rest of
+        the off-CPU time it was blocked: on a lock, the GIL, or a read.
         """
         with self._lock:
             self.busy += seconds
             if cpu_seconds is not None:
                 self.busy_cpu += cpu_seconds
                 self.busy_sampled += seconds
+            if runnable_seconds is not None:
+                self.busy_runnable += runnable_seconds
+                self.runnable_sampled += seconds
 
     def delivered(
         self, batch: Mapping[str, np.ndarray], rows: int, asked: float, got: float, last: float | None
@@ -106,6 +116,7 @@ class Counters:
             stage = dict(self.stage)
             busy = self.busy
             busy_cpu = busy * self.busy_cpu / self.busy_sampled if self.busy_sampled > 0 else 0.0
+            runnable = busy * self.busy_runnable / self.runnable_sampled if self.runnable_sampled > 0 else None
             wall = self._wall_last - self._wall_first if self._cpu_first is not None else 0.0
             cpu = 0.0
             if self._cpu_first is not None and self._cpu_at > self._wall_first:
@@ -126,6 +137,7 @@ class Counters:
             field_stage_seconds=by_field,
             busy_seconds=busy,
             busy_cpu_seconds=busy_cpu,
+            busy_runnable_seconds=runnable,
             assemble_seconds=max(0.0, busy - known),
             wall_seconds=wall,
             cpu_seconds=cpu,
@@ -134,6 +146,30 @@ class Counters:
             load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
             **config,
         )
+
+
+_SCHEDSTAT: list[bool] = []  # [False] once /proc/thread-self/schedstat proved unreadable
+
+
+def thread_clock() -> tuple[float, float | None]:
+    """This thread's CPU seconds, and its seconds runnable but waiting for a CPU (None: unknown).
+
+    The CPU from ``time.thread_time()``; the wait from ``/proc/thread-self/schedstat`` (Linux:
+    nanoseconds on a run queue, counted when the thread gets a CPU, so exact for the thread
+    reading it; ~2 us a read). Its on-CPU figure is not used: it lags up to a scheduler tick.
+    """
+    cpu = time.thread_time()
+    if not _SCHEDSTAT:
+        try:
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            try:
+                waiting = os.read(fd, 128).split()[1]
+            finally:
+                os.close(fd)
+            return cpu, int(waiting) / 1e9
+        except (OSError, ValueError, IndexError):
+            _SCHEDSTAT.append(False)
+    return cpu, None
 
 
 def disk_read_bytes() -> int | None:
@@ -188,6 +224,19 @@ class LoaderStats:
     batch_bytes: int = 0  # bytes of one delivered batch, every field's buffer together
     buffers_made: int = 0  # batch buffers the loader's pool has made anew (not recycled) so far
     prefetch_limited: bool = False  # stoker chose prefetch, and memory_budget held it below its default
+    # Worker-seconds of busy time runnable but off a CPU (other threads or processes had it), from
+    # the kernel's scheduler statistics; None where unknown. busy - cpu - this: blocked (a lock,
+    # the GIL, a read).
+    busy_runnable_seconds: float | None = None
+
+    @property
+    def blocked_share(self) -> float | None:
+        """Share of the workers' busy time off a CPU that they were blocked (a lock, the GIL, a read)
+        rather than runnable and waiting for a CPU; None where the kernel's statistics are unknown."""
+        off = self.busy_seconds - self.busy_cpu_seconds
+        if self.busy_runnable_seconds is None or off <= 0:
+            return None
+        return min(1.0, max(0.0, (off - self.busy_runnable_seconds) / off))
 
     @property
     def budget_batches(self) -> int:
