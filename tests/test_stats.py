@@ -110,7 +110,7 @@ def test_near_the_ceiling_the_verdict_says_the_copy_is_the_limit(tmp_path: Path)
         s = loader.stats()
     assert verdict(s, 0.93).startswith("at 93% of this machine's ceiling: the copy is the limit")
     # A pass this short can look blocked or starved (see the per-batch test); the stage verdict here.
-    below = verdict(dataclasses.replace(s, busy_runnable_seconds=None), 0.5)
+    below = verdict(dataclasses.replace(s, busy_runnable_seconds=None, assemble_seconds=0.0), 0.5)
     assert "at 50% of the ceiling" in below and "'wide'" in below
 
 
@@ -123,6 +123,17 @@ def test_stats_survive_json_and_print_one_screen(pair_ds: stoker.Dataset) -> Non
     text = str(s)
     assert "records/s" in text and f"threads={s.threads}" in text and "worker time by stage" in text
     assert s.cpu_utilization >= 0 and s.cpu_seconds >= 0
+    # Where the busy time went (a worker's first batch is sampled: known even on a short pass).
+    split = re.search(r"workers' busy time: on a CPU (\d+)%, waiting for a CPU (\d+)%, blocked (\d+)%", text)
+    assert split is not None, text
+    assert abs(sum(int(x) for x in split.groups()) - 100) <= 2
+    fixed = dataclasses.replace(s, busy_seconds=2.0, busy_cpu_seconds=1.0, busy_runnable_seconds=0.5)
+    assert (
+        fixed.busy_split
+        == "workers' busy time: on a CPU 50%, waiting for a CPU 25%, blocked 25% (a lock, the GIL, a read)"
+    )
+    assert dataclasses.replace(s, busy_runnable_seconds=None).busy_split == ""
+    assert "workers' busy time" not in str(dataclasses.replace(s, busy_runnable_seconds=None))
 
 
 def test_stats_accumulate_over_passes_and_stay_readable_after_close(pair_ds: stoker.Dataset) -> None:
@@ -603,8 +614,9 @@ def test_low_worker_cpu_is_storage_bound_only_when_the_bytes_came_from_the_disk(
     # Workers that ran on a CPU a tenth of their busy time: the disk is to blame only if
     # the bytes came from it; otherwise the CPU went elsewhere.
     # (Without the kernel's scheduler statistics, which tell blocked from runnable: see below.)
+    # (assemble_seconds=0: on a pass of ten batches, fresh buffers' first touch can put assemble on top.)
     starved = dataclasses.replace(
-        s, busy_cpu_seconds=s.busy_seconds / 10, disk_read_bytes=0, busy_runnable_seconds=None
+        s, busy_cpu_seconds=s.busy_seconds / 10, disk_read_bytes=0, busy_runnable_seconds=None, assemble_seconds=0.0
     )
     assert verdict(starved).startswith("CPU-starved: workers (read+cast of field 'wide') ran on a CPU only 10%")
     cold = dataclasses.replace(starved, disk_read_bytes=s.source_bytes)
@@ -629,6 +641,7 @@ def test_workers_blocked_at_low_cpu_are_per_batch_bound_and_runnable_ones_cpu_st
         busy_runnable_seconds=s.busy_seconds / 20,
         cpu_seconds=s.wall_seconds * s.cores / 2,
         disk_read_bytes=0,
+        assemble_seconds=0.0,  # the copy on top, as on a longer pass
     )
     assert gil.blocked_share == pytest.approx(0.9)
     got = verdict(gil, 0.3)

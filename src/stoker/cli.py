@@ -313,6 +313,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"{stats.consumer_fraction:.0%}")  # fmt: skip
         print("worker time by stage: " + ", ".join(
             f"{st}[{n}] {share:.0%}" for st, n, _, share in stats.stage_table()))  # fmt: skip
+        if stats.busy_split:
+            print(stats.busy_split)
         print(f"verdict: {verdict(stats, ratio)}")
     return 0
 

@@ -328,4 +328,18 @@ class LoaderStats:
             f"CPU {self.cpu_utilization:.0%} of {self.cores} cores; {self.settings}",
             "worker time by stage: " + ", ".join(f"{st}[{n}] {share:.0%}" for st, n, _, share in self.stage_table()),
         ]
+        if self.busy_split:
+            lines.append(self.busy_split)
         return "\n".join(lines)
+
+    @property
+    def busy_split(self) -> str:
+        """Where the workers' busy time went: on a CPU, waiting for one, blocked ("" where unknown)."""
+        if self.busy_seconds <= 0 or self.busy_runnable_seconds is None:
+            return ""
+        on = min(1.0, self.busy_cpu_seconds / self.busy_seconds)
+        runnable = min(1.0 - on, self.busy_runnable_seconds / self.busy_seconds)
+        return (
+            f"workers' busy time: on a CPU {on:.0%}, waiting for a CPU {runnable:.0%}, "
+            f"blocked {1.0 - on - runnable:.0%} (a lock, the GIL, a read)"
+        )
