@@ -631,8 +631,10 @@ def test_workers_blocked_at_low_cpu_are_per_batch_bound_and_runnable_ones_cpu_st
         while time.perf_counter() - began < 10 * CPU_SAMPLE_SECONDS:  # a span the CPU is sampled on
             next(it)
         s = loader.stats()
-    # A real pass reads the kernel's scheduler statistics (Linux): time runnable but off a CPU.
+    # A real pass reads the kernel's scheduler statistics (Linux): time runnable but off a CPU,
+    # and the whole machine's busy share over the same span.
     assert s.busy_runnable_seconds is not None and 0 <= s.busy_runnable_seconds <= s.busy_seconds
+    assert s.machine_busy is not None and 0 <= s.machine_busy <= 1 and s.machine_cpus >= s.cores
     # Workers on a CPU half their busy time and blocked for the rest, the process at half its
     # cores, nothing read from the disk: they take turns at the GIL for per-batch work.
     gil = dataclasses.replace(
@@ -649,11 +651,27 @@ def test_workers_blocked_at_low_cpu_are_per_batch_bound_and_runnable_ones_cpu_st
     assert "ran on a CPU only 50% of their busy time and were blocked 90% of the rest" in got
     assert got.endswith("raise batch_size (now 16)")
     # The same workers runnable, waiting for a CPU, a third of their busy time: others have the cores.
-    runnable = dataclasses.replace(gil, busy_runnable_seconds=s.busy_seconds / 3)
+    # The same workers runnable, waiting for a CPU, a third of their busy time, while the machine's
+    # CPUs were all busy and this process used half of them: others have the cores.
+    runnable = dataclasses.replace(
+        gil, busy_runnable_seconds=s.busy_seconds / 3, machine_busy=1.0, machine_cpus=s.cores, threads=1
+    )
+    assert runnable.others_cpus == pytest.approx(s.cores / 2)
     assert verdict(runnable).startswith(
         "CPU-starved: workers (read+cast of field 'wide') waited for a CPU 33% of their busy time while the "
-        "process used 50% of"
+        f"process used 50% of {s.cores} cores: other processes take the CPU ({s.cores / 2:.1f} CPUs' worth of it"
     )
+    # Waiting for a CPU with the machine otherwise idle: the process's own workers outnumber its cores.
+    crowded = dataclasses.replace(runnable, machine_busy=0.5, threads=s.cores + 1)
+    assert crowded.others_cpus == pytest.approx(0.0)
+    assert verdict(crowded).startswith(
+        f"workers outnumber the cores: {s.cores + 1} workers on {s.cores} cores waited for a CPU 33% of their busy "
+        "time, with no other process on it: threads="
+    )
+    # Whether others ran is unknown (no /proc/stat): neither is claimed.
+    unsure = dataclasses.replace(crowded, machine_busy=None)
+    assert unsure.others_cpus is None
+    assert not verdict(unsure).startswith(("CPU-starved", "workers outnumber", "per-batch"))
     # Cores saturated (the process's own threads), or the bytes from the disk: neither verdict.
     for other in (
         dataclasses.replace(gil, cpu_seconds=s.wall_seconds * s.cores),

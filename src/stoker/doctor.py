@@ -29,12 +29,14 @@ CHURN_SHARE = 0.1
 CHURN_MIN_BATCHES = 50
 # Below CPU_SATURATED of the process's cores, workers' busy time off a CPU tells why (the
 # kernel's scheduler statistics): runnable and waiting for a CPU STARVED of their busy time or
-# more, other processes have the cores; on a CPU less than GIL_CPU of it and blocked (not
-# runnable) at least BLOCKED of the rest, the workers take turns at the GIL. Measured (2 cores,
-# 64x64 float32 records): batch 16 and 64 alone, 0.38 and 0.60 on a CPU, 0.07 and 0.09
-# runnable, blocked 0.88 and 0.78 of the rest, the process at 58% and 70%; under one or two CPU
-# burners, 0.23-0.51 runnable, blocked 0.09-0.42 of the rest, the process at 14-49%.
+# more while other processes used OTHERS of the cores, those have them (a wait with the machine
+# otherwise idle is the process's own threads outnumbering its cores); on a CPU less than GIL_CPU
+# of it and blocked (not runnable) at least BLOCKED of the rest, the workers take turns at the
+# GIL. Measured (2 cores, 64x64 float32 records): batch 16 and 64 alone, 0.38 and 0.60 on a CPU,
+# 0.07 and 0.09 runnable, blocked 0.88 and 0.78 of the rest, the process at 58% and 70%; under
+# one or two CPU burners, 0.23-0.51 runnable, blocked 0.09-0.42 of the rest, the process at 14-49%.
 STARVED = 0.2
+OTHERS = 0.2  # ... and other processes used this share of the cores or more (else the wait is our own)
 GIL_CPU = 0.75
 CPU_SATURATED = 0.85
 BLOCKED = 0.6
@@ -96,12 +98,20 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         cached = from_disk is not None and from_disk < stats.source_bytes // 10
         runnable, blocked = stats.busy_runnable_seconds, stats.blocked_share
         if cached and runnable is not None and stats.cpu_utilization < CPU_SATURATED:
-            if runnable >= STARVED * stats.busy_seconds:
+            others = stats.others_cpus
+            waited = min(runnable / stats.busy_seconds, max(0.0, 1.0 - cpu_share))  # as LoaderStats.busy_split
+            if waited >= STARVED and others is not None and others >= OTHERS * cores:
                 return (
-                    f"CPU-starved: workers ({stage} of field {name!r}) waited for a CPU "
-                    f"{runnable / stats.busy_seconds:.0%} of their busy time{where} while the process used "
-                    f"{stats.cpu_utilization:.0%} of {cores} cores: other processes take the CPU (the machine's "
-                    f"load average is {stats.load_average:.1f})"
+                    f"CPU-starved: workers ({stage} of field {name!r}) waited for a CPU {waited:.0%} of their busy "
+                    f"time{where} while the process used {stats.cpu_utilization:.0%} of {cores} cores: other "
+                    f"processes take the CPU ({others:.1f} CPUs' worth of it; the machine's load average is "
+                    f"{stats.load_average:.1f})"
+                )
+            if waited >= STARVED and others is not None and threads >= cores:
+                return (
+                    f"workers outnumber the cores: {threads} workers on {cores} cores waited for a CPU {waited:.0%} "
+                    f"of their busy time{where}, with no other process on it: threads={max(1, cores - 1)} or "
+                    f"{cores} (or None, autotuned) leaves each a core"
                 )
             if cpu_share < GIL_CPU and blocked is not None and blocked >= BLOCKED:
                 rate = stats.batches / stats.seconds
@@ -112,7 +122,7 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
                     f"{cores} cores): they take turns at Python's GIL for each batch's bookkeeping, so records "
                     f"per batch set the rate: raise batch_size (now {stats.batch_size})"
                 )
-        if cpu_share < IO_BOUND_CPU and cached:
+        if cpu_share < IO_BOUND_CPU and cached and runnable is None:  # no scheduler statistics: a guess
             return (
                 f"CPU-starved: workers ({stage} of field {name!r}) ran on a CPU only {cpu_share:.0%} of their "
                 f"busy time{where} though "

@@ -64,6 +64,7 @@ class Counters:
         self._wall_first = 0.0
         self._wall_last = 0.0
         self._disk_first: int | None = None
+        self._machine_first: tuple[int, int] | None = None  # /proc/stat (busy, total) jiffies
 
     def add(self, stage: str, name: str, seconds: float) -> None:
         key = (stage, name)
@@ -100,6 +101,7 @@ class Counters:
                 self._cpu_first, self._wall_first = time.process_time(), asked
                 self._cpu_at = asked
                 self._disk_first = disk_read_bytes()
+                self._machine_first = machine_jiffies()
             elif got - self._cpu_at >= CPU_SAMPLE_SECONDS:
                 self._cpu_last, self._cpu_at = time.process_time(), got
             self._wall_last = got
@@ -123,6 +125,7 @@ class Counters:
                 # The CPU of the sampled span, at its rate over the whole span delivered.
                 cpu = (self._cpu_last - self._cpu_first) * wall / (self._cpu_at - self._wall_first)
             disk_first = self._disk_first
+            machine_first = self._machine_first
             out = dict(
                 batches=self.batches, records=self.records, bytes=dict(self.out_bytes),
                 wait_seconds=self.wait, consumer_seconds=self.consumer,
@@ -132,6 +135,10 @@ class Counters:
             by_field.setdefault(name, {})[st] = s
         known = sum(stage.values())
         disk_now = disk_read_bytes() if disk_first is not None else None
+        machine_now = machine_jiffies() if machine_first is not None else None
+        machine_busy = None
+        if machine_first is not None and machine_now is not None and machine_now[1] > machine_first[1]:
+            machine_busy = (machine_now[0] - machine_first[0]) / (machine_now[1] - machine_first[1])
         return LoaderStats(
             **out,  # type: ignore[arg-type]
             field_stage_seconds=by_field,
@@ -143,6 +150,8 @@ class Counters:
             cpu_seconds=cpu,
             cores=_cores(),
             disk_read_bytes=None if disk_now is None or disk_first is None else disk_now - disk_first,
+            machine_busy=machine_busy,
+            machine_cpus=os.cpu_count() or 1,
             load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0,
             **config,
         )
@@ -170,6 +179,19 @@ def thread_clock() -> tuple[float, float | None]:
         except (OSError, ValueError, IndexError):
             _SCHEDSTAT.append(False)
     return cpu, None
+
+
+def machine_jiffies() -> tuple[int, int] | None:
+    """The whole machine's (busy, total) CPU time in clock ticks, every CPU (``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 5:
+        return None
+    total = sum(ticks)
+    return total - ticks[3] - ticks[4], total
 
 
 def disk_read_bytes() -> int | None:
@@ -228,6 +250,18 @@ class LoaderStats:
     # the kernel's scheduler statistics; None where unknown. busy - cpu - this: blocked (a lock,
     # the GIL, a read).
     busy_runnable_seconds: float | None = None
+    # The whole machine's CPUs busy over the same span, as a share of all of them (/proc/stat;
+    # None where unknown), and how many the machine has: what other processes took is
+    # machine_busy * machine_cpus less this process's own CPU.
+    machine_busy: float | None = None
+    machine_cpus: int = 0
+
+    @property
+    def others_cpus(self) -> float | None:
+        """CPUs' worth of time other processes used over the span (None where unknown)."""
+        if self.machine_busy is None or self.wall_seconds <= 0 or self.machine_cpus <= 0:
+            return None
+        return max(0.0, self.machine_busy * self.machine_cpus - self.cpu_seconds / self.wall_seconds)
 
     @property
     def blocked_share(self) -> float | None:
