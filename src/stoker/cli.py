@@ -311,8 +311,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"CPU {stats.cpu_utilization:.0%} of {stats.cores} cores; {stats.settings}")  # fmt: skip
         print(f"you waited on stoker {stats.wait_fraction:.0%} of the loop; stoker waited on you "
               f"{stats.consumer_fraction:.0%}")  # fmt: skip
-        print("worker time by stage: " + ", ".join(
-            f"{st}[{n}] {share:.0%}" for st, n, _, share in stats.stage_table()))  # fmt: skip
+        print(stats.stage_split)
         if stats.busy_split:
             print(stats.busy_split)
         print(f"verdict: {verdict(stats, ratio)}")

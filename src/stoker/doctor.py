@@ -96,10 +96,10 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         cpu_share = stats.busy_cpu_seconds / stats.busy_seconds if stats.busy_seconds > 0 else 1.0
         from_disk = stats.disk_read_bytes
         cached = from_disk is not None and from_disk < stats.source_bytes // 10
-        runnable, blocked = stats.busy_runnable_seconds, stats.blocked_share
-        if cached and runnable is not None and stats.cpu_utilization < CPU_SATURATED:
+        split, blocked = stats.busy_fractions, stats.blocked_share
+        if cached and split is not None and stats.cpu_utilization < CPU_SATURATED:
             others = stats.others_cpus
-            waited = min(runnable / stats.busy_seconds, max(0.0, 1.0 - cpu_share))  # as LoaderStats.busy_split
+            waited = split[1]
             if waited >= STARVED and others is not None and others >= OTHERS * cores:
                 return (
                     f"CPU-starved: workers ({stage} of field {name!r}) waited for a CPU {waited:.0%} of their busy "
@@ -122,7 +122,7 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
                     f"{cores} cores): they take turns at Python's GIL for each batch's bookkeeping, so records "
                     f"per batch set the rate: raise batch_size (now {stats.batch_size})"
                 )
-        if cpu_share < IO_BOUND_CPU and cached and runnable is None:  # no scheduler statistics: a guess
+        if cpu_share < IO_BOUND_CPU and cached and split is None:  # no scheduler statistics: a guess
             return (
                 f"CPU-starved: workers ({stage} of field {name!r}) ran on a CPU only {cpu_share:.0%} of their "
                 f"busy time{where} though "

@@ -264,13 +264,24 @@ class LoaderStats:
         return max(0.0, self.machine_busy * self.machine_cpus - self.cpu_seconds / self.wall_seconds)
 
     @property
+    def busy_fractions(self) -> tuple[float, float, float] | None:
+        """The workers' busy time as shares (on a CPU, runnable and waiting for one, blocked), summing
+        to 1; None where the kernel's scheduler statistics are unknown. The CPU and the wait are
+        estimated from different samples, so the wait is capped at what the CPU leaves."""
+        if self.busy_seconds <= 0 or self.busy_runnable_seconds is None:
+            return None
+        on = min(1.0, self.busy_cpu_seconds / self.busy_seconds)
+        waiting = min(1.0 - on, self.busy_runnable_seconds / self.busy_seconds)
+        return on, waiting, 1.0 - on - waiting
+
+    @property
     def blocked_share(self) -> float | None:
         """Share of the workers' busy time off a CPU that they were blocked (a lock, the GIL, a read)
         rather than runnable and waiting for a CPU; None where the kernel's statistics are unknown."""
-        off = self.busy_seconds - self.busy_cpu_seconds
-        if self.busy_runnable_seconds is None or off <= 0:
+        split = self.busy_fractions
+        if split is None or split[0] >= 1.0:
             return None
-        return min(1.0, max(0.0, (off - self.busy_runnable_seconds) / off))
+        return split[2] / (1.0 - split[0])
 
     @property
     def budget_batches(self) -> int:
@@ -360,20 +371,25 @@ class LoaderStats:
             f"consumer waited on the pipeline {self.wait_fraction:.0%} of the time; "
             f"the pipeline waited on the consumer {self.consumer_fraction:.0%}",
             f"CPU {self.cpu_utilization:.0%} of {self.cores} cores; {self.settings}",
-            "worker time by stage: " + ", ".join(f"{st}[{n}] {share:.0%}" for st, n, _, share in self.stage_table()),
+            self.stage_split,
         ]
         if self.busy_split:
             lines.append(self.busy_split)
         return "\n".join(lines)
 
     @property
+    def stage_split(self) -> str:
+        """``worker time by stage: ...``, each stage's share of the workers' busy time."""
+        return "worker time by stage: " + ", ".join(f"{st}[{n}] {share:.0%}" for st, n, _, share in self.stage_table())
+
+    @property
     def busy_split(self) -> str:
         """Where the workers' busy time went: on a CPU, waiting for one, blocked ("" where unknown)."""
-        if self.busy_seconds <= 0 or self.busy_runnable_seconds is None:
+        split = self.busy_fractions
+        if split is None:
             return ""
-        on = min(1.0, self.busy_cpu_seconds / self.busy_seconds)
-        runnable = min(1.0 - on, self.busy_runnable_seconds / self.busy_seconds)
+        on, waiting, blocked = split
         return (
-            f"workers' busy time: on a CPU {on:.0%}, waiting for a CPU {runnable:.0%}, "
-            f"blocked {1.0 - on - runnable:.0%} (a lock, the GIL, a read)"
+            f"workers' busy time: on a CPU {on:.0%}, waiting for a CPU {waiting:.0%}, "
+            f"blocked {blocked:.0%} (a lock, the GIL, a read)"
         )
