@@ -72,6 +72,20 @@ def test_native_and_numpy_function_bridges_deliver_the_same_batches(
         np.testing.assert_array_equal(a["label"], expected_label(a["image"].astype(np.int8)))
 
 
+def _new_workers(before: set[str]) -> list[str]:
+    """stoker worker threads running now that were not in ``before`` (thread names)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("stoker-worker") and t.name not in before]
+
+
+def _wait_for_new_workers_to_end(before: set[str]) -> None:
+    """Wait (10 s at most) for the workers of an abandoned TF iterator's pass to stop."""
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _new_workers(before):
+        assert time.monotonic() < deadline, "a worker outlived the abandoned TF iterator"
+        time.sleep(0.05)
+
+
 def test_a_failed_build_falls_back_with_a_warning_or_raises_when_native_is_required(
     sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -258,11 +272,7 @@ def test_the_public_chain_fails_naming_the_file_after_the_good_batches_and_leave
     for i, _ in enumerate(ds.loader(4, threads=2, epochs=None).to_tf()):  # an early break, mid-pass
         if i == 3:
             break
-    gc.collect()
-    deadline = time.monotonic() + 10
-    while any(t.name.startswith("stoker-worker") and t.name not in before for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "a worker outlived the abandoned TF iterator"
-        time.sleep(0.05)
+    _wait_for_new_workers_to_end(before)
 
 
 def test_the_numpy_function_bridge_closes_an_abandoned_pass(
@@ -274,13 +284,9 @@ def test_the_numpy_function_bridge_closes_an_abandoned_pass(
     open_before = set(stf._PASSES)
     for i, _ in enumerate(sample.loader(4, threads=2, epochs=None).to_tf()):
         if i == 3:
-            assert any(t.name.startswith("stoker-worker") and t.name not in before for t in threading.enumerate())
+            assert _new_workers(before)
             break
-    gc.collect()
-    deadline = time.monotonic() + 10
-    while any(t.name.startswith("stoker-worker") and t.name not in before for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "a worker outlived the abandoned TF iterator"
-        time.sleep(0.05)
+    _wait_for_new_workers_to_end(before)
     assert set(stf._PASSES) <= open_before, "the abandoned pass is still registered"
 
 

@@ -164,9 +164,10 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
         return _open_pass(loader, names, dtypes, shapes, seen)
 
     tout = [spec[n].dtype for n in names]
-    if _missing_internals() and os.environ.get(BRIDGE_ENV) == "native":
+    missing = _missing_internals()
+    if missing and os.environ.get(BRIDGE_ENV) == "native":
         raise RuntimeError(
-            f"{BRIDGE_ENV}=native: TensorFlow {tf.__version__} has no tf.data {_missing_internals()}, which the "
+            f"{BRIDGE_ENV}=native: TensorFlow {tf.__version__} has no tf.data {missing}, which the "
             "native bridge's one-stage map needs; unset it to use the public chain"
         )
     options = tf.data.Options()
@@ -174,7 +175,7 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     # runs ahead, and that extra thread hop per batch cost ~25% (W1, 2 cores: 1.3x without it,
     # alternated A/B in a graph consumer). A prefetch the user adds downstream is kept.
     options.experimental_optimization.inject_prefetch = False
-    if _missing_internals():
+    if missing:
         return _public_chain(open_pass, names, dtypes, shapes, tout).with_options(options)
     op = _native()[0]
 
