@@ -179,3 +179,19 @@ def test_bench_refuses_a_bad_per_field_cast_before_starting_anything(
     assert code == 2 and "Traceback" not in err
     assert err.startswith(message)
     assert time.perf_counter() - started < 1.0
+
+
+def test_bench_cast_none_keeps_the_stored_dtypes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
+    capsys.readouterr()
+    fields = [
+        "--field",
+        f"image={tmp_path}/img_*.bin:int8:16x16x1",
+        "--field",
+        f"label={tmp_path}/out_*.bin.gz:float32",
+    ]
+    code = main(["bench", *fields, "--cast", "none", "--rounds", "1", "--seconds", "0.3", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "batch 256, cast none;" in out
+    assert "with its cast" not in out  # the copy is named without a cast

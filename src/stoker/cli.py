@@ -382,8 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse_cast(text: str | None) -> str | dict[str, str] | None:
-    """``--cast``: one dtype for every field, or ``NAME=DTYPE[,NAME=DTYPE]`` (the loader's cast map)."""
-    if text is None or "=" not in text:
+    """``--cast``: one dtype for every field, ``NAME=DTYPE[,NAME=DTYPE]`` (the loader's cast map),
+    or ``none`` (the stored dtypes: None)."""
+    if text is None or text in ("none", "None", ""):
+        return None
+    if "=" not in text:
         return text
     cast: dict[str, str] = {}
     for item in text.split(","):
@@ -396,8 +399,6 @@ def _parse_cast(text: str | None) -> str | dict[str, str] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "cast", None) in ("none", "None", ""):
-        args.cast = None
     try:
         return int(args.run(args))
     except StokerError as e:
