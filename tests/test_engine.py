@@ -83,6 +83,32 @@ def test_look_ahead_never_exceeds_the_window() -> None:
         m.close()
 
 
+def test_a_worker_waiting_on_a_full_window_refills_it_in_bursts_not_one_task_per_result() -> None:
+    """Behind a slow consumer, a worker waits until the window has room for a consumer's wake-up's
+    worth of results (min(MAX_PER_WAKE, window - workers)) and then starts them back to back."""
+    window, n = 6, 30
+    per_wake = min(engine.MAX_PER_WAKE, window - 1)
+    delivered_at_start: dict[int, int] = {}
+
+    def fn(x: int) -> int:
+        delivered_at_start[x] = m._state.delivered  # results the consumer had when task x began
+        return x
+
+    with OrderedMap(fn, range(n), threads=1, window=window, name="stoker-worker") as m:
+        got = []
+        for r in m:
+            got.append(r)
+            time.sleep(0.03)  # slower than the worker: the window is full whenever we come back
+    assert got == list(range(n))
+    seen = delivered_at_start
+    # Task x, the first of a burst, waits for room for `per_wake` results; the rest of its burst
+    # starts in the same go (a result or two taken meanwhile on a loaded machine at most).
+    for x in range(window, n - per_wake, per_wake):
+        burst = [seen[x + i] for i in range(per_wake)]
+        assert burst[0] >= x - window + per_wake, seen
+        assert burst[-1] - burst[0] <= 2, seen
+
+
 def test_threads_start_at_first_next_not_at_construction() -> None:
     m = ThreadExecutor(3).map_ordered(_jitter, range(10), window=2)
     try:
