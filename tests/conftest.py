@@ -338,3 +338,17 @@ LAB_GZ = FieldPlan("out", "float32", (), kind="gzip")
 def pair_ds(tmp_path: Path) -> stoker.Dataset:
     """Images (raw int8) + gzip float32 labels, uneven groups including an empty one."""
     return build(tmp_path, [13, 0, 7, 21, 3], {"image": IMG, "label": LAB_GZ})
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (from /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoker.bench import CEILING_LOOPS, _Tally, batch_rows, burn, child_json, run_child, time_batches
+from conftest import vm_flags
+from stoker.bench import CEILING_LOOPS, _Tally, batch_rows, burn, child_json, output_buffer, run_child, time_batches
 from stoker.cli import main
 from stoker.sample import expected_label, write_sample
 from stoker.stats import LoaderStats
@@ -63,6 +64,16 @@ def test_every_raw_ceiling_loop_copies_whole_records_of_every_file(sample: Path,
     m = run_child("ceiling", cfg)
     # Each thread reads its own files front to back, again and again (mmap_kept: mapped once).
     assert m.records > 2 * 64 and m.bytes_read == m.records * 16 * 16
+
+
+def test_the_ceiling_loops_buffers_are_memory_as_stoker_s_batches_get() -> None:
+    """Page aligned, huge pages advised from 2 MiB (a faster yardstick than np.empty's memory)."""
+    big = output_buffer((256, 128, 128, 1), np.dtype(np.float32))
+    assert big.shape == (256, 128, 128, 1) and big.dtype == np.float32 and big.ctypes.data % 4096 == 0
+    assert "hg" in vm_flags(big.ctypes.data)
+    assert "hg" not in vm_flags(output_buffer((1 << 20,), np.dtype(np.uint8)).ctypes.data)
+    big[:] = 1.5  # plain writable memory
+    assert float(big.sum()) == 1.5 * big.size
 
 
 def test_a_warm_up_runs_before_stoker_s_timed_seconds_and_is_not_counted(sample: Path) -> None:

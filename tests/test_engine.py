@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import stoker_threads, wait_no_stoker_threads
+from conftest import stoker_threads, vm_flags, wait_no_stoker_threads
 from stoker import engine, kernels
 from stoker.engine import ALIGNMENT, AlignedPool, OrderedMap, ThreadExecutor
 
@@ -360,25 +360,11 @@ def test_a_ready_result_waits_at_most_for_the_one_in_flight_after_it() -> None:
         assert list(results) == [1, 2, 3, 4, 5]
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address`` (from /proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def test_large_pool_buffers_are_advised_to_use_huge_pages_and_small_ones_are_not() -> None:
     pool = AlignedPool(max_pooled_bytes=64 << 20)
     big = pool.array((4 << 20,), np.dtype(np.uint8))
     small = pool.array((1 << 20,), np.dtype(np.uint8))
-    assert "hg" in _vm_flags(big.ctypes.data)
-    assert "hg" not in _vm_flags(small.ctypes.data)
+    assert "hg" in vm_flags(big.ctypes.data)
+    assert "hg" not in vm_flags(small.ctypes.data)
     big[:] = 1  # still plain, private, writable memory
     assert int(big.sum()) == 4 << 20
