@@ -101,12 +101,12 @@ def test_a_worker_waiting_on_a_full_window_refills_it_in_bursts_not_one_task_per
             time.sleep(0.03)  # slower than the worker: the window is full whenever we come back
     assert got == list(range(n))
     seen = delivered_at_start
-    # Task x, the first of a burst, waits for room for `per_wake` results; the rest of its burst
-    # starts in the same go (a result or two taken meanwhile on a loaded machine at most).
-    for x in range(window, n - per_wake, per_wake):
-        burst = [seen[x + i] for i in range(per_wake)]
-        assert burst[0] >= x - window + per_wake, seen
-        assert burst[-1] - burst[0] <= 2, seen
+    # The first task to find the window full starts only once `per_wake` results are taken.
+    assert seen[window] >= per_wake, seen
+    # The rest start in bursts: a few distinct "results taken" values among them (one per
+    # wake-up, a late one or a result taken mid-burst on a loaded machine adding one), not one
+    # per task as when each result taken woke the worker.
+    assert len({seen[x] for x in range(window, n)}) <= (n - window) // per_wake + 3, seen
 
 
 def test_threads_start_at_first_next_not_at_construction() -> None:
