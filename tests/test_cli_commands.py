@@ -129,19 +129,8 @@ def test_parse_field_reads_shape_and_compression_in_any_order() -> None:
     assert parse_field("label=out_*.gz:float32:gzip")["compression"] == "gzip"
 
 
-def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
-    capsys.readouterr()
-    code = main(["bench", "--field", f"image={tmp_path}/img_*.bin:int8:16x16x1",
-                 "--field", f"label={tmp_path}/out_*.bin.gz:float32", "--rounds", "1", "--seconds", "0.3",
-                 "--warmup", "0"])  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "records/s" in out and "ceiling:mmap_stream" in out and "stoker / ceiling: median" in out
-
-
-def test_bench_casts_per_field_as_the_loader_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--cast NAME=DTYPE[,NAME=DTYPE]: the loader's cast map; the ceiling casts its field the same way."""
+def _bench_a_sample(tmp_path: Path, capsys: pytest.CaptureFixture[str], *options: str) -> tuple[int, str]:
+    """`stoker bench` on a 2 x 64-record sample's fields, one short round, with ``options``: (code, stdout)."""
     main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
     capsys.readouterr()
     fields = [
@@ -150,8 +139,19 @@ def test_bench_casts_per_field_as_the_loader_does(tmp_path: Path, capsys: pytest
         "--field",
         f"label={tmp_path}/out_*.bin.gz:float32",
     ]
-    code = main(["bench", *fields, "--cast", "image=float16", "--rounds", "1", "--seconds", "0.3", "--warmup", "0"])
-    out = capsys.readouterr().out
+    code = main(["bench", *fields, *options, "--rounds", "1", "--seconds", "0.3", "--warmup", "0"])
+    return code, capsys.readouterr().out
+
+
+def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _bench_a_sample(tmp_path, capsys)
+    assert code == 0
+    assert "records/s" in out and "ceiling:mmap_stream" in out and "stoker / ceiling: median" in out
+
+
+def test_bench_casts_per_field_as_the_loader_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--cast NAME=DTYPE[,NAME=DTYPE]: the loader's cast map; the ceiling casts its field the same way."""
+    code, out = _bench_a_sample(tmp_path, capsys, "--cast", "image=float16")
     assert code == 0
     assert "batch 256, cast image=float16;" in out
     assert "stoker / ceiling: median" in out
@@ -182,16 +182,7 @@ def test_bench_refuses_a_bad_per_field_cast_before_starting_anything(
 
 
 def test_bench_cast_none_keeps_the_stored_dtypes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
-    capsys.readouterr()
-    fields = [
-        "--field",
-        f"image={tmp_path}/img_*.bin:int8:16x16x1",
-        "--field",
-        f"label={tmp_path}/out_*.bin.gz:float32",
-    ]
-    code = main(["bench", *fields, "--cast", "none", "--rounds", "1", "--seconds", "0.3", "--warmup", "0"])
-    out = capsys.readouterr().out
+    code, out = _bench_a_sample(tmp_path, capsys, "--cast", "none")
     assert code == 0
     assert "batch 256, cast none;" in out
     assert "with its cast" not in out  # the copy is named without a cast

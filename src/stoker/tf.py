@@ -404,11 +404,9 @@ def bridge() -> str:
     ~0.5 ms more CPU per batch (W1: 0.71x of numpy against the op's 0.77x).
     ``STOKER_TF_BRIDGE=native`` makes a failed build an error instead of a fallback.
     """
-    if _missing_internals():
-        return (
-            f"numpy_function: TensorFlow {tf.__version__} has no tf.data {_missing_internals()} "
-            "(public map/take_while chain)"
-        )
+    missing = _missing_internals()
+    if missing:
+        return f"numpy_function: TensorFlow {tf.__version__} has no tf.data {missing} (public map/take_while chain)"
     op, why = _native()
     return "native" if op is not None else f"numpy_function: {why}"
 
