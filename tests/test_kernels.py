@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import LAB_GZ, FieldPlan, build, check_batches
+import stoker
 from stoker import kernels
 
 SOURCES = ["int8", "uint8", "int16", "uint16", "float32", "float64"]
@@ -74,6 +76,25 @@ def test_cast_into_takes_records_of_any_shape(shape: tuple[int, ...]) -> None:
     got = np.empty(shape, np.float32)
     kernels.cast_into(got, x)
     assert np.array_equal(got, x.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "out"),
+    [("int16", "int16"), ("int16", "float32"), ("uint16", "float32"), ("float32", "float32"), ("float64", "float64")],
+)
+def test_a_byte_order_stated_as_the_machines_own_takes_the_kernel(dtype: str, out: str) -> None:
+    """Every Field's dtype states its byte order ('<i2' for byte_order="little"), and numpy
+    exports such an array's buffer as "<h", not "h": the kernel must still take it (it fell
+    back to numpy's copy for every multi-byte field: int16 batches at 0.78x the records/s)."""
+    field = stoker.Field("unused_*.bin", dtype=dtype, shape=(64, 64))
+    native = "<" if sys.byteorder == "little" else ">"
+    assert field.dtype.byteorder in (native, "=") and memoryview(np.empty(1, field.dtype)).format[0] == native
+    x = _values(dtype, 256 * 64 * 64, np.random.default_rng(5)).astype(field.dtype).reshape(256, 64, 64)
+    got = np.empty(x.shape, out)
+    assert kernels._kernels.cast_into(got, x, kernels.STREAM_MIN_BYTES), "went to numpy"
+    assert np.array_equal(got, x.astype(got.dtype))
+    wrong = x.astype(x.dtype.newbyteorder("S"))  # the other order: numpy swaps it, not the kernel
+    assert not kernels._kernels.cast_into(got, wrong, kernels.STREAM_MIN_BYTES)
 
 
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:

@@ -393,6 +393,23 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
 #define U8_WIDEN_SCALAR(x) ((uint8_t)(x))
 DEFINE_BYTES_TO_F32(i8_f32_avx2, I8_WIDEN)
 DEFINE_BYTES_TO_F32(u8_f32_avx2, U8_WIDEN)
+
+/* int16/uint16 -> float32 streamed, 16 values a step. */
+#define DEFINE_SHORTS_TO_F32(NAME, T, WIDEN)                                             \
+    __attribute__((target("avx2"))) static void NAME(const void *src, float *d, Py_ssize_t n) { \
+        const T *s = (const T *)src;                                                   \
+        Py_ssize_t i = 0;                                                              \
+        for (; i < n && ((uintptr_t)(d + i) & 31); i++) d[i] = (float)s[i];            \
+        for (; i + 16 <= n; i += 16) {                                                 \
+            const __m128i a = _mm_loadu_si128((const __m128i *)(s + i));               \
+            const __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 8));           \
+            _mm256_stream_ps(d + i, _mm256_cvtepi32_ps(WIDEN(a)));                     \
+            _mm256_stream_ps(d + i + 8, _mm256_cvtepi32_ps(WIDEN(b)));                 \
+        }                                                                              \
+        for (; i < n; i++) d[i] = (float)s[i];                                         \
+    }
+DEFINE_SHORTS_TO_F32(i16_f32_avx2, int16_t, _mm256_cvtepi16_epi32)
+DEFINE_SHORTS_TO_F32(u16_f32_avx2, uint16_t, _mm256_cvtepu16_epi32)
 #endif
 
 /* n contiguous values of dtype src_code at src cast into dtype out_code at dst (numpy's C
@@ -418,6 +435,8 @@ static int convert_run(int src_code, int out_code, const char *src, char *dst, P
 #ifdef STOKER_X86
     if (stream && out_code == 'f' && (src_code == 'b' || src_code == 'B') && __builtin_cpu_supports("avx2")) {
         (src_code == 'b' ? i8_f32_avx2 : u8_f32_avx2)(src, (float *)dst, n);
+    } else if (stream && out_code == 'f' && (src_code == 'h' || src_code == 'H') && __builtin_cpu_supports("avx2")) {
+        (src_code == 'h' ? i16_f32_avx2 : u16_f32_avx2)(src, (float *)dst, n);
     } else
 #endif
     {
@@ -436,7 +455,15 @@ static int convert_run(int src_code, int out_code, const char *src, char *dst, P
 /* The dtype code of a buffer this file converts (native order, one of b B h H f d), or 0. */
 static int buffer_code(const Py_buffer *view) {
     const char *f = view->format;
-    if (f == NULL || f[0] == '\0' || f[1] != '\0') return 0;
+    if (f == NULL) return 0;
+    /* Native byte order, stated or not: numpy exports a dtype given as '<f4' (every Field of
+     * byte_order="little") as "<f" even where that order is the machine's. */
+#if PY_LITTLE_ENDIAN
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+#else
+    if (f[0] == '>' || f[0] == '=' || f[0] == '@' || f[0] == '!') f++;
+#endif
+    if (f[0] == '\0' || f[1] != '\0') return 0;
     switch (f[0]) {
     case 'b': case 'B': case 'h': case 'H': case 'f': case 'd':
         return (size_t)view->itemsize == copy_size(f[0]) ? f[0] : 0;
