@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import LAB_GZ, FieldPlan, build, check_batches
 import stoker
+from conftest import LAB_GZ, FieldPlan, build, check_batches
 from stoker import kernels
 
 SOURCES = ["int8", "uint8", "int16", "uint16", "float32", "float64"]
-OUTPUTS = ["int8", "uint8", "int16", "uint16", "float32", "float64"]
+OUTPUTS = ["int8", "uint8", "int16", "uint16", "float16", "float32", "float64"]
 STREAMED = kernels.STREAM_MIN_BYTES // 4 + 37  # float32 values: just over the threshold
 
 
@@ -80,7 +80,15 @@ def test_cast_into_takes_records_of_any_shape(shape: tuple[int, ...]) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "out"),
-    [("int16", "int16"), ("int16", "float32"), ("uint16", "float32"), ("float32", "float32"), ("float64", "float64")],
+    [
+        ("int16", "int16"),
+        ("int16", "float32"),
+        ("uint16", "float32"),
+        ("float32", "float32"),
+        ("float64", "float64"),
+        ("int16", "float16"),
+        ("uint16", "float16"),
+    ],
 )
 def test_a_byte_order_stated_as_the_machines_own_takes_the_kernel(dtype: str, out: str) -> None:
     """Every Field's dtype states its byte order ('<i2' for byte_order="little"), and numpy
@@ -92,9 +100,30 @@ def test_a_byte_order_stated_as_the_machines_own_takes_the_kernel(dtype: str, ou
     x = _values(dtype, 256 * 64 * 64, np.random.default_rng(5)).astype(field.dtype).reshape(256, 64, 64)
     got = np.empty(x.shape, out)
     assert kernels._kernels.cast_into(got, x, kernels.STREAM_MIN_BYTES), "went to numpy"
-    assert np.array_equal(got, x.astype(got.dtype))
+    with np.errstate(over="ignore"):  # uint16 past 65519 is inf in float16
+        assert np.array_equal(got, x.astype(got.dtype))
     wrong = x.astype(x.dtype.newbyteorder("S"))  # the other order: numpy swaps it, not the kernel
     assert not kernels._kernels.cast_into(got, wrong, kernels.STREAM_MIN_BYTES)
+
+
+@pytest.mark.parametrize("src", ["int8", "uint8", "int16", "uint16"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_integers_to_float16_round_as_numpy_does_for_every_value(src: str, stream: bool) -> None:
+    """Every value of the source dtype, at three output alignments, streamed and not: the
+    kernel's float16 (F16C, nearest with ties to even) equals numpy's bit for bit, uint16 past
+    65519 included (inf)."""
+    if not kernels._kernels.cast_into(np.empty(1, np.float16), np.zeros(1, src), 0):
+        pytest.fail("the kernel does not cast to float16 here (no F16C?): numpy's copy is ~16x slower")
+    info = np.iinfo(src)
+    x = np.arange(info.min, info.max + 1).astype(src)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    for misalign in (0, 1, 3):
+        buf = np.full(len(x) + 8, 7, np.float16)
+        got = buf[misalign : misalign + len(x)]
+        assert kernels._kernels.cast_into(got, x, 0 if stream else 1 << 40)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+        assert np.all(buf[:misalign] == 7) and np.all(buf[misalign + len(x) :] == 7)
 
 
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
@@ -152,6 +181,8 @@ def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
         check_batches(ds, list(loader), cast={"image": "float32"})
     with ds.loader(4, cast="float64", with_index=True, shuffle="global", seed=3) as loader:
         check_batches(ds, list(loader), cast={"image": "float64", "label": "float64"})
+    with ds.loader(3, cast={"image": "float16"}, with_index=True) as loader:  # the float16 loop
+        check_batches(ds, list(loader), cast={"image": "float16"})
 
 
 def test_file_size_is_the_size_of_the_open_file_now(tmp_path: Path) -> None:

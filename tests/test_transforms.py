@@ -79,6 +79,10 @@ def test_cast_gives_float16_and_bfloat16() -> None:
     for name, want in (("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)):
         y = Cast(name, fields="x")({"x": x}, batch_rng(0, 0, 0, 0))["x"]
         assert y.dtype == np.dtype(want) and np.array_equal(y.astype(np.float32), x.astype(np.float32))
+    # Past 2048 float16 rounds (to nearest, ties to even): the compiled cast rounds as numpy does.
+    x16 = np.arange(-32768, 32768, dtype=np.int16).reshape(256, 256)
+    y16 = Cast("float16", fields="x")({"x": x16}, batch_rng(0, 0, 0, 0))["x"]
+    assert np.array_equal(y16.view(np.uint16), x16.astype(np.float16).view(np.uint16))
 
 
 def test_random_flip_p_zero_keeps_and_p_one_reverses_the_axis() -> None:

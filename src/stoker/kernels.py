@@ -6,7 +6,10 @@ Where the output is large it writes with streaming (non-temporal) stores: a batc
 its consumer later, after others have gone through the cache, so ordinary stores would first
 read every cache line of the output only to overwrite it. Measured on W1 (int8 frames cast
 to float32, 2 threads, batches rotating through a pool): 2.2x the records/s of the same cast
-with ordinary stores (``benchmarks/w1.py`` has the figures).
+with ordinary stores (``benchmarks/w1.py`` has the figures). Integer records cast to float16
+take an F16C loop, bit for bit numpy's rounding (numpy converts one value at a time: ~16x
+slower on W1's frames). Arrays in either spelling of the machine's byte order ("<f4" or
+"=f4") take the kernels; the other order goes to numpy, which swaps it.
 """
 
 from __future__ import annotations
