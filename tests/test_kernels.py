@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -99,8 +100,10 @@ def test_a_byte_order_stated_as_the_machines_own_takes_the_kernel(dtype: str, ou
     assert field.dtype.byteorder in (native, "=") and memoryview(np.empty(1, field.dtype)).format[0] == native
     x = _values(dtype, 256 * 64 * 64, np.random.default_rng(5)).astype(field.dtype).reshape(256, 64, 64)
     got = np.empty(x.shape, out)
-    assert kernels._kernels.cast_into(got, x, kernels.STREAM_MIN_BYTES), "went to numpy"
+    if out != "float16" or platform.machine().lower() in ("x86_64", "amd64"):  # float16: x86's F16C loop
+        assert kernels._kernels.cast_into(got, x, kernels.STREAM_MIN_BYTES), "went to numpy"
     with np.errstate(over="ignore"):  # uint16 past 65519 is inf in float16
+        kernels.cast_into(got, x)
         assert np.array_equal(got, x.astype(got.dtype))
     wrong = x.astype(x.dtype.newbyteorder("S"))  # the other order: numpy swaps it, not the kernel
     assert not kernels._kernels.cast_into(got, wrong, kernels.STREAM_MIN_BYTES)
@@ -111,9 +114,11 @@ def test_a_byte_order_stated_as_the_machines_own_takes_the_kernel(dtype: str, ou
 def test_integers_to_float16_round_as_numpy_does_for_every_value(src: str, stream: bool) -> None:
     """Every value of the source dtype, at three output alignments, streamed and not: the
     kernel's float16 (F16C, nearest with ties to even) equals numpy's bit for bit, uint16 past
-    65519 included (inf)."""
-    if not kernels._kernels.cast_into(np.empty(1, np.float16), np.zeros(1, src), 0):
-        pytest.fail("the kernel does not cast to float16 here (no F16C?): numpy's copy is ~16x slower")
+    65519 included (inf). The loop is x86's (F16C, on every x86-64 CPU since 2013); elsewhere
+    the copy is numpy's, checked the same way."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    took = kernels._kernels.cast_into(np.empty(1, np.float16), np.zeros(1, src), 0)
+    assert took == x86, "the kernel does not cast to float16 here (no F16C?): numpy's copy is ~16x slower"
     info = np.iinfo(src)
     x = np.arange(info.min, info.max + 1).astype(src)
     with np.errstate(over="ignore"):
@@ -121,7 +126,11 @@ def test_integers_to_float16_round_as_numpy_does_for_every_value(src: str, strea
     for misalign in (0, 1, 3):
         buf = np.full(len(x) + 8, 7, np.float16)
         got = buf[misalign : misalign + len(x)]
-        assert kernels._kernels.cast_into(got, x, 0 if stream else 1 << 40)
+        if x86:
+            assert kernels._kernels.cast_into(got, x, 0 if stream else 1 << 40)
+        else:
+            with np.errstate(over="ignore"):
+                kernels.cast_into(got, x)
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
         assert np.all(buf[:misalign] == 7) and np.all(buf[misalign + len(x) :] == 7)
 
