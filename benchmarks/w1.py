@@ -1,7 +1,8 @@
 """W1: the seed's layout (16 pairs x 4096 records of 128x128 int8 + gzip float32 labels, ~1 GiB).
 
 Alternates, round after round, each contender in a fresh process: stoker and the ceiling
-loops (see stoker.bench) with float32 output, the same with int8 output, and stoker at
+loops (see stoker.bench) with float32 output, the same with int8 output, stoker and the kept-map
+loop with float16 output, and stoker at
 batch_size 16 to show engine overhead at small batches, the two shuffle modes, and W3-cold
 (global shuffle and sequential with the page cache evicted before each round). Warm contenders,
 stoker and the ceiling loops alike, run ``--warmup`` seconds before they are timed (their
@@ -57,6 +58,9 @@ def main() -> int:
                 "paths": paths, "header": 0, "shape": [128, 128, 1], "src_dtype": "|i1", "out_dtype": out,
                 "batch": 256, "loop": loop, "threads": threads, "seconds": args.seconds, "warmup": args.warmup,
             }  # fmt: skip
+    # float16 output (mixed precision), against the kept-map loop alone (the best in every run).
+    contenders["stoker float16"] = {**contenders["stoker float32"], "cast": {"image": "float16"}}
+    contenders["ceiling:mmap_kept float16"] = {**contenders["ceiling:mmap_kept float32"], "out_dtype": "float16"}
     # A new pass per epoch, as a PyTorch loop or Keras' fit iterates (the dataset is one epoch
     # in ~0.5 s here, so the seconds hold several passes and their start-ups).
     contenders["stoker float32 pass per epoch"] = {
@@ -107,6 +111,12 @@ def main() -> int:
             ]
             med, lo, hi = summarize(ratios)
             lines.append(f"| stoker {out} / {against} ceiling | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    half = [
+        results["stoker float16"][r].records_per_s / results["ceiling:mmap_kept float16"][r].records_per_s
+        for r in range(args.rounds)
+    ]
+    med, lo, hi = summarize(half)
+    lines.append(f"| stoker float16 / mmap_kept ceiling | {med:.2f} | {lo:.2f} | {hi:.2f} |")
     small = [
         results["stoker float32 batch16"][r].records_per_s / results["stoker float32"][r].records_per_s
         for r in range(args.rounds)
