@@ -135,6 +135,33 @@ def test_integers_to_float16_round_as_numpy_does_for_every_value(src: str, strea
         assert np.all(buf[:misalign] == 7) and np.all(buf[misalign + len(x) :] == 7)
 
 
+@pytest.mark.parametrize("src", ["int8", "uint8", "int16", "uint16"])
+def test_integers_to_bfloat16_round_as_ml_dtypes_does_for_every_value(src: str) -> None:
+    """ml_dtypes' bfloat16 (a dtype numpy exports no buffer for): every value of the source
+    dtype, at three output alignments, bit for bit ml_dtypes' cast (int16 past 256 rounds)."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    info = np.iinfo(src)
+    x = np.arange(info.min, info.max + 1).astype(src)
+    want = x.astype(bf16)
+    for misalign in (0, 1, 3):
+        buf = np.full(len(x) + 8, 7, np.uint16)
+        got = buf[misalign : misalign + len(x)].view(bf16)
+        assert kernels._bfloat16_into(got, x), "went to numpy"
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+        assert np.all(buf[:misalign] == 7) and np.all(buf[misalign + len(x) :] == 7)
+    # What it does not take goes to numpy (ml_dtypes' casts), same values.
+    for dst, s in [
+        (np.empty(len(x) // 2, bf16), x[::2]),  # strided source
+        (np.empty(len(x), np.float32).view(bf16)[::2], x),  # strided output
+        (np.empty(8, bf16), np.arange(8, dtype=np.float32)),  # a float source
+    ]:
+        assert not kernels._bfloat16_into(dst, s)
+        kernels.cast_into(dst, s)
+        assert np.array_equal(dst.view(np.uint16), s.astype(bf16).view(np.uint16))
+
+
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
     rng = np.random.default_rng(2)
     x = _values("int16", 4096, rng).reshape(64, 64)

@@ -134,6 +134,8 @@ CHAINS: dict[str, Any] = {
         {"image"},
     ),
     "flip,cast16": (lambda: [RandomFlip(fields="image", axis=0), Cast("float16", fields="image")], {"image"}),
+    "cast16 only": (lambda: [Cast("float16", fields="image")], {"image"}),  # one copy of the whole batch
+    "bfloat16 only": (lambda: [Cast("bfloat16", fields="image")], {"image"}),
     "flip only": (lambda: [RandomFlip(fields="image", axis=1)], {"image"}),
     # these do not: op after op, chunk by chunk
     "flip then crop of that axis": (augment, set()),

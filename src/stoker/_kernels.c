@@ -616,6 +616,82 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The bfloat16 nearest a float32 that is not a NaN, ties to even (as ml_dtypes rounds). */
+static inline uint16_t bf16_of(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+#define DEFINE_TO_BF16(NAME, T)                                                   \
+    static void NAME(const void *src, uint16_t *d, Py_ssize_t n) {              \
+        const T *s = (const T *)src;                                            \
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = bf16_of((float)s[i]);         \
+    }
+DEFINE_TO_BF16(i8_bf16, int8_t)
+DEFINE_TO_BF16(u8_bf16, uint8_t)
+DEFINE_TO_BF16(i16_bf16, int16_t)
+DEFINE_TO_BF16(u16_bf16, uint16_t)
+
+#ifdef STOKER_X86
+/* The same, 8 values a step: widened to float32, rounded in the integer unit, packed. */
+#define DEFINE_TO_BF16_AVX2(NAME, T, LOAD8)                                              \
+    __attribute__((target("avx2"))) static void NAME(const void *src, uint16_t *d, Py_ssize_t n) { \
+        const T *s = (const T *)src;                                                   \
+        const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);    \
+        Py_ssize_t i = 0;                                                              \
+        for (; i + 8 <= n; i += 8) {                                                   \
+            const __m256i b = _mm256_castps_si256(_mm256_cvtepi32_ps(LOAD8(s + i)));   \
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);       \
+            const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, odd)), 16); \
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); \
+            _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));           \
+        }                                                                              \
+        for (; i < n; i++) d[i] = bf16_of((float)s[i]);                                \
+    }
+DEFINE_TO_BF16_AVX2(i8_bf16_avx2, int8_t, LOAD8_I8)
+DEFINE_TO_BF16_AVX2(u8_bf16_avx2, uint8_t, LOAD8_U8)
+DEFINE_TO_BF16_AVX2(i16_bf16_avx2, int16_t, LOAD8_I16)
+DEFINE_TO_BF16_AVX2(u16_bf16_avx2, uint16_t, LOAD8_U16)
+#endif
+
+/* bfloat16(src_code, src_addr, n, dst_addr): n integers (int8/uint8/int16/uint16) into
+ * bfloat16 values. The caller (stoker.kernels.cast_into) checks the arrays: numpy exports no
+ * buffer for ml_dtypes' bfloat16, so cast_into cannot. Each integer is exact in float32 and
+ * rounded from there, as ml_dtypes' cast rounds (int16 values past 256 round). */
+static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
+    (void)self;
+    int src_code;
+    unsigned long long src, dst;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "CKnK", &src_code, &src, &n, &dst)) return NULL;
+    void (*loop)(const void *, uint16_t *, Py_ssize_t) = NULL;
+    switch (src_code) {
+    case 'b': loop = i8_bf16; break;
+    case 'B': loop = u8_bf16; break;
+    case 'h': loop = i16_bf16; break;
+    case 'H': loop = u16_bf16; break;
+    }
+#ifdef STOKER_X86
+    if (__builtin_cpu_supports("avx2")) {
+        switch (src_code) {
+        case 'b': loop = i8_bf16_avx2; break;
+        case 'B': loop = u8_bf16_avx2; break;
+        case 'h': loop = i16_bf16_avx2; break;
+        case 'H': loop = u16_bf16_avx2; break;
+        }
+    }
+#endif
+    if (loop == NULL || n < 0) {
+        PyErr_Format(PyExc_ValueError, "no bfloat16 kernel from dtype %c (n=%zd)", src_code, n);
+        return NULL;
+    }
+    RELEASE_GIL_IF_BIG((size_t)n * 2);
+    loop((const void *)(uintptr_t)src, (uint16_t *)(uintptr_t)dst, n);
+    TAKE_GIL_BACK();
+    Py_RETURN_NONE;
+}
+
 /* file_size(fd) -> int: fstat's st_size, with the GIL held. os.fstat gives the GIL up for a
  * call that takes a microsecond, and taking it back waits out whichever thread took it: on a
  * W1 worker that was ~18 us per run, the size check before each copy from a memory map. */
@@ -863,6 +939,7 @@ static PyMethodDef methods[] = {
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
     {"cast_into", cast_arrays, METH_VARARGS, "cast_into(dst, src, stream_min_bytes) -> bool"},
+    {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): integers into bfloat16"},
     {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},
     {NULL, NULL, 0, NULL},
 };
