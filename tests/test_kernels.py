@@ -184,7 +184,7 @@ def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
 
 
 @pytest.mark.parametrize("src", SOURCES)
-@pytest.mark.parametrize("out", ["int8", "float32", "float64"])
+@pytest.mark.parametrize("out", ["int8", "float16", "float32", "float64"])
 @pytest.mark.parametrize("record", [(3,), (64, 64, 17)])
 def test_gather_into_equals_fancy_indexing(src: str, out: str, record: tuple[int, ...]) -> None:
     """dst[rows] = src[index]: rows a permutation's prefix, records in any order and repeated."""
@@ -219,6 +219,17 @@ def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
         check_batches(ds, list(loader), cast={"image": "float64", "label": "float64"})
     with ds.loader(3, cast={"image": "float16"}, with_index=True) as loader:  # the float16 loop
         check_batches(ds, list(loader), cast={"image": "float16"})
+    with ds.loader(3, cast={"image": "float16"}, with_index=True, shuffle="global", seed=5) as loader:  # its gather
+        check_batches(ds, list(loader), cast={"image": "float16"})
+
+
+def test_global_shuffle_gathers_integers_into_float16_with_the_kernel() -> None:
+    """numpy's gather then cast ran W1's global shuffle into float16 at 47k records/s, the
+    kernel's gather at 207k (float32: 171k)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    for src, code in (("int8", "b"), ("uint8", "B"), ("int16", "h"), ("uint16", "H")):
+        want = (code, "e") if x86 else None
+        assert kernels._codes(np.empty((2, 3), np.float16), np.empty((4, 3), src)) == want
 
 
 def test_file_size_is_the_size_of_the_open_file_now(tmp_path: Path) -> None:

@@ -583,6 +583,22 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int64_t *off = (const int64_t *)(uintptr_t)offsets, *row = (const int64_t *)(uintptr_t)rows;
+#ifdef STOKER_X86
+    if (out_code == 'e' && src_code != 'e') { /* integers into float16: the F16C loop, record by record */
+        void (*half)(const void *, uint16_t *, Py_ssize_t, int) = pick_f16(src_code);
+        if (half == NULL) {
+            PyErr_Format(PyExc_ValueError, "no kernel from dtype %c to e", src_code);
+            return NULL;
+        }
+        RELEASE_GIL_IF_BIG((size_t)n * (size_t)elems * 2);
+        for (Py_ssize_t k = 0; k < n; k++)
+            half((const char *)(uintptr_t)base + off[k], (uint16_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems,
+                 elems, stream);
+        if (stream) stream_fence();
+        TAKE_GIL_BACK();
+        Py_RETURN_NONE;
+    }
+#endif
     if (src_code == out_code) {
         const size_t size = copy_size(src_code);
         if (size == 0) return NULL;

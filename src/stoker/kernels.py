@@ -44,8 +44,13 @@ except ImportError:  # pragma: no cover - built without a C compiler
 STREAM_MIN_BYTES = 1 << 20
 
 # Native-order dtypes the kernel reads, and what it writes from each (besides a plain copy).
-_CODES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float32, np.float64)}
+_CODES = {
+    np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float16, np.float32, np.float64)
+}
 _CASTS = {(s, o) for s in "bBhHf" for o in "fd"} | {("d", "d")}
+# Integers into float16 where the build has its loop (x86 with F16C).
+if _kernels is not None and _kernels.cast_into(np.empty(1, np.float16), np.zeros(1, np.int8), 0):
+    _CASTS |= {(s, "e") for s in "bBhH"}
 
 
 def compiled() -> bool:
