@@ -96,6 +96,24 @@ def test_fused_normalize_flip_equals_the_plain_numpy_formula(
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit, NaN-free data
 
 
+@pytest.mark.parametrize("out", ["float16", "bfloat16"])
+def test_a_narrowed_output_is_the_same_in_scratch_chunks_of_any_size(monkeypatch: pytest.MonkeyPatch, out: str) -> None:
+    """Normalize + Cast to 16 bits runs through a float32 scratch, SCRATCH_BYTES at a time: with
+    chunks of 2 records (11 records: 6 chunks, the last one short) the batch is the same."""
+    shape = (5, 8, 3)
+    monkeypatch.setattr(transforms, "SCRATCH_BYTES", 2 * 5 * 8 * 3 * 4)
+    x = _values("int8", (11, *shape), np.random.default_rng(4))
+    fns = [
+        Normalize(mean=-0.5, std=127.5, fields="image"),
+        RandomFlip(fields="image", axis=1),
+        Cast(out, fields="image"),
+    ]
+    stage = _stage(fns, shape, "int8")
+    assert "image" in stage.kernels
+    want = _plain(x, -0.5, 127.5, True, 1, ml_dtypes.bfloat16 if out == "bfloat16" else out)
+    assert np.array_equal(_run(stage, x).view(np.uint8), want.view(np.uint8))
+
+
 @pytest.mark.parametrize("flip_axis", [None, 1])
 def test_fused_crop_normalize_flip_takes_each_records_window(implementation: str, flip_axis: int | None) -> None:
     shape = (7, 9, 1)

@@ -162,6 +162,32 @@ def test_integers_to_bfloat16_round_as_ml_dtypes_does_for_every_value(src: str) 
         assert np.array_equal(dst.view(np.uint16), s.astype(bf16).view(np.uint16))
 
 
+def test_computed_float32_narrows_to_float16_as_numpy_rounds() -> None:
+    """The transforms' one-pass kernel narrows its float32 scratch with F16C: bit for bit numpy's
+    cast for every value arithmetic can give (ties, float16's subnormals and overflow, infinities,
+    signed zeros, quiet NaNs with payloads); a signalling NaN, which arithmetic never gives,
+    is the one difference (F16C quiets it)."""
+    rng = np.random.default_rng(9)
+    bits = np.concatenate(
+        [
+            rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),  # any bit pattern
+            np.arange(0x33000000, 0x33000000 + 2**16, dtype=np.uint32),  # float16 subnormal range
+            (np.arange(2**16, dtype=np.uint32) << 13) | 0x1000,  # exact ties at every float16 step
+            np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x477FF000, 0x477FEFFF, 0x7FC00001], np.uint32),
+        ]
+    )
+    x = bits.view(np.float32)
+    quiet = ~np.isnan(x) | ((bits & 0x00400000) != 0)  # drop the signalling NaNs
+    x = np.ascontiguousarray(x[quiet])
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16)
+    got = np.full(len(x), 7, np.float16)
+    took = kernels._kernels.computed_to_float16(x.ctypes.data, len(x), got.ctypes.data, False)
+    assert took == (platform.machine().lower() in ("x86_64", "amd64"))
+    if took:
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
     rng = np.random.default_rng(2)
     x = _values("int16", 4096, rng).reshape(64, 64)

@@ -439,6 +439,20 @@ DEFINE_INTS_TO_F16(u8_f16_f16c, uint8_t, LOAD8_U8)
 DEFINE_INTS_TO_F16(i16_f16_f16c, int16_t, LOAD8_I16)
 DEFINE_INTS_TO_F16(u16_f16_f16c, uint16_t, LOAD8_U16)
 
+/* float32 -> float16 (F16C: nearest, ties to even; a quiet NaN keeps its sign and the top of
+ * its payload, as numpy's cast; a signalling NaN comes out quiet, where numpy keeps it
+ * signalling, so this serves values computed here, which are never signalling NaNs). */
+__attribute__((target("avx2,f16c"))) static void f32_f16_f16c(const float *s, uint16_t *d, Py_ssize_t n, int stream) {
+    Py_ssize_t i = 0;
+    for (; i < n && ((uintptr_t)(d + i) & 15); i++) d[i] = _cvtss_sh(s[i], 0);
+    if (stream) {
+        for (; i + 8 <= n; i += 8) _mm_stream_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), 0));
+    } else {
+        for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), 0));
+    }
+    for (; i < n; i++) d[i] = _cvtss_sh(s[i], 0);
+}
+
 /* The float16 loop for an integer source code, or NULL (no F16C, or not such a source). */
 static void (*pick_f16(int src))(const void *, uint16_t *, Py_ssize_t, int) {
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return NULL;
@@ -708,6 +722,30 @@ static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* computed_to_float16(src_addr, n, dst_addr, stream) -> bool: n float32 values computed by
+ * stoker (never signalling NaNs) into float16, by F16C; False, with nothing written, where the
+ * build or the CPU has no F16C. The transforms' one-pass kernel computes in float32 and narrows
+ * its scratch with this: numpy converts one value at a time. */
+static PyObject *computed_to_float16(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long src, dst;
+    Py_ssize_t n;
+    int stream;
+    if (!PyArg_ParseTuple(args, "KnKp", &src, &n, &dst, &stream)) return NULL;
+#ifdef STOKER_X86
+    if (n >= 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+        RELEASE_GIL_IF_BIG((size_t)n * 2);
+        f32_f16_f16c((const float *)(uintptr_t)src, (uint16_t *)(uintptr_t)dst, n, stream);
+        if (stream) stream_fence();
+        TAKE_GIL_BACK();
+        Py_RETURN_TRUE;
+    }
+#else
+    (void)src, (void)dst, (void)n, (void)stream;
+#endif
+    Py_RETURN_FALSE;
+}
+
 /* file_size(fd) -> int: fstat's st_size, with the GIL held. os.fstat gives the GIL up for a
  * call that takes a microsecond, and taking it back waits out whichever thread took it: on a
  * W1 worker that was ~18 us per run, the size check before each copy from a memory map. */
@@ -956,6 +994,8 @@ static PyMethodDef methods[] = {
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
     {"cast_into", cast_arrays, METH_VARARGS, "cast_into(dst, src, stream_min_bytes) -> bool"},
     {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): integers into bfloat16"},
+    {"computed_to_float16", computed_to_float16, METH_VARARGS,
+     "computed_to_float16(src_addr, n, dst_addr, stream) -> bool: float32 values computed here into float16"},
     {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},
     {NULL, NULL, 0, NULL},
 };

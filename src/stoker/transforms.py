@@ -74,6 +74,12 @@ DEFAULT_SEED = 0
 # 4.3-4.9 ms per 256 frames, on the whole batch at once 7.2 ms (later passes miss cache);
 # a 256-entry lookup table through np.take 17-27 ms (it widens the indices to intp first).
 CHUNK_BYTES = 256 << 10
+# The one-pass kernel's float32 scratch when its output is narrower (a trailing Cast to 16
+# bits): two compiled calls per chunk, each giving the GIL up and taking it back, so larger is
+# faster here. W1, Normalize + Cast("float16"), records/s: 97-99k in 256 KiB chunks, 161-163k
+# in 1 MiB, 200-208k in 4 MiB, 219-239k for the whole 16 MiB batch (2 runs each); 4 MiB keeps
+# the scratch (one per worker, outside memory_budget) small.
+SCRATCH_BYTES = 4 << 20
 
 
 def resolve_dtype(value: Any) -> np.dtype:
@@ -453,7 +459,9 @@ class OnePass:
             flips = mask.view(np.uint8)
         args = tuple((divide, vector, address(p), address(q)) for divide, vector, p, q in self.ops)
         row_stride = self.strides[self.row_axis - 1] if self.row_axis else 0
-        per = n if self.out == self.compute else max(1, CHUNK_BYTES // (math.prod(self.shape) * self.compute.itemsize))
+        per = (
+            n if self.out == self.compute else max(1, SCRATCH_BYTES // (math.prod(self.shape) * self.compute.itemsize))
+        )
         scratch = None if self.out == self.compute else np.empty((min(n, per), *self.shape), self.compute)
         for a in range(0, n, per):
             b = min(n, a + per)
@@ -465,7 +473,18 @@ class OnePass:
                 scratch is None and dst.nbytes >= STREAM_MIN_BYTES,  # the batch itself: streamed (see stoker.kernels)
             )  # fmt: skip
             if scratch is not None:
-                cast_into(y[a:b], dst)
+                self._narrow(y[a:b], dst)
+
+    def _narrow(self, y: np.ndarray, computed: np.ndarray) -> None:
+        """The float32 scratch into the output's dtype: float16 by F16C where built (numpy
+        converts one value at a time: W1's Normalize + Cast("float16") ran at ~43k records/s);
+        the scratch holds computed values, never a signalling NaN, so the two round alike."""
+        if not (
+            y.dtype == np.float16 and computed.dtype == np.float32 and y.flags.c_contiguous
+            and computed.flags.c_contiguous and y.shape == computed.shape
+            and _kernels.computed_to_float16(address(computed), computed.size, address(y), y.nbytes >= STREAM_MIN_BYTES)
+        ):  # fmt: skip
+            cast_into(y, computed)
 
 
 def _name(fn: object) -> str:
