@@ -188,6 +188,30 @@ def test_computed_float32_narrows_to_float16_as_numpy_rounds() -> None:
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
+def test_float32_narrows_to_bfloat16_as_ml_dtypes_rounds() -> None:
+    """Every kind of float32 (any bit pattern, exact ties, NaNs of both signs and any payload,
+    infinities, the largest finite values) into bfloat16, bit for bit ml_dtypes' cast."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(10)
+    bits = np.concatenate(
+        [
+            rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+            (np.arange(2**16, dtype=np.uint32) << 16) | 0x8000,  # exact ties at every bfloat16 step
+            np.array(
+                [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800001, 0xFFC12345], np.uint32
+            ),
+        ]
+    )
+    x = bits.view(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = x.astype(ml_dtypes.bfloat16)
+    for n in (len(x), len(x) - 3):  # a tail the 8-wide loop leaves
+        got = np.full(n, 7, np.uint16)
+        kernels._kernels.computed_to_bfloat16(x.ctypes.data, n, got.ctypes.data)
+        assert np.array_equal(got, want[:n].view(np.uint16))
+
+
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
     rng = np.random.default_rng(2)
     x = _values("int16", 4096, rng).reshape(64, 64)

@@ -722,6 +722,61 @@ static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The bfloat16 nearest a float32, ties to even; a NaN becomes the quiet NaN of its sign, as
+ * ml_dtypes' cast gives. */
+static inline uint16_t bf16_of_any(float f) {
+    if (f != f) {
+        uint32_t b;
+        memcpy(&b, &f, sizeof b);
+        return (uint16_t)((b >> 16) & 0x8000u) | 0x7fc0u;
+    }
+    return bf16_of(f);
+}
+
+#ifdef STOKER_X86
+__attribute__((target("avx2"))) static void f32_bf16_avx2(const float *s, uint16_t *d, Py_ssize_t n) {
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u), qnan = _mm256_set1_epi32(0x7fc00000);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(s + i);
+        const __m256i b = _mm256_castps_si256(v);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+        __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(bias, odd));
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_and_si256(b, sign), qnan), nan);
+        r = _mm256_srli_epi32(r, 16);
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));
+    }
+    for (; i < n; i++) d[i] = bf16_of_any(s[i]);
+}
+#endif
+
+/* computed_to_bfloat16(src_addr, n, dst_addr): n float32 values into bfloat16, nearest with
+ * ties to even, a NaN the quiet NaN of its sign: ml_dtypes' cast, bit for bit. */
+static PyObject *computed_to_bfloat16(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long src, dst;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "KnK", &src, &n, &dst)) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative count");
+        return NULL;
+    }
+    const float *s = (const float *)(uintptr_t)src;
+    uint16_t *d = (uint16_t *)(uintptr_t)dst;
+    RELEASE_GIL_IF_BIG((size_t)n * 2);
+#ifdef STOKER_X86
+    if (__builtin_cpu_supports("avx2"))
+        f32_bf16_avx2(s, d, n);
+    else
+#endif
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = bf16_of_any(s[i]);
+    TAKE_GIL_BACK();
+    Py_RETURN_NONE;
+}
+
 /* computed_to_float16(src_addr, n, dst_addr, stream) -> bool: n float32 values computed by
  * stoker (never signalling NaNs) into float16, by F16C; False, with nothing written, where the
  * build or the CPU has no F16C. The transforms' one-pass kernel computes in float32 and narrows
@@ -994,6 +1049,8 @@ static PyMethodDef methods[] = {
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
     {"cast_into", cast_arrays, METH_VARARGS, "cast_into(dst, src, stream_min_bytes) -> bool"},
     {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): integers into bfloat16"},
+    {"computed_to_bfloat16", computed_to_bfloat16, METH_VARARGS,
+     "computed_to_bfloat16(src_addr, n, dst_addr): float32 values into bfloat16 (ml_dtypes' rounding)"},
     {"computed_to_float16", computed_to_float16, METH_VARARGS,
      "computed_to_float16(src_addr, n, dst_addr, stream) -> bool: float32 values computed here into float16"},
     {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},

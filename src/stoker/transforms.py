@@ -478,13 +478,19 @@ class OnePass:
     def _narrow(self, y: np.ndarray, computed: np.ndarray) -> None:
         """The float32 scratch into the output's dtype: float16 by F16C where built (numpy
         converts one value at a time: W1's Normalize + Cast("float16") ran at ~43k records/s);
-        the scratch holds computed values, never a signalling NaN, so the two round alike."""
-        if not (
-            y.dtype == np.float16 and computed.dtype == np.float32 and y.flags.c_contiguous
-            and computed.flags.c_contiguous and y.shape == computed.shape
-            and _kernels.computed_to_float16(address(computed), computed.size, address(y), y.nbytes >= STREAM_MIN_BYTES)
-        ):  # fmt: skip
-            cast_into(y, computed)
+        the scratch holds computed values, never a signalling NaN, so the two round alike.
+        bfloat16 by the kernel's loop, bit for bit ml_dtypes' cast (which is one value at a time too)."""
+        plain = (
+            computed.dtype == np.float32 and y.flags.c_contiguous and computed.flags.c_contiguous
+            and y.shape == computed.shape
+        )  # fmt: skip
+        if plain and y.dtype == np.float16:
+            if _kernels.computed_to_float16(address(computed), computed.size, address(y), y.nbytes >= STREAM_MIN_BYTES):
+                return
+        elif plain and y.dtype.name == "bfloat16":
+            _kernels.computed_to_bfloat16(address(computed), computed.size, address(y))
+            return
+        cast_into(y, computed)
 
 
 def _name(fn: object) -> str:
