@@ -7,6 +7,9 @@ batch 256). Contenders, each in a fresh process, alternated round by round:
 - ``normalize+flip``: ``Normalize(mean=-0.5, std=127.5)`` (int8 -> float32 in [-1, 1]) and
   ``RandomFlip`` left-right, fused into assembly (the compiled one-pass kernel);
 - ``normalize+flip numpy``: the same without the compiled kernel (its pure-numpy fallback);
+- ``cast float16``: ``cast={"image": "float16"}``; ``Cast float16`` / ``Cast bfloat16``: the
+  ``Cast`` transform alone; ``normalize+flip float16`` / ``bfloat16``: normalize+flip with a
+  trailing ``Cast`` (mixed-precision inputs);
 - ``python thread xN`` / ``python process xN``: a GIL-bound pure-Python transform (a loop
   over 1,024 values of each frame) on N worker threads or N worker processes;
 - ``wait process xN``: a transform that sleeps 20 ms (no CPU): whether N workers overlap.
@@ -42,7 +45,7 @@ import stoker
 import stoker.transforms as transforms
 from stoker.bench import child_json
 from stoker.sample import cached_sample
-from stoker.transforms import Normalize, RandomFlip
+from stoker.transforms import Cast, Normalize, RandomFlip
 
 PYTHON_VALUES = 1024  # values of each frame the GIL-bound transform loops over
 
@@ -69,6 +72,11 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "none": {"cast": {"image": "float32"}},
     "normalize+flip": {"transform": "normalize+flip"},
     "normalize+flip numpy": {"transform": "normalize+flip", "kernel": False},
+    "cast float16": {"cast": {"image": "float16"}},
+    "Cast float16": {"transform": "cast float16"},
+    "Cast bfloat16": {"transform": "cast bfloat16"},
+    "normalize+flip float16": {"transform": "normalize+flip float16"},
+    "normalize+flip bfloat16": {"transform": "normalize+flip bfloat16"},
     "python thread x2": {"transform": "python", "workers": "thread", "threads": 2},
     "python process x1": {"transform": "python", "workers": "process", "threads": 1},
     "python process x2": {"transform": "python", "workers": "process", "threads": 2},
@@ -84,11 +92,16 @@ def child(name: str, data: str, seconds: float) -> dict[str, float]:
         label=stoker.Field(f"{data}/out_*.bin.gz", "float32", compression="gzip"),
     )
     transform: Any = None
-    if cfg.get("transform") == "normalize+flip":
+    kind = cfg.get("transform")
+    if kind is not None and kind.startswith("normalize+flip"):
         transform = [Normalize(mean=-0.5, std=127.5, fields="image"), RandomFlip(fields="image", axis=1)]
-    elif cfg.get("transform") == "python":
+        if kind != "normalize+flip":
+            transform.append(Cast(kind.split()[1], fields="image"))
+    elif kind is not None and kind.startswith("cast "):
+        transform = [Cast(kind.split()[1], fields="image")]
+    elif kind == "python":
         transform = [python_checksum]
-    elif cfg.get("transform") == "wait":
+    elif kind == "wait":
         transform = [wait_20ms]
     if cfg.get("kernel") is False:
         transforms._kernels = None  # the pure-numpy path, as where no C compiler built it
@@ -187,6 +200,11 @@ def main() -> int:
     for a, b in (
         ("normalize+flip", "none"),
         ("normalize+flip numpy", "none"),
+        ("cast float16", "none"),
+        ("Cast float16", "none"),
+        ("Cast bfloat16", "none"),
+        ("normalize+flip float16", "none"),
+        ("normalize+flip bfloat16", "none"),
         ("python process x2", "python process x1"),
         ("python process x2", "python thread x2"),
         ("wait process x2", "wait process x1"),
