@@ -22,6 +22,7 @@ from stoker import kernels
 SOURCES = ["int8", "uint8", "int16", "uint16", "float32", "float64"]
 OUTPUTS = ["int8", "uint8", "int16", "uint16", "float16", "float32", "float64"]
 STREAMED = kernels.STREAM_MIN_BYTES // 4 + 37  # float32 values: just over the threshold
+X86 = platform.machine().lower() in ("x86_64", "amd64")  # where the float16 loops are (F16C)
 
 
 def test_the_compiled_kernels_are_built() -> None:
@@ -100,7 +101,7 @@ def test_a_byte_order_stated_as_the_machines_own_takes_the_kernel(dtype: str, ou
     assert field.dtype.byteorder in (native, "=") and memoryview(np.empty(1, field.dtype)).format[0] == native
     x = _values(dtype, 256 * 64 * 64, np.random.default_rng(5)).astype(field.dtype).reshape(256, 64, 64)
     got = np.empty(x.shape, out)
-    if out != "float16" or platform.machine().lower() in ("x86_64", "amd64"):  # float16: x86's F16C loop
+    if out != "float16" or X86:
         assert kernels._kernels.cast_into(got, x, kernels.STREAM_MIN_BYTES), "went to numpy"
     with np.errstate(over="ignore"):  # uint16 past 65519 is inf in float16
         kernels.cast_into(got, x)
@@ -116,9 +117,8 @@ def test_integers_to_float16_round_as_numpy_does_for_every_value(src: str, strea
     kernel's float16 (F16C, nearest with ties to even) equals numpy's bit for bit, uint16 past
     65519 included (inf). The loop is x86's (F16C, on every x86-64 CPU since 2013); elsewhere
     the copy is numpy's, checked the same way."""
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
     took = kernels._kernels.cast_into(np.empty(1, np.float16), np.zeros(1, src), 0)
-    assert took == x86, "the kernel does not cast to float16 here (no F16C?): numpy's copy is ~16x slower"
+    assert took == X86, "the kernel does not cast to float16 here (no F16C?): numpy's copy is ~16x slower"
     info = np.iinfo(src)
     x = np.arange(info.min, info.max + 1).astype(src)
     with np.errstate(over="ignore"):
@@ -126,7 +126,7 @@ def test_integers_to_float16_round_as_numpy_does_for_every_value(src: str, strea
     for misalign in (0, 1, 3):
         buf = np.full(len(x) + 8, 7, np.float16)
         got = buf[misalign : misalign + len(x)]
-        if x86:
+        if X86:
             assert kernels._kernels.cast_into(got, x, 0 if stream else 1 << 40)
         else:
             with np.errstate(over="ignore"):
@@ -183,7 +183,7 @@ def test_computed_float32_narrows_to_float16_as_numpy_rounds() -> None:
         want = x.astype(np.float16)
     got = np.full(len(x), 7, np.float16)
     took = kernels._kernels.computed_to_float16(x.ctypes.data, len(x), got.ctypes.data, False)
-    assert took == (platform.machine().lower() in ("x86_64", "amd64"))
+    assert took == X86
     if took:
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
@@ -208,7 +208,7 @@ def test_float32_narrows_to_bfloat16_as_ml_dtypes_rounds() -> None:
         want = x.astype(ml_dtypes.bfloat16)
     for n in (len(x), len(x) - 3):  # a tail the 8-wide loop leaves
         got = np.full(n, 7, np.uint16)
-        kernels._kernels.computed_to_bfloat16(x.ctypes.data, n, got.ctypes.data)
+        kernels._kernels.bfloat16("f", x.ctypes.data, n, got.ctypes.data)
         assert np.array_equal(got, want[:n].view(np.uint16))
 
 
@@ -276,9 +276,8 @@ def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
 def test_global_shuffle_gathers_integers_into_float16_with_the_kernel() -> None:
     """numpy's gather then cast ran W1's global shuffle into float16 at 47k records/s, the
     kernel's gather at 207k (float32: 171k)."""
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
     for src, code in (("int8", "b"), ("uint8", "B"), ("int16", "h"), ("uint16", "H")):
-        want = (code, "e") if x86 else None
+        want = (code, "e") if X86 else None
         assert kernels._codes(np.empty((2, 3), np.float16), np.empty((4, 3), src)) == want
 
 

@@ -411,47 +411,39 @@ DEFINE_BYTES_TO_F32(u8_f32_avx2, U8_WIDEN)
 DEFINE_SHORTS_TO_F32(i16_f32_avx2, int16_t, _mm256_cvtepi16_epi32)
 DEFINE_SHORTS_TO_F32(u16_f32_avx2, uint16_t, _mm256_cvtepu16_epi32)
 
-/* int8/uint8/int16/uint16 -> float16 (mixed-precision training's cast), 8 values a step: each
- * integer is exact in float32, and F16C rounds that to the nearest float16, ties to even, as
- * numpy's cast does (int16/uint16 values past 2048 round; uint16 past 65519 becomes inf). numpy
- * converts one value at a time: W1's int8 batch took ~8 ms against ~0.8 ms for float32. Streamed
- * (16-byte stores that skip the cache) when `stream`, as the float32 loops. */
-#define DEFINE_INTS_TO_F16(NAME, T, LOAD8)                                                \
+/* Loads of 8 values as float32 (integers exact in it), for the 16-bit loops below. */
+#define LOAD8_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LOAD8_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LOAD8_I16(p) _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define LOAD8_U16(p) _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define LOAD8_F32(p) _mm256_loadu_ps((const float *)(p))
+
+/* -> float16 (mixed-precision training's cast), 8 values a step: F16C rounds each float32 to
+ * the nearest float16, ties to even, as numpy's cast does (int16/uint16 values past 2048 round;
+ * uint16 past 65519 becomes inf). numpy converts one value at a time: W1's int8 batch took ~8 ms
+ * against ~0.8 ms for float32. Streamed (16-byte stores that skip the cache) when `stream`, as
+ * the float32 loops. From float32 a quiet NaN keeps its sign and the top of its payload, as
+ * numpy's cast; a signalling NaN comes out quiet, where numpy keeps it signalling, so that loop
+ * serves values computed here, which are never signalling NaNs (computed_to_float16). */
+#define DEFINE_TO_F16(NAME, T, LOAD8)                                                     \
     __attribute__((target("avx2,f16c"))) static void NAME(const void *src, uint16_t *d, Py_ssize_t n, int stream) { \
         const T *s = (const T *)src;                                                   \
         Py_ssize_t i = 0;                                                              \
         for (; i < n && ((uintptr_t)(d + i) & 15); i++) d[i] = _cvtss_sh((float)s[i], 0); \
         if (stream) {                                                                  \
             for (; i + 8 <= n; i += 8)                                                 \
-                _mm_stream_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_cvtepi32_ps(LOAD8(s + i)), 0)); \
+                _mm_stream_si128((__m128i *)(d + i), _mm256_cvtps_ph(LOAD8(s + i), 0)); \
         } else {                                                                       \
             for (; i + 8 <= n; i += 8)                                                 \
-                _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_cvtepi32_ps(LOAD8(s + i)), 0)); \
+                _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(LOAD8(s + i), 0)); \
         }                                                                              \
         for (; i < n; i++) d[i] = _cvtss_sh((float)s[i], 0);                           \
     }
-#define LOAD8_I8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
-#define LOAD8_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
-#define LOAD8_I16(p) _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(p)))
-#define LOAD8_U16(p) _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p)))
-DEFINE_INTS_TO_F16(i8_f16_f16c, int8_t, LOAD8_I8)
-DEFINE_INTS_TO_F16(u8_f16_f16c, uint8_t, LOAD8_U8)
-DEFINE_INTS_TO_F16(i16_f16_f16c, int16_t, LOAD8_I16)
-DEFINE_INTS_TO_F16(u16_f16_f16c, uint16_t, LOAD8_U16)
-
-/* float32 -> float16 (F16C: nearest, ties to even; a quiet NaN keeps its sign and the top of
- * its payload, as numpy's cast; a signalling NaN comes out quiet, where numpy keeps it
- * signalling, so this serves values computed here, which are never signalling NaNs). */
-__attribute__((target("avx2,f16c"))) static void f32_f16_f16c(const float *s, uint16_t *d, Py_ssize_t n, int stream) {
-    Py_ssize_t i = 0;
-    for (; i < n && ((uintptr_t)(d + i) & 15); i++) d[i] = _cvtss_sh(s[i], 0);
-    if (stream) {
-        for (; i + 8 <= n; i += 8) _mm_stream_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), 0));
-    } else {
-        for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), 0));
-    }
-    for (; i < n; i++) d[i] = _cvtss_sh(s[i], 0);
-}
+DEFINE_TO_F16(i8_f16_f16c, int8_t, LOAD8_I8)
+DEFINE_TO_F16(u8_f16_f16c, uint8_t, LOAD8_U8)
+DEFINE_TO_F16(i16_f16_f16c, int16_t, LOAD8_I16)
+DEFINE_TO_F16(u16_f16_f16c, uint16_t, LOAD8_U16)
+DEFINE_TO_F16(f32_f16_f16c, float, LOAD8_F32)
 
 /* The float16 loop for an integer source code, or NULL (no F16C, or not such a source). */
 static void (*pick_f16(int src))(const void *, uint16_t *, Py_ssize_t, int) {
@@ -646,10 +638,12 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The bfloat16 nearest a float32 that is not a NaN, ties to even (as ml_dtypes rounds). */
+/* The bfloat16 nearest a float32, ties to even; a NaN becomes the quiet NaN of its sign: as
+ * ml_dtypes' cast gives, bit for bit, for every float32 (and so for every integer below 2^24). */
 static inline uint16_t bf16_of(float f) {
     uint32_t b;
     memcpy(&b, &f, sizeof b);
+    if (f != f) return (uint16_t)(((b >> 16) & 0x8000u) | 0x7fc0u);
     return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
@@ -662,33 +656,44 @@ DEFINE_TO_BF16(i8_bf16, int8_t)
 DEFINE_TO_BF16(u8_bf16, uint8_t)
 DEFINE_TO_BF16(i16_bf16, int16_t)
 DEFINE_TO_BF16(u16_bf16, uint16_t)
+DEFINE_TO_BF16(f32_bf16, float)
 
 #ifdef STOKER_X86
-/* The same, 8 values a step: widened to float32, rounded in the integer unit, packed. */
-#define DEFINE_TO_BF16_AVX2(NAME, T, LOAD8)                                              \
+/* bf16_of on 8 values: rounded in the integer unit, NaNs blended in where the source can hold
+ * them (`nans`, a constant: integer sources skip the compare and blend, which cost them 0.68x
+ * the records/s of W1's Cast("bfloat16")), the high halves packed. */
+__attribute__((target("avx2"))) static inline __m128i bf16x8(__m256 v, int nans) {
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    if (nans) {
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        const __m256i quiet = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi32((int)0x80000000u)),
+                                              _mm256_set1_epi32(0x7fc00000));
+        r = _mm256_blendv_epi8(r, quiet, nan);
+    }
+    r = _mm256_srli_epi32(r, 16);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+#define DEFINE_TO_BF16_AVX2(NAME, T, LOAD8, NANS)                                        \
     __attribute__((target("avx2"))) static void NAME(const void *src, uint16_t *d, Py_ssize_t n) { \
         const T *s = (const T *)src;                                                   \
-        const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);    \
         Py_ssize_t i = 0;                                                              \
-        for (; i + 8 <= n; i += 8) {                                                   \
-            const __m256i b = _mm256_castps_si256(_mm256_cvtepi32_ps(LOAD8(s + i)));   \
-            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);       \
-            const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, odd)), 16); \
-            const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08); \
-            _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));           \
-        }                                                                              \
+        for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(d + i), bf16x8(LOAD8(s + i), NANS)); \
         for (; i < n; i++) d[i] = bf16_of((float)s[i]);                                \
     }
-DEFINE_TO_BF16_AVX2(i8_bf16_avx2, int8_t, LOAD8_I8)
-DEFINE_TO_BF16_AVX2(u8_bf16_avx2, uint8_t, LOAD8_U8)
-DEFINE_TO_BF16_AVX2(i16_bf16_avx2, int16_t, LOAD8_I16)
-DEFINE_TO_BF16_AVX2(u16_bf16_avx2, uint16_t, LOAD8_U16)
+DEFINE_TO_BF16_AVX2(i8_bf16_avx2, int8_t, LOAD8_I8, 0)
+DEFINE_TO_BF16_AVX2(u8_bf16_avx2, uint8_t, LOAD8_U8, 0)
+DEFINE_TO_BF16_AVX2(i16_bf16_avx2, int16_t, LOAD8_I16, 0)
+DEFINE_TO_BF16_AVX2(u16_bf16_avx2, uint16_t, LOAD8_U16, 0)
+DEFINE_TO_BF16_AVX2(f32_bf16_avx2, float, LOAD8_F32, 1)
 #endif
 
-/* bfloat16(src_code, src_addr, n, dst_addr): n integers (int8/uint8/int16/uint16) into
- * bfloat16 values. The caller (stoker.kernels.cast_into) checks the arrays: numpy exports no
- * buffer for ml_dtypes' bfloat16, so cast_into cannot. Each integer is exact in float32 and
- * rounded from there, as ml_dtypes' cast rounds (int16 values past 256 round). */
+/* bfloat16(src_code, src_addr, n, dst_addr): n values of dtype src_code (b B h H f) into
+ * bfloat16, as ml_dtypes' cast (see bf16_of). The caller checks the arrays: numpy exports no
+ * buffer for ml_dtypes' bfloat16, so cast_into cannot (stoker.kernels.cast_into for integer
+ * records, the transforms' one-pass kernel for its float32 scratch). */
 static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
     (void)self;
     int src_code;
@@ -701,6 +706,7 @@ static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
     case 'B': loop = u8_bf16; break;
     case 'h': loop = i16_bf16; break;
     case 'H': loop = u16_bf16; break;
+    case 'f': loop = f32_bf16; break;
     }
 #ifdef STOKER_X86
     if (__builtin_cpu_supports("avx2")) {
@@ -709,6 +715,7 @@ static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
         case 'B': loop = u8_bf16_avx2; break;
         case 'h': loop = i16_bf16_avx2; break;
         case 'H': loop = u16_bf16_avx2; break;
+        case 'f': loop = f32_bf16_avx2; break;
         }
     }
 #endif
@@ -718,61 +725,6 @@ static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
     }
     RELEASE_GIL_IF_BIG((size_t)n * 2);
     loop((const void *)(uintptr_t)src, (uint16_t *)(uintptr_t)dst, n);
-    TAKE_GIL_BACK();
-    Py_RETURN_NONE;
-}
-
-/* The bfloat16 nearest a float32, ties to even; a NaN becomes the quiet NaN of its sign, as
- * ml_dtypes' cast gives. */
-static inline uint16_t bf16_of_any(float f) {
-    if (f != f) {
-        uint32_t b;
-        memcpy(&b, &f, sizeof b);
-        return (uint16_t)((b >> 16) & 0x8000u) | 0x7fc0u;
-    }
-    return bf16_of(f);
-}
-
-#ifdef STOKER_X86
-__attribute__((target("avx2"))) static void f32_bf16_avx2(const float *s, uint16_t *d, Py_ssize_t n) {
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-    const __m256i sign = _mm256_set1_epi32((int)0x80000000u), qnan = _mm256_set1_epi32(0x7fc00000);
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(s + i);
-        const __m256i b = _mm256_castps_si256(v);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
-        __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(bias, odd));
-        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_and_si256(b, sign), qnan), nan);
-        r = _mm256_srli_epi32(r, 16);
-        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-        _mm_storeu_si128((__m128i *)(d + i), _mm256_castsi256_si128(p));
-    }
-    for (; i < n; i++) d[i] = bf16_of_any(s[i]);
-}
-#endif
-
-/* computed_to_bfloat16(src_addr, n, dst_addr): n float32 values into bfloat16, nearest with
- * ties to even, a NaN the quiet NaN of its sign: ml_dtypes' cast, bit for bit. */
-static PyObject *computed_to_bfloat16(PyObject *self, PyObject *args) {
-    (void)self;
-    unsigned long long src, dst;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "KnK", &src, &n, &dst)) return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative count");
-        return NULL;
-    }
-    const float *s = (const float *)(uintptr_t)src;
-    uint16_t *d = (uint16_t *)(uintptr_t)dst;
-    RELEASE_GIL_IF_BIG((size_t)n * 2);
-#ifdef STOKER_X86
-    if (__builtin_cpu_supports("avx2"))
-        f32_bf16_avx2(s, d, n);
-    else
-#endif
-        for (Py_ssize_t i = 0; i < n; i++) d[i] = bf16_of_any(s[i]);
     TAKE_GIL_BACK();
     Py_RETURN_NONE;
 }
@@ -790,7 +742,7 @@ static PyObject *computed_to_float16(PyObject *self, PyObject *args) {
 #ifdef STOKER_X86
     if (n >= 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
         RELEASE_GIL_IF_BIG((size_t)n * 2);
-        f32_f16_f16c((const float *)(uintptr_t)src, (uint16_t *)(uintptr_t)dst, n, stream);
+        f32_f16_f16c((const void *)(uintptr_t)src, (uint16_t *)(uintptr_t)dst, n, stream);
         if (stream) stream_fence();
         TAKE_GIL_BACK();
         Py_RETURN_TRUE;
@@ -1048,9 +1000,7 @@ static PyMethodDef methods[] = {
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
     {"cast_into", cast_arrays, METH_VARARGS, "cast_into(dst, src, stream_min_bytes) -> bool"},
-    {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): integers into bfloat16"},
-    {"computed_to_bfloat16", computed_to_bfloat16, METH_VARARGS,
-     "computed_to_bfloat16(src_addr, n, dst_addr): float32 values into bfloat16 (ml_dtypes' rounding)"},
+    {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): b B h H f values into bfloat16"},
     {"computed_to_float16", computed_to_float16, METH_VARARGS,
      "computed_to_float16(src_addr, n, dst_addr, stream) -> bool: float32 values computed here into float16"},
     {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},

@@ -488,7 +488,7 @@ class OnePass:
             if _kernels.computed_to_float16(address(computed), computed.size, address(y), y.nbytes >= STREAM_MIN_BYTES):
                 return
         elif plain and y.dtype.name == "bfloat16":
-            _kernels.computed_to_bfloat16(address(computed), computed.size, address(y))
+            _kernels.bfloat16("f", address(computed), computed.size, address(y))
             return
         cast_into(y, computed)
 
