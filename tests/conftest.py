@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import stoker
+from stoker.spec import resolve_dtype
 
 SUFFIX = {"raw": ".bin", "gzip": ".bin.gz", "zlib": ".bin.zz", "multi": ".bin.gz", "gzip-nosuffix": ".dat",
           "gzip-empty": ".bin.gz"}  # fmt: skip
@@ -178,7 +179,7 @@ def check_batches(
             arr = b[name]
             assert type(arr) is np.ndarray
             assert arr.shape == (len(groups), *spec.shape)
-            want_dtype = np.dtype((cast or {}).get(name, spec.dtype.newbyteorder("=")))
+            want_dtype = resolve_dtype((cast or {}).get(name, spec.dtype.newbyteorder("=")))  # "bfloat16" too
             assert arr.dtype == want_dtype
             if len(groups):
                 expected = np.stack([ref[g][name][i] for g, i in zip(groups.tolist(), index.tolist())])

@@ -149,11 +149,15 @@ def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytes
     assert "records/s" in out and "ceiling:mmap_stream" in out and "stoker / ceiling: median" in out
 
 
-def test_bench_casts_per_field_as_the_loader_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bench_casts_per_field_as_the_loader_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dtype: str
+) -> None:
     """--cast NAME=DTYPE[,NAME=DTYPE]: the loader's cast map; the ceiling casts its field the same way."""
-    code, out = _bench_a_sample(tmp_path, capsys, "--cast", "image=float16")
+    code, out = _bench_a_sample(tmp_path, capsys, "--cast", f"image={dtype}")
     assert code == 0
-    assert "batch 256, cast image=float16;" in out
+    assert f"batch 256, cast image={dtype};" in out
+    assert f"with its cast to {dtype} limits you" in out or "verdict: " in out
     assert "stoker / ceiling: median" in out
     assert "verdict: " in out
 
@@ -179,6 +183,21 @@ def test_bench_refuses_a_bad_per_field_cast_before_starting_anything(
     assert code == 2 and "Traceback" not in err
     assert err.startswith(message)
     assert time.perf_counter() - started < 1.0
+
+
+def test_bench_says_the_ceiling_was_not_measured_when_its_loops_timed_no_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A timed window shorter than one ceiling batch counts no record: a line saying so, not a
+    division by zero (which a first import of ml_dtypes inside the window once caused)."""
+    main(["sample", str(tmp_path), "--pairs", "2", "--records", "64", "--inrez", "16"])
+    capsys.readouterr()
+    fields = ["--field", f"image={tmp_path}/img_*.bin:int8:16x16", "--field", f"label={tmp_path}/out_*.bin.gz:float32"]
+    code = main(["bench", *fields, "--rounds", "1", "--seconds", "0.000001", "--warmup", "0", "--batch-size", "4096"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "stoker / ceiling: not measured (the ceiling loops made no record in their timed window)" in out
+    assert "verdict: " in out
 
 
 def test_bench_cast_none_keeps_the_stored_dtypes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -155,7 +155,7 @@ def test_integers_to_bfloat16_round_as_ml_dtypes_does_for_every_value(src: str) 
     for dst, s in [
         (np.empty(len(x) // 2, bf16), x[::2]),  # strided source
         (np.empty(len(x), np.float32).view(bf16)[::2], x),  # strided output
-        (np.empty(8, bf16), np.arange(8, dtype=np.float32)),  # a float source
+        (np.empty(8, bf16), np.arange(8, dtype=np.float64)),  # a float64 source
     ]:
         assert not kernels._bfloat16_into(dst, s)
         kernels.cast_into(dst, s)
@@ -210,6 +210,11 @@ def test_float32_narrows_to_bfloat16_as_ml_dtypes_rounds() -> None:
         got = np.full(n, 7, np.uint16)
         kernels._kernels.bfloat16("f", x.ctypes.data, n, got.ctypes.data)
         assert np.array_equal(got, want[:n].view(np.uint16))
+    # cast="bfloat16" of a float32 field (its dtype says "<f4") takes the same loop.
+    field = np.frombuffer(x.tobytes(), np.dtype("<f4"))
+    out = np.full(len(x), 7, np.uint16).view(ml_dtypes.bfloat16)
+    assert kernels._bfloat16_into(out, field), "went to numpy"
+    assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
 
 
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:

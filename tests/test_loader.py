@@ -100,6 +100,29 @@ def test_cast_per_field(tmp_path: Path) -> None:
     assert batches[0]["image"].dtype == np.float32 and batches[0]["label"].dtype == np.int64
 
 
+@pytest.mark.parametrize("shuffle", [False, "global"])
+def test_cast_to_bfloat16_rounds_every_field_as_ml_dtypes_does(tmp_path: Path, shuffle: object) -> None:
+    """cast="bfloat16" (ml_dtypes' dtype, installed with TF and JAX): raw int8, uint16 and float32
+    records and gzip/zlib ones, read in order or gathered by a global shuffle, equal ml_dtypes'
+    own cast of the records, bit for bit (the float32 values here round, ties included)."""
+    import ml_dtypes
+
+    plans = {
+        "image": IMG,
+        "label": LAB_GZ,
+        "mask": FieldPlan("msk", "uint16", (3,), kind="zlib"),
+        "x": FieldPlan("x", "float32", (2,)),
+        "w": FieldPlan("w", "uint16", (4,)),
+    }
+    ds = build(tmp_path, [13, 0, 7, 21], plans)
+    kw = {"shuffle": shuffle, "seed": 5} if shuffle else {}
+    batches = list(ds.loader(8, cast="BFloat16", with_index=True, **kw))  # type: ignore[arg-type]
+    assert all(b[n].dtype == np.dtype(ml_dtypes.bfloat16) for b in batches for n in ds.fields)
+    check_batches(ds, batches, cast=dict.fromkeys(ds.fields, "bfloat16"))
+    (one,) = list(ds.loader(41, cast={"x": "bfloat16"}))
+    assert one["x"].dtype.name == "bfloat16" and one["image"].dtype == np.int8 and one["label"].dtype == np.float32
+
+
 def test_big_endian_values_are_decoded_to_native(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(np.array([1, 256, -2], ">i4").tobytes())
     ds = stoker.Dataset(a=stoker.Field([str(tmp_path / "a.bin")], "int32", byte_order="big"))

@@ -266,7 +266,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     widest = max(ds.fields, key=lambda n: ds.fields[n].record_bytes)
     if not args.no_ceiling:
         f = ds.fields[widest]
-        out_dtype = resolve_cast(ds.fields, cast)[widest].str
+        out = resolve_cast(ds.fields, cast)[widest]
+        out_dtype = out.name if out.kind == "V" else out.str  # ml_dtypes' bfloat16: '<V2' would lose it
         paths = [i[widest].path for i in ds.files]
         threads = len(os.sched_getaffinity(0))
         # The widest field bounds the copy; compressed, its decompression bounds it instead.
@@ -288,19 +289,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         mb = summarize([m.mb_per_s for m in ms])[0]
         print(f"{name:<22} {med:>19,.0f} {lo:>10,.0f} {hi:>10,.0f} {mb:>8,.0f}")
     ceilings = [k for k in results if k.startswith("ceiling")]
-    if ceilings:
-        # Per round: stoker over the best ceiling loop of that same round.
-        ratios = [
-            results["stoker"][r].records_per_s / max(results[c][r].records_per_s for c in ceilings)
-            for r in range(args.rounds)
-        ]
+    # Per round: stoker over the best ceiling loop of that same round (a round whose ceiling
+    # loops made no record in their timed window, files with no records, gives no ratio).
+    best = [max(results[c][r].records_per_s for c in ceilings) for r in range(args.rounds)] if ceilings else []
+    ratios = [results["stoker"][r].records_per_s / b for r, b in enumerate(best) if b > 0]
+    ratio: float | None = None
+    if ceilings and not ratios:
+        print("stoker / ceiling: not measured (the ceiling loops made no record in their timed window)")
+    elif ceilings:
         med, lo, hi = summarize(ratios)
-        ratio: float | None = med
+        ratio = med
         loops = ", ".join(c.split(":", 1)[1] for c in ceilings)
         print(f"stoker / ceiling: median {med:.2f} (rounds {lo:.2f}..{hi:.2f}): {med:.0%} of ceiling "
               f"(ceiling: field {widest!r} on the same files, {loops})")  # fmt: skip
     else:
-        ratio = None
         print("ceiling not measured (--no-ceiling)")
     # The stoker round at the median rate stands for the run: its stage split and CPU.
     runs = sorted(results["stoker"], key=lambda m: m.records_per_s)

@@ -9,7 +9,7 @@ import numpy as np
 
 from .errors import SpecError
 from .files import Catalog, FileInfo, Group
-from .spec import Field
+from .spec import Field, is_float, resolve_dtype
 
 if TYPE_CHECKING:
     from .access import Subset
@@ -142,6 +142,8 @@ class Dataset:
             cycle_length, block_length: tf.data interleave settings; None = stoker's defaults
                 (see :func:`stoker.plan.default_cycle_length` / ``default_block_length``).
             cast: one dtype for every field, or ``{field: dtype}``; applied while assembling.
+                A numpy bool/integer/float dtype, or ``"bfloat16"`` (ml_dtypes', which the
+                TF, PyTorch and JAX adapters hand on as their own bfloat16).
             threads, prefetch: worker threads and batches prepared ahead; None = chosen by
                 stoker. They never change what is delivered.
             memory_budget: bytes the engine may hold (batches in flight plus recycled buffers,
@@ -268,10 +270,12 @@ def resolve_cast(fields: Mapping[str, Field], cast: Any) -> dict[str, np.dtype]:
         items = [(n, cast) for n in fields]
     for name, value in items:
         try:
-            dtype = np.dtype(value)
-        except TypeError as e:
-            raise SpecError(f"cast for field {name!r}: {value!r} is not a numpy dtype", field=name) from e
-        if dtype.kind not in "biuf":
-            raise SpecError(f"cast for field {name!r}: {dtype} must be a bool, integer or float dtype", field=name)
+            dtype = resolve_dtype(value)
+        except SpecError as e:
+            raise SpecError(f"cast for field {name!r}: {e}", field=name) from e
+        if dtype.kind not in "biuf" and not is_float(dtype):
+            raise SpecError(
+                f"cast for field {name!r}: {dtype} must be a bool, integer or float dtype (or 'bfloat16')", field=name
+            )
         out[name] = dtype.newbyteorder("=")
     return out

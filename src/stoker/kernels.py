@@ -9,8 +9,8 @@ to float32, 2 threads, batches rotating through a pool): 2.2x the records/s of t
 with ordinary stores (``benchmarks/w1.py`` has the figures). Integer records cast to float16
 take an F16C loop, bit for bit numpy's rounding (numpy converts one value at a time: ~16x
 slower on W1's frames). Arrays in either spelling of the machine's byte order ("<f4" or
-"=f4") take the kernels; the other order goes to numpy, which swaps it. Integer records
-into ml_dtypes' bfloat16 (``Cast("bfloat16")``) take a kernel too.
+"=f4") take the kernels; the other order goes to numpy, which swaps it. Integer and float32
+records into ml_dtypes' bfloat16 (``cast="bfloat16"``, ``Cast("bfloat16")``) take a kernel too.
 """
 
 from __future__ import annotations
@@ -113,14 +113,16 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src, casting="unsafe")
 
 
-_INT_CODES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16)}
+# The sources the kernel's bfloat16 loops take (float32: rounded to nearest even, NaN kept
+# quiet, bit for bit ml_dtypes' cast).
+_BF16_CODES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float32)}
 
 
 def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
-    """Integer records into ml_dtypes' bfloat16 by the kernel, where it applies (numpy exports
-    no buffer for that dtype, so the kernel's ``cast_into`` cannot take it). ml_dtypes casts one
-    value at a time."""
-    code = _INT_CODES.get(src.dtype)
+    """Integer or float32 records into ml_dtypes' bfloat16 by the kernel, where it applies (numpy
+    exports no buffer for that dtype, so the kernel's ``cast_into`` cannot take it). ml_dtypes
+    casts one value at a time."""
+    code = _BF16_CODES.get(src.dtype)
     if (
         code is None or dst.dtype.name != "bfloat16" or dst.shape != src.shape
         or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable)

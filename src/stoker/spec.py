@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import SpecError
 
-__all__ = ["Compression", "Field", "parse_bytes"]
+__all__ = ["Compression", "Field", "is_float", "parse_bytes", "resolve_dtype"]
 
 Compression = Literal["auto", "gzip", "zlib"] | None
 _COMPRESSIONS = ("auto", "gzip", "zlib", None)
@@ -46,6 +46,25 @@ def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:
     if nbytes <= 0:
         raise SpecError(f"{name}={value!r} must be positive")
     return nbytes
+
+
+def resolve_dtype(value: Any) -> np.dtype:
+    """A numpy dtype from ``value``; ``"bfloat16"`` through ml_dtypes (installed with TF and JAX)."""
+    if isinstance(value, str) and value.lower() == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as e:  # pragma: no cover - ml_dtypes comes with jax and tensorflow
+            raise SpecError("dtype 'bfloat16' needs the ml_dtypes package: pip install ml_dtypes") from e
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(value)
+    except TypeError as e:
+        raise SpecError(f"{value!r} is not a numpy dtype") from e
+
+
+def is_float(dtype: np.dtype) -> bool:
+    """A float dtype: numpy's own, or ml_dtypes' bfloat16 (whose numpy kind is 'V')."""
+    return dtype.kind == "f" or dtype.name == "bfloat16"
 
 
 def _stated_order(value: object, dtype: np.dtype) -> str | None:

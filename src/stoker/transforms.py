@@ -44,6 +44,7 @@ from . import kernels as _compiled
 from .engine import Stopped
 from .errors import SpecError
 from .kernels import STREAM_MIN_BYTES, address, cast_into
+from .spec import resolve_dtype
 
 if TYPE_CHECKING:
     from .files import Catalog
@@ -80,20 +81,6 @@ CHUNK_BYTES = 256 << 10
 # in 1 MiB, 200-208k in 4 MiB, 219-239k for the whole 16 MiB batch (2 runs each); 4 MiB keeps
 # the scratch (one per worker, outside memory_budget) small.
 SCRATCH_BYTES = 4 << 20
-
-
-def resolve_dtype(value: Any) -> np.dtype:
-    """A numpy dtype from ``value``; ``"bfloat16"`` through ml_dtypes (installed with TF and JAX)."""
-    if isinstance(value, str) and value.lower() == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError as e:  # pragma: no cover - ml_dtypes comes with jax and tensorflow
-            raise SpecError("dtype 'bfloat16' needs the ml_dtypes package: pip install ml_dtypes") from e
-        return np.dtype(ml_dtypes.bfloat16)
-    try:
-        return np.dtype(value)
-    except TypeError as e:
-        raise SpecError(f"{value!r} is not a numpy dtype") from e
 
 
 def batch_rng(seed: int, epoch: int, first: int, k: int) -> np.random.Generator:
