@@ -70,6 +70,23 @@ def test_to_jax_yields_the_numpy_batches_as_jax_arrays(sample: stoker.Dataset, s
     assert_same(expected, as_numpy(got))
 
 
+def test_to_jax_gives_bfloat16_arrays_bit_for_bit(sample: stoker.Dataset) -> None:
+    """JAX's bfloat16 is ml_dtypes' one, the dtype cast="bfloat16" delivers."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    with sample.loader(24) as plain:
+        expected = [dict(b) for b in plain]
+    with sample.loader(24, cast="bfloat16").to_jax() as batches:
+        got = list(batches)
+    assert len(got) == len(expected)
+    for b, e in zip(got, expected, strict=True):
+        for name in ("image", "label"):
+            assert b[name].dtype == jnp.bfloat16
+            want = e[name].astype(ml_dtypes.bfloat16).view(np.uint16)
+            np.testing.assert_array_equal(np.asarray(b[name]).view(np.uint16), want)
+
+
 def test_held_jax_arrays_never_change_while_the_loader_goes_on(sample: stoker.Dataset) -> None:
     # JAX's CPU backend may alias stoker's buffers: held arrays must keep them from reuse.
     loader = sample.loader(8, epochs=4, shuffle="global", seed=1, memory_budget=8 * 300 * 4, prefetch=2, threads=2)

@@ -91,6 +91,14 @@ def test_a_corrupt_file_fails_the_read_naming_it(tmp_path: Path, cluster: None) 
     assert e.value.path == bad and e.value.field == "label"
 
 
+def test_a_bfloat16_cast_is_refused_naming_the_field_rather_than_made_python_objects(tmp_path: Path) -> None:
+    """Arrow has no bfloat16: Ray Data would hand the column back as an object array."""
+    ds = build(tmp_path, [6, 9], {"image": IMG, "label": LAB_GZ})
+    with pytest.raises(stoker.SpecError, match="ray: field 'label' cast to bfloat16: Ray Data's Arrow") as e:
+        stoker.ray.read(ds, cast={"label": "bfloat16"})
+    assert e.value.field == "label"
+
+
 def test_ray_workers_read_s3_urls_with_the_fields_storage_options(tmp_path: Path, cluster: None) -> None:
     server = s3_helpers.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -116,6 +116,20 @@ def test_as_tensor_aliases_aligned_memory_and_keeps_it_from_reuse() -> None:
     assert pool.allocated == 2
 
 
+def test_as_tensor_aliases_bfloat16_memory_too() -> None:
+    """ml_dtypes' bfloat16 has no DLPack code: its bits go as int16 and become bfloat16 by
+    tf.bitcast, which keeps the memory (so the tensor is still the array)."""
+    import ml_dtypes
+
+    pool = AlignedPool(max_pooled_bytes=0)
+    a = pool.array((64, 8), np.dtype(ml_dtypes.bfloat16))
+    a[:] = np.arange(512, dtype=np.float32).reshape(64, 8)
+    t = as_tensor(a)
+    assert t.dtype == tf.bfloat16
+    assert np.from_dlpack(tf.bitcast(t, tf.int16)).ctypes.data == a.ctypes.data
+    np.testing.assert_array_equal(tf.cast(t, tf.float32).numpy(), a.astype(np.float32))
+
+
 def test_as_tensor_copies_memory_tensorflow_cannot_alias() -> None:
     # 16-byte aligned (numpy's default): TF 2.21 would alias it and abort in a strided slice.
     raw = np.zeros(4096 + 64, np.uint8)
@@ -171,11 +185,19 @@ def test_keras_fit_runs_on_the_sample(tmp_path: Path) -> None:
 # -- native_dataset -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("batch", "cycle", "block", "drop"), [(24, None, None, False), (7, 2, 5, True)])
+@pytest.mark.parametrize(
+    ("batch", "cycle", "block", "drop", "cast"),
+    [
+        (24, None, None, False, {"image": "float32"}),
+        (7, 2, 5, True, {"image": "float32"}),
+        (24, None, None, False, "bfloat16"),
+    ],
+)
 def test_native_dataset_equals_the_loader(
-    sample: stoker.Dataset, batch: int, cycle: int | None, block: int | None, drop: bool
+    sample: stoker.Dataset, batch: int, cycle: int | None, block: int | None, drop: bool, cast: object
 ) -> None:
-    kw = {"cycle_length": cycle, "block_length": block, "cast": {"image": "float32"}, "drop_remainder": drop}
+    """Bit for bit: tf.cast rounds float32 to bfloat16 to nearest even, as ml_dtypes does."""
+    kw = {"cycle_length": cycle, "block_length": block, "cast": cast, "drop_remainder": drop}
     expected = _numpy_batches(sample.loader(batch, **kw))  # type: ignore[arg-type]
     native = native_dataset(sample, batch, **kw)  # type: ignore[arg-type]
     assert native.element_spec["image"].shape.as_list() == [batch if drop else None, 16, 16, 1]
@@ -183,8 +205,9 @@ def test_native_dataset_equals_the_loader(
     got = list(native.as_numpy_iterator())
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
-        np.testing.assert_array_equal(g["image"], e["image"])
-        np.testing.assert_array_equal(g["label"], e["label"])
+        for name in ("image", "label"):
+            assert g[name].dtype == e[name].dtype
+            np.testing.assert_array_equal(g[name].view(f"u{g[name].itemsize}"), e[name].view(f"u{e[name].itemsize}"))
 
 
 def test_native_dataset_checks_counts_before_building(tmp_path: Path) -> None:

@@ -72,6 +72,34 @@ def test_native_and_numpy_function_bridges_deliver_the_same_batches(
         np.testing.assert_array_equal(a["label"], expected_label(a["image"].astype(np.int8)))
 
 
+def test_bfloat16_batches_pass_either_bridge_bit_for_bit_and_the_op_copies_nothing(
+    sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy exports no buffer for ml_dtypes' bfloat16: the op takes its bits through an int16
+    view of the batch buffer (tf.bitcast shares a tensor's memory, so its address is the one the
+    loader allocated); tf.numpy_function takes bfloat16 arrays as they are."""
+    import ml_dtypes
+
+    with sample.loader(20) as plain:
+        expected = [{k: v.astype(ml_dtypes.bfloat16).view(np.uint16) for k, v in b.items()} for b in plain]
+    loader = sample.loader(20, cast="bfloat16")
+    addresses = record_allocations(loader)
+    native = []
+    for b in loader.to_tf():
+        assert b["image"].dtype == b["label"].dtype == tf.bfloat16
+        for t in b.values():
+            assert np.from_dlpack(tf.bitcast(t, tf.int16)).ctypes.data in addresses
+        native.append({k: tf.bitcast(v, tf.uint16).numpy() for k, v in b.items()})
+    stf._bridge.clear()
+    monkeypatch.setenv("STOKER_TF_BRIDGE", "numpy_function")
+    fallback = [{k: tf.bitcast(v, tf.uint16).numpy() for k, v in b.items()} for b in loader.to_tf()]
+    assert len(native) == len(fallback) == len(expected) == 10
+    for a, b, e in zip(native, fallback, expected, strict=True):
+        for k in e:
+            np.testing.assert_array_equal(a[k], e[k])
+            np.testing.assert_array_equal(b[k], e[k])
+
+
 def _new_workers(before: set[str]) -> list[str]:
     """stoker worker threads running now that were not in ``before`` (thread names)."""
     return [t.name for t in threading.enumerate() if t.name.startswith("stoker-worker") and t.name not in before]

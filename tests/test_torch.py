@@ -105,6 +105,46 @@ def test_to_torch_on_cpu_is_zero_copy_over_stokers_buffers(sample: stoker.Datase
                 assert t.data_ptr() % 64 == 0
 
 
+def test_bfloat16_batches_become_torch_bfloat16_tensors_on_stokers_buffers(sample: stoker.Dataset) -> None:
+    """numpy has no bfloat16 of its own and torch.from_numpy refuses ml_dtypes' one: the bits go
+    through an int16 view of the same buffer, so the tensors are still the loader's memory."""
+    import ml_dtypes
+
+    with sample.loader(16) as plain:
+        expected = [dict(b) for b in plain]
+    RecordingPool.addresses = set()
+    loader = sample.loader(16, cast="bfloat16")
+    loader.allocator_factory = lambda pooled: RecordingPool(pooled)
+    seen = 0
+    with to_torch(loader) as batches:
+        for b, e in zip(batches, expected, strict=True):
+            for name, t in b.items():
+                assert t.dtype == torch.bfloat16, name
+                assert t.data_ptr() in RecordingPool.addresses, f"{name} was copied"
+                bits = t.view(torch.int16).numpy().view(np.uint16)
+                assert np.array_equal(bits, e[name].astype(ml_dtypes.bfloat16).view(np.uint16)), name
+                seen += 1
+    assert seen == 2 * len(expected)
+    # The same through a DataLoader worker process, pickled across.
+    ids = StokerIterableDataset(sample, batch_size=16, cast={"image": "bfloat16"})
+    got = list(torch.utils.data.DataLoader(ids, batch_size=None, num_workers=1))
+    assert [b["image"].dtype for b in got] == [torch.bfloat16] * len(expected)
+    for b, e in zip(got, expected, strict=True):
+        assert torch.equal(b["image"], torch.from_numpy(e["image"]).to(torch.bfloat16))
+        assert torch.equal(b["label"], torch.from_numpy(e["label"]))
+
+
+def test_a_dtype_torch_lacks_fails_naming_its_field(sample: stoker.Dataset) -> None:
+    import ml_dtypes
+
+    def to_fp8(batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {**batch, "image": (batch["image"] % 8).astype(ml_dtypes.float8_e4m3b11fnuz)}
+
+    message = "to_torch: field 'image' is float8_e4m3b11fnuz, which PyTorch has no dtype for"
+    with sample.loader(16, transform=to_fp8).to_torch() as batches, pytest.raises(stoker.SpecError, match=message):
+        next(iter(batches))
+
+
 def test_held_tensors_never_change_while_the_loader_goes_on(sample: stoker.Dataset) -> None:
     # A small budget forces stoker to recycle buffers as soon as it may: held ones it may not.
     loader = sample.loader(8, epochs=4, shuffle="global", seed=1, memory_budget=8 * 300 * 4, prefetch=2, threads=2)

@@ -126,6 +126,14 @@ class StokerDatasource(_datasource_base()):  # type: ignore[misc]
             raise SpecError(f"seed={seed!r} must be a non-negative integer or None")
         self._catalog: Catalog = ds._catalog
         self._dtypes = ds.output_dtypes(cast)
+        for name, dtype in self._dtypes.items():
+            if dtype.kind == "V":  # ml_dtypes' bfloat16: Ray would turn the column into Python objects
+                raise SpecError(
+                    f"ray: field {name!r} cast to {dtype.name}: Ray Data's Arrow blocks have no such type (the "
+                    "column would become Python objects, one per value); cast to float16 or float32 here and "
+                    "to bfloat16 where the batch is consumed",
+                    field=name,
+                )
         self._with_index = with_index
         counts = self._catalog.counts()  # settled here, once; the tasks carry them
         row_bytes = sum(self._dtypes[n].itemsize * math.prod(f.shape) for n, f in ds.fields.items())

@@ -83,6 +83,9 @@ def as_tensor(array: np.ndarray) -> tf.Tensor:
     checks alignment (a strided slice does). Such arrays are copied into TF's own memory.
     """
     if array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0 and array.dtype.isnative:
+        if array.dtype.kind == "V":  # ml_dtypes' bfloat16: DLPack has no such numpy dtype; its bits do
+            bits = tf.experimental.dlpack.from_dlpack(array.view(f"i{array.dtype.itemsize}").__dlpack__())
+            return tf.bitcast(bits, tf.as_dtype(array.dtype))
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return tf.convert_to_tensor(np.ascontiguousarray(array))
 
@@ -252,17 +255,21 @@ def _open_pass(
     def close() -> list[np.ndarray]:
         _PASSES.pop(key, None)
         _PASSES.pop(-key, None)
+        _CARRIED.pop(key, None)
         end()
         return []
 
     _PASSES[key] = pull
     _PASSES[-key] = close
+    carried = [i for i, dtype in enumerate(dtypes) if dtype.kind == "V"]
+    if carried:
+        _CARRIED[key] = carried
     return key
 
 
 def _py_next(key: np.ndarray) -> list[np.ndarray]:
     """The tf.numpy_function bridge (StopIteration is tf.errors.OutOfRangeError)."""
-    values = _native_next(int(key))
+    values = _next_values(int(key))
     if values is None:
         raise StopIteration
     return values
@@ -309,10 +316,10 @@ def _public_chain(
         try:
             yield np.int64(key)
         finally:  # on exhaustion, and on GeneratorExit when TF drops an iterator early
-            _native_next(-key)
+            _next_values(-key)
 
     def flagged(key: np.ndarray) -> list[np.ndarray]:
-        values = _native_next(int(key))
+        values = _next_values(int(key))
         return [_FALSE, *ended] if values is None else [_TRUE, *values]
 
     def call(k: tf.Tensor) -> tuple[tf.Tensor, ...]:
@@ -374,16 +381,31 @@ def _checked(
 # -key, its close (an empty list). Keys start at 1, so no key is its own negative.
 _PASSES: dict[int, Callable[[], list[np.ndarray] | None]] = {}
 _KEYS = itertools.count(1)
+# Per open pass with any: the positions of its values in a dtype numpy exports no buffer for
+# (ml_dtypes' bfloat16, kind "V"); the op gets their bits as an integer view of the same
+# memory, and its Tout type (tf.bfloat16) says what they are. tf.numpy_function takes them as
+# they are.
+_CARRIED: dict[int, list[int]] = {}
 
 
-def _native_next(key: int) -> list[np.ndarray] | None:
-    """Called by the StokerNextBatch op (``_tfbridge.c``) with the GIL held, and by the fallbacks."""
+def _next_values(key: int) -> list[np.ndarray] | None:
+    """The next batch's arrays of pass ``key`` (None at its end), or a pass's close under -key."""
     fn = _PASSES.get(key)
     if fn is None:
         if key < 0:  # closed already
             return []
         raise KeyError(f"to_tf: no open pass {key}")
     return fn()
+
+
+def _native_next(key: int) -> list[np.ndarray] | None:
+    """Called by the StokerNextBatch op (``_tfbridge.c``) with the GIL held."""
+    values = _next_values(key)
+    carried = _CARRIED.get(key)
+    if carried and values:
+        for i in carried:
+            values[i] = values[i].view(f"i{values[i].dtype.itemsize}")
+    return values
 
 
 BRIDGE_ENV = "STOKER_TF_BRIDGE"

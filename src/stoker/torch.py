@@ -51,6 +51,18 @@ PIN_MEMORY_NO_CUDA = (
 )
 
 
+def _from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy``, also for ml_dtypes' bfloat16 (``cast="bfloat16"``): torch does not
+    know that numpy dtype, so its bits go through an int16 view into a torch.bfloat16 tensor
+    on the same memory (no copy; the tensor keeps the array alive, as from_numpy's do)."""
+    if array.dtype.kind != "V":
+        return torch.from_numpy(array)
+    dtype = getattr(torch, array.dtype.name, None)
+    if not isinstance(dtype, torch.dtype) or dtype.itemsize != array.dtype.itemsize:
+        raise SpecError(f"to_torch: field {name!r} is {array.dtype.name}, which PyTorch has no dtype for", field=name)
+    return torch.from_numpy(array.view(f"i{array.dtype.itemsize}")).view(dtype)
+
+
 def shard_from_distributed() -> tuple[int, int]:
     """``(rank, world_size)`` of the initialized ``torch.distributed`` group, else ``(0, 1)``.
 
@@ -193,7 +205,7 @@ class TorchLoader(UserPosition):
         try:
             for batch in it:
                 position = loader.position
-                host = {name: torch.from_numpy(array) for name, array in batch.items()}
+                host = {name: _from_numpy(name, array) for name, array in batch.items()}
                 del batch
                 out = self._transfer(host)
                 self._position = position
@@ -333,7 +345,7 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
             self._position = loader.position
             for batch in loader:
                 self._position = loader.position
-                yield {name: torch.from_numpy(array) for name, array in batch.items()}
+                yield {name: _from_numpy(name, array) for name, array in batch.items()}
         finally:
             loader.close()
 
