@@ -10,7 +10,8 @@ with ordinary stores (``benchmarks/w1.py`` has the figures). Integer records cas
 take an F16C loop, bit for bit numpy's rounding (numpy converts one value at a time: ~16x
 slower on W1's frames). Arrays in either spelling of the machine's byte order ("<f4" or
 "=f4") take the kernels; the other order goes to numpy, which swaps it. Integer and float32
-records into ml_dtypes' bfloat16 (``cast="bfloat16"``, ``Cast("bfloat16")``) take a kernel too.
+records into ml_dtypes' bfloat16 (``cast="bfloat16"``, ``Cast("bfloat16")``) take a kernel too,
+integers by the CPU's own conversion where it has AVX512_BF16; gathers into bfloat16 as well.
 """
 
 from __future__ import annotations
@@ -99,6 +100,15 @@ def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
     return s, o
 
 
+def _gather_codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
+    """As :func:`_codes`, plus ml_dtypes' bfloat16 output ("E", its type code) from the sources
+    its loops take."""
+    if dst.dtype.name == "bfloat16" and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable:
+        code = _BF16_CODES.get(src.dtype)
+        return None if code is None or _kernels is None else (code, "E")
+    return _codes(dst, src)
+
+
 def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src, casting="unsafe")``, by the compiled kernel where it applies.
 
@@ -137,7 +147,7 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
     """``dst[rows] = src[index]`` (cast as ``np.copyto`` casts), one pass per record where the
     compiled kernel applies; numpy's fancy indexing otherwise (a copy of the records, then a
     second pass to scatter and cast them)."""
-    codes = _codes(dst, src) if len(rows) == len(index) and dst.shape[1:] == src.shape[1:] else None
+    codes = _gather_codes(dst, src) if len(rows) == len(index) and dst.shape[1:] == src.shape[1:] else None
     if codes is None:
         dst[rows] = src[index]
     elif len(index):
