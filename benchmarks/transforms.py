@@ -7,7 +7,7 @@ batch 256). Contenders, each in a fresh process, alternated round by round:
 - ``normalize+flip``: ``Normalize(mean=-0.5, std=127.5)`` (int8 -> float32 in [-1, 1]) and
   ``RandomFlip`` left-right, fused into assembly (the compiled one-pass kernel);
 - ``normalize+flip numpy``: the same without the compiled kernel (its pure-numpy fallback);
-- ``cast float16``: ``cast={"image": "float16"}``; ``Cast float16`` / ``Cast bfloat16``: the
+- ``cast float16`` / ``cast bfloat16``: ``cast={"image": ...}``; ``Cast float16`` / ``Cast bfloat16``: the
   ``Cast`` transform alone; ``normalize+flip float16`` / ``bfloat16``: normalize+flip with a
   trailing ``Cast`` (mixed-precision inputs);
 - ``python thread xN`` / ``python process xN``: a GIL-bound pure-Python transform (a loop
@@ -73,6 +73,7 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "normalize+flip": {"transform": "normalize+flip"},
     "normalize+flip numpy": {"transform": "normalize+flip", "kernel": False},
     "cast float16": {"cast": {"image": "float16"}},
+    "cast bfloat16": {"cast": {"image": "bfloat16"}},
     "Cast float16": {"transform": "cast float16"},
     "Cast bfloat16": {"transform": "cast bfloat16"},
     "normalize+flip float16": {"transform": "normalize+flip float16"},
@@ -201,8 +202,10 @@ def main() -> int:
         ("normalize+flip", "none"),
         ("normalize+flip numpy", "none"),
         ("cast float16", "none"),
+        ("cast bfloat16", "none"),
         ("Cast float16", "none"),
         ("Cast bfloat16", "none"),
+        ("cast bfloat16", "Cast bfloat16"),
         ("normalize+flip float16", "none"),
         ("normalize+flip bfloat16", "none"),
         ("python process x2", "python process x1"),
