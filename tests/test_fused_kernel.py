@@ -187,6 +187,39 @@ def test_assembly_runs_the_kernel_on_local_raw_records(tmp_path: Path) -> None:
     assert np.array_equal(first["image"], _plain(x, -0.5, 127.5, True, 1, np.float32))
 
 
+@pytest.mark.parametrize(
+    ("stored", "out"),
+    [("int8", "bfloat16"), ("int8", "float16"), ("uint16", "float32"), ("int16", "uint8"), ("float32", "bfloat16")],
+)
+@pytest.mark.parametrize("shuffle", [False, "global"])
+def test_a_lone_cast_is_done_as_records_are_read_with_the_same_bits(
+    tmp_path: Path, stored: str, out: str, shuffle: Any
+) -> None:
+    """transform=[Cast(...)] alone on a field: the assembly casts as it reads (as cast= does)
+    instead of reading then casting; what comes out is Cast applied to the plain batch."""
+    from stoker.spec import resolve_dtype
+
+    frame = FieldPlan("img", stored, (6, 8, 1))
+    ds = build(tmp_path, [13, 0, 21, 7], {"image": frame, "label": LAB_GZ})
+    kw: dict[str, Any] = {"shuffle": shuffle, "seed": SEED}
+    with ds.loader(8, **kw) as plain_loader:
+        plain = [dict(b) for b in plain_loader]
+    with ds.loader(8, transform=[Cast(out, fields="image")], threads=2, **kw) as loader:
+        it = iter(loader)
+        got = [dict(b) for b in it]
+        if not shuffle:  # gathers are not fused (the assembler reads them itself)
+            fused = it._assembler._fused_fields(loader._plan.batches(1).__next__())  # type: ignore[attr-defined]
+            assert fused == {"image": ((6, 8, 1), resolve_dtype(out))}
+    assert len(got) == len(plain)
+    for g, p in zip(got, plain, strict=True):
+        want = np.empty(p["image"].shape, resolve_dtype(out))
+        with np.errstate(invalid="ignore", over="ignore"):
+            want[...] = p["image"].astype(want.dtype)
+        assert g["image"].dtype == want.dtype
+        assert np.array_equal(g["image"].view(f"u{want.itemsize}"), want.view(f"u{want.itemsize}"))
+        assert np.array_equal(g["label"], p["label"])
+
+
 def test_process_workers_deliver_what_the_fused_threads_do(tmp_path: Path) -> None:
     ds = build(tmp_path, [13, 21], {"image": FRAME, "label": LAB_GZ})
     with ds.loader(8, seed=SEED, transform=_augment(), threads=2) as loader:
