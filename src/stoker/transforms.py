@@ -14,7 +14,8 @@ Built-in transforms (:class:`Normalize`, :class:`Cast`, :class:`RandomFlip`,
 list are fused into batch assembly: a field they touch is read in its stored dtype when that
 is exact in the delivered one. Chains the compiled kernel takes (:class:`OnePass`: Normalize
 with crops and a flip of one axis) run as the records are read from the file's memory map,
-each record read once and written once (``Stage.put``, called by the assembler). Otherwise,
+each record read once and written once (``Stage.put``, called by the assembler), and so does
+a field's lone :class:`Cast` (:class:`LoneCast`, the ``cast=`` copy). Otherwise,
 after assembly, each record is copied once, cast on the way, from its cropped source into its
 (possibly reversed) place in the output, and elementwise ops run in place on up to 256 KiB of
 output at a time while it is in cache (``Stage._direct``); where flips or crops do not commute
