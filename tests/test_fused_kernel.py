@@ -96,6 +96,33 @@ def test_fused_normalize_flip_equals_the_plain_numpy_formula(
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit, NaN-free data
 
 
+@pytest.mark.parametrize("out", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("divide", [False, True])
+def test_the_row_kernel_keeps_nans_infinities_and_tiny_values_as_numpy_does(out: str, divide: bool) -> None:
+    """float32 records of rows a multiple of 8 long with one scalar op and a flip along them run
+    in the hand-written row kernel, which narrows to 16 bits in registers: NaNs of both signs
+    and any payload, infinities, subnormals and values that overflow 16 bits come out as
+    numpy's (float16) and ml_dtypes' (bfloat16) casts of the float32 result."""
+    rng = np.random.default_rng(31)
+    bits = rng.integers(0, 2**32, size=(9, 4, 16, 1), dtype=np.uint64).astype(np.uint32)
+    special = np.array([0x7FC00001, 0xFFC12345, 0x7F800001, 0x7F800000, 0xFF800000, 0x00000001, 0x80000010,
+                        0x477FF000, 0x7F7FFFFF, 0x3F800000, 0, 0x80000000, 0x00400000, 0x38800000, 0x33800000,
+                        0x4B000001], np.uint32)  # fmt: skip
+    bits[0, :, :, 0] = special
+    x = bits.view(np.float32)
+    first, second = (0.5, 3.0) if divide else (1.5, -0.25)
+    norm = Normalize(mean=first, std=second, fields="image") if divide else Normalize(first, second, fields="image")
+    fns: list[Any] = [norm, RandomFlip(fields="image", axis=1)]
+    if out != "float32":
+        fns.append(Cast(out, fields="image"))
+    stage = _stage(fns, (4, 16, 1), "float32")
+    assert "image" in stage.kernels
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = _plain(x, first, second, divide, 1, ml_dtypes.bfloat16 if out == "bfloat16" else out)
+        got = _run(stage, x)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 @pytest.mark.parametrize("out", ["float16", "bfloat16"])
 def test_a_narrowed_output_is_the_same_in_scratch_chunks_of_any_size(monkeypatch: pytest.MonkeyPatch, out: str) -> None:
     """Normalize + Cast to 16 bits runs through a float32 scratch, SCRATCH_BYTES at a time: with

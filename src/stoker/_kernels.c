@@ -13,6 +13,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <errno.h>
@@ -264,7 +265,7 @@ static kernel_t pick_or_raise(int src, int out) {
 static size_t value_bytes(int code) {
     switch (code) {
     case 'b': case 'B': case '?': return 1;
-    case 'h': case 'H': case 'e': return 2;
+    case 'h': case 'H': case 'e': case 'E': return 2;
     case 'i': case 'I': case 'f': return 4;
     }
     return 8;
@@ -330,7 +331,7 @@ static void send_deferred(void) {
 static size_t copy_size(int code) {
     switch (code) {
     case 'b': case 'B': return 1;
-    case 'h': case 'H': case 'e': return 2;
+    case 'h': case 'H': case 'e': case 'E': return 2;
     case 'f': return 4;
     case 'd': return 8;
     }
@@ -350,8 +351,9 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "CCKnnKnnnnKKO!|p", &src_code, &out_code, &src, &j.n, &j.rec_stride, &extra,
                           &j.row_stride, &j.O, &j.M, &j.I, &flips, &dst, &PyTuple_Type, &ops, &j.stream))
         return NULL;
-    kernel_t kernel = pick_or_raise(src_code, out_code);
-    if (kernel == NULL) return NULL;
+    /* float16 ('e') and bfloat16 ('E') only by the row kernels: False where they do not apply. */
+    kernel_t kernel = (out_code == 'e' || out_code == 'E') ? NULL : pick_or_raise(src_code, out_code);
+    if (kernel == NULL && out_code != 'e' && out_code != 'E') return NULL;
     j.src = (const char *)(uintptr_t)src;
     j.extra = (const int64_t *)(uintptr_t)extra;
     j.flips = (const uint8_t *)(uintptr_t)flips;
@@ -381,11 +383,12 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
         kernel = rows;
         j = one;
     }
+    if (kernel == NULL) Py_RETURN_FALSE;
     RELEASE_GIL_IF_BIG((size_t)j.n * (size_t)(j.O * j.M * j.I) * value_bytes(out_code));
     kernel(&j);
     if (j.stream) stream_fence();
     TAKE_GIL_BACK();
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 #ifdef STOKER_X86
@@ -473,65 +476,6 @@ static void (*pick_f16(int src))(const void *, uint16_t *, Py_ssize_t, int) {
 }
 #endif
 
-#ifdef STOKER_X86
-/* The commonest fused chain by hand: records of rows of M values (one value per unit, M a
- * multiple of 8), one Normalize op with one mean/std or scale/offset, each row optionally
- * reversed (RandomFlip along W), 8 values a step written straight into the batch, streamed
- * when asked (the rows of a record are contiguous there). The generic kernel builds each
- * block in L1 and copies it out: W1's Normalize + RandomFlip took ~1,600 us a batch in it on
- * one thread, against ~760 for the plain cast. The same IEEE operations in the same order
- * ((x - mean) / std, or x * scale + offset, never fused), so the same bits. */
-#define DEFINE_ROWS_F32(NAME, T, LOAD8)                                                  \
-    __attribute__((target("avx2"))) static void NAME(const job_t *j) {                  \
-        const Py_ssize_t O = j->O, M = j->M;                                            \
-        const op_t *op = &j->ops[0];                                                   \
-        const __m256 f = _mm256_set1_ps(*(const float *)op->first);                    \
-        const __m256 g = _mm256_set1_ps(*(const float *)op->second);                   \
-        const __m256i rev = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);                 \
-        const int divide = op->divide, stream = j->stream;                             \
-        for (Py_ssize_t r = 0; r < j->n; r++) {                                        \
-            const char *rec = j->src + r * j->rec_stride + (j->extra ? j->extra[r] : 0); \
-            const int flip = j->flips ? j->flips[r] : 0;                               \
-            float *drec = (float *)j->dst + (j->rows ? j->rows[r] : r) * O * M;        \
-            for (Py_ssize_t o = 0; o < O; o++) {                                       \
-                const T *s = (const T *)(rec + o * j->row_stride);                     \
-                float *d = drec + o * M;                                               \
-                for (Py_ssize_t i = 0; i < M; i += 8) {                                \
-                    __m256 v = flip ? _mm256_permutevar8x32_ps(LOAD8(s + M - 8 - i), rev) : LOAD8(s + i); \
-                    v = divide ? _mm256_div_ps(_mm256_sub_ps(v, f), g) : _mm256_add_ps(_mm256_mul_ps(v, f), g); \
-                    if (stream)                                                        \
-                        _mm256_stream_ps(d + i, v);                                    \
-                    else                                                               \
-                        _mm256_storeu_ps(d + i, v);                                    \
-                }                                                                      \
-            }                                                                          \
-        }                                                                              \
-    }
-DEFINE_ROWS_F32(rows_i8_f32, int8_t, LOAD8_I8)
-DEFINE_ROWS_F32(rows_u8_f32, uint8_t, LOAD8_U8)
-DEFINE_ROWS_F32(rows_i16_f32, int16_t, LOAD8_I16)
-DEFINE_ROWS_F32(rows_u16_f32, uint16_t, LOAD8_U16)
-DEFINE_ROWS_F32(rows_f32_f32, float, LOAD8_F32)
-#endif
-
-/* The hand-written row kernel for job j where it applies, else NULL (the generic kernel). */
-static kernel_t pick_rows(int src, int out, const job_t *j) {
-#ifdef STOKER_X86
-    if (out != 'f' || j->nops != 1 || j->ops[0].vector || j->I != 1 || j->M < 8 || j->M % 8 != 0) return NULL;
-    if (j->stream && ((uintptr_t)j->dst & 31) != 0) return NULL; /* streamed stores need 32-byte rows */
-    if (!__builtin_cpu_supports("avx2")) return NULL;
-    switch (src) {
-    case 'b': return rows_i8_f32;
-    case 'B': return rows_u8_f32;
-    case 'h': return rows_i16_f32;
-    case 'H': return rows_u16_f32;
-    case 'f': return rows_f32_f32;
-    }
-#else
-    (void)src, (void)out, (void)j;
-#endif
-    return NULL;
-}
 
 /* Whether convert_run casts src_code into out_code (a plain copy when they are equal). */
 static int converts(int src_code, int out_code) {
@@ -808,6 +752,94 @@ DEFINE_TO_BF16_NE(i16_bf16_ne, int16_t, LOAD8_I16)
 DEFINE_TO_BF16_NE(u16_bf16_ne, uint16_t, LOAD8_U16)
 #endif
 #endif
+
+#ifdef STOKER_X86
+/* The commonest fused chain by hand: records of rows of M values (one value per unit, M a
+ * multiple of 8), one Normalize op with one mean/std or scale/offset, each row optionally
+ * reversed (RandomFlip along W), 8 values a step written straight into the batch, streamed
+ * when asked (the rows of a record are contiguous there). The generic kernel builds each
+ * block in L1 and copies it out: W1's Normalize + RandomFlip took ~1,600 us a batch in it on
+ * one thread, against ~760 for the plain cast, and ~810 in this loop. The same IEEE
+ * operations in the same order ((x - mean) / std, or x * scale + offset, never fused), so the
+ * same bits. A trailing Cast to float16 or bfloat16 narrows each 8 values in registers (F16C;
+ * bf16x8, ml_dtypes' rounding and NaNs) instead of through a float32 scratch: the values are
+ * computed, never signalling NaNs, so F16C rounds them as numpy does (see computed_to_float16).
+ * bfloat16 rows are not streamed (see DEFINE_TO_BF16_AVX2). */
+#define STORE_F32(d, v, stream) ((stream) ? _mm256_stream_ps((d), (v)) : _mm256_storeu_ps((d), (v)))
+#define STORE_F16(d, v, stream)                                                          \
+    ((stream) ? _mm_stream_si128((__m128i *)(d), _mm256_cvtps_ph((v), 0))                \
+              : _mm_storeu_si128((__m128i *)(d), _mm256_cvtps_ph((v), 0)))
+#define STORE_BF16(d, v, stream) ((void)(stream), _mm_storeu_si128((__m128i *)(d), bf16x8((v), 1)))
+/* bfloat16 from values that cannot be NaN (integer records, finite parameters, no zero std):
+ * no NaN compare and blend, as in the integer cast loops. */
+#define STORE_BF16_NO_NAN(d, v, stream) ((void)(stream), _mm_storeu_si128((__m128i *)(d), bf16x8((v), 0)))
+#define DEFINE_ROWS(NAME, TARGET, T, LOAD8, D, STORE)                                    \
+    __attribute__((target(TARGET))) static void NAME(const job_t *j) {                  \
+        const Py_ssize_t O = j->O, M = j->M;                                            \
+        const op_t *op = &j->ops[0];                                                   \
+        const __m256 f = _mm256_set1_ps(*(const float *)op->first);                    \
+        const __m256 g = _mm256_set1_ps(*(const float *)op->second);                   \
+        const __m256i rev = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);                 \
+        const int divide = op->divide, stream = j->stream;                             \
+        for (Py_ssize_t r = 0; r < j->n; r++) {                                        \
+            const char *rec = j->src + r * j->rec_stride + (j->extra ? j->extra[r] : 0); \
+            const int flip = j->flips ? j->flips[r] : 0;                               \
+            D *drec = (D *)j->dst + (j->rows ? j->rows[r] : r) * O * M;                \
+            for (Py_ssize_t o = 0; o < O; o++) {                                       \
+                const T *s = (const T *)(rec + o * j->row_stride);                     \
+                D *d = drec + o * M;                                                   \
+                for (Py_ssize_t i = 0; i < M; i += 8) {                                \
+                    __m256 v = flip ? _mm256_permutevar8x32_ps(LOAD8(s + M - 8 - i), rev) : LOAD8(s + i); \
+                    v = divide ? _mm256_div_ps(_mm256_sub_ps(v, f), g) : _mm256_add_ps(_mm256_mul_ps(v, f), g); \
+                    STORE(d + i, v, stream);                                           \
+                }                                                                      \
+            }                                                                          \
+        }                                                                              \
+    }
+#define DEFINE_ROWS_ALL(SRC, T, LOAD8)                                                     \
+    DEFINE_ROWS(rows_##SRC##_f32, "avx2", T, LOAD8, float, STORE_F32)                    \
+    DEFINE_ROWS(rows_##SRC##_f16, "avx2,f16c", T, LOAD8, uint16_t, STORE_F16)            \
+    DEFINE_ROWS(rows_##SRC##_bf16, "avx2", T, LOAD8, uint16_t, STORE_BF16)               \
+    DEFINE_ROWS(rows_##SRC##_bf16i, "avx2", T, LOAD8, uint16_t, STORE_BF16_NO_NAN)
+DEFINE_ROWS_ALL(i8, int8_t, LOAD8_I8)
+DEFINE_ROWS_ALL(u8, uint8_t, LOAD8_U8)
+DEFINE_ROWS_ALL(i16, int16_t, LOAD8_I16)
+DEFINE_ROWS_ALL(u16, uint16_t, LOAD8_U16)
+DEFINE_ROWS_ALL(f32, float, LOAD8_F32)
+#endif
+
+/* Whether job j's one op can give no NaN from a finite value: finite parameters and, to
+ * divide, a std that is not zero ((x - mean) / 0 is NaN at x == mean). */
+static int gives_no_nan(const job_t *j) {
+    const op_t *op = &j->ops[0];
+    const float f = *(const float *)op->first, g = *(const float *)op->second;
+    return isfinite(f) && isfinite(g) && !(op->divide && g == 0.0f);
+}
+
+/* The hand-written row kernel for job j where it applies, else NULL (the generic kernel; for
+ * float16 ('e') and bfloat16 ('E') outputs, the caller's float32 scratch). */
+static kernel_t pick_rows(int src, int out, const job_t *j) {
+#ifdef STOKER_X86
+    if (j->nops != 1 || j->ops[0].vector || j->I != 1 || j->M < 8 || j->M % 8 != 0) return NULL;
+    if (j->stream && ((uintptr_t)j->dst & 31) != 0) return NULL; /* streamed stores need aligned rows */
+    if (!__builtin_cpu_supports("avx2") || (out == 'e' && !__builtin_cpu_supports("f16c"))) return NULL;
+    const int exact_ints = src != 'f' && gives_no_nan(j); /* integers, exact in float32, are finite */
+#define ROWS_BY_OUT(SRC)                                                                   \
+    return out == 'f' ? rows_##SRC##_f32 : out == 'e' ? rows_##SRC##_f16                   \
+         : out == 'E' ? (exact_ints ? rows_##SRC##_bf16i : rows_##SRC##_bf16) : NULL
+    switch (src) {
+    case 'b': ROWS_BY_OUT(i8);
+    case 'B': ROWS_BY_OUT(u8);
+    case 'h': ROWS_BY_OUT(i16);
+    case 'H': ROWS_BY_OUT(u16);
+    case 'f': ROWS_BY_OUT(f32);
+    }
+#undef ROWS_BY_OUT
+#else
+    (void)src, (void)out, (void)j;
+#endif
+    return NULL;
+}
 
 /* bfloat16(src_code, src_addr, n, dst_addr): n values of dtype src_code (b B h H f) into
  * bfloat16, as ml_dtypes' cast (see bf16_of). The caller checks the arrays: numpy exports no
@@ -1132,7 +1164,8 @@ static PyMethodDef methods[] = {
     {"flush", flush, METH_NOARGS, "flush(): send this thread's deferred wake-up (Signal.post_later) now"},
     {"file_size", file_size, METH_O, "file_size(fd) -> int (fstat's st_size, GIL held)"},
     {"normalize", normalize, METH_VARARGS,
-     "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"},
+     "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"
+     " -> bool (False, nothing written: no row kernel for a float16 'e' or bfloat16 'E' output)"},
     {"cast_into", cast_arrays, METH_VARARGS, "cast_into(dst, src, stream_min_bytes) -> bool"},
     {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): b B h H f values into bfloat16"},
     {"computed_to_float16", computed_to_float16, METH_VARARGS,

@@ -338,6 +338,11 @@ _KERNEL_SOURCES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np
 _KERNEL_SOURCES_F64 = {**_KERNEL_SOURCES, np.dtype(np.float64): "d"}
 
 
+# 16-bit outputs the compiled row kernel narrows to as it computes (its codes: numpy's for
+# float16, ml_dtypes' for bfloat16); other chains go through a float32 scratch (OnePass._narrow).
+_NARROW = {"float16": "e", "bfloat16": "E"}
+
+
 class OnePass:
     """A fused chain run by the compiled kernel: each record read once, written once.
 
@@ -447,6 +452,13 @@ class OnePass:
             flips = mask.view(np.uint8)
         args = tuple((divide, vector, address(p), address(q)) for divide, vector, p, q in self.ops)
         row_stride = self.strides[self.row_axis - 1] if self.row_axis else 0
+        narrow = _NARROW.get(self.out.name) if self.compute == np.float32 else None
+        if narrow is not None and _kernels.normalize(
+            self.src.char, narrow, address(x), n, x.strides[0], 0 if extra is None else address(extra), row_stride,
+            self.outer, self.units, self.unit, 0 if flips is None else address(flips), address(y), args,
+            y.nbytes >= STREAM_MIN_BYTES,
+        ):  # fmt: skip
+            return  # the row kernel narrowed each value in registers: no float32 scratch
         per = (
             n if self.out == self.compute else max(1, SCRATCH_BYTES // (math.prod(self.shape) * self.compute.itemsize))
         )
