@@ -96,6 +96,23 @@ def test_fused_normalize_flip_equals_the_plain_numpy_formula(
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))  # bit for bit, NaN-free data
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 3), (4, 7, 4), (2, 16, 3), (6, 9, 2)])
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "float32"])
+def test_units_of_several_values_flipped_along_w_equal_the_plain_formula(shape: tuple[int, ...], dtype: str) -> None:
+    """Rows of units of I > 1 values (RGB, RGBA) flipped along W run in the unit kernel: rows a
+    multiple of 8 values long and not (the scalar tail), per-channel and one-value parameters."""
+    rng = np.random.default_rng([len(shape), shape[1], len(dtype)])
+    x = _values(dtype, (13, *shape), rng)
+    channels = shape[-1]
+    for first, second in (([0.4 * c + 1 for c in range(channels)], [0.2 + c for c in range(channels)]), (-0.5, 3.0)):
+        fns: list[Any] = [Normalize(mean=first, std=second, fields="image"), RandomFlip(fields="image", axis=1)]
+        stage = _stage(fns, shape, dtype)
+        assert "image" in stage.kernels
+        want = _plain(x, first, second, True, 1, np.float32)
+        got = _run(stage, x)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 @pytest.mark.parametrize("out", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("divide", [False, True])
 def test_the_row_kernel_keeps_nans_infinities_and_tiny_values_as_numpy_does(out: str, divide: bool) -> None:

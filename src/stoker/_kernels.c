@@ -811,6 +811,51 @@ DEFINE_ROWS_ALL(u8, uint8_t, LOAD8_U8)
 DEFINE_ROWS_ALL(i16, int16_t, LOAD8_I16)
 DEFINE_ROWS_ALL(u16, uint16_t, LOAD8_U16)
 DEFINE_ROWS_ALL(f32, float, LOAD8_F32)
+
+/* Rows of M units of I > 1 values (RGB frames flipped along W), one Normalize op, float32
+ * out: each row computed front to back into an L1 buffer, 8 values a step, with the
+ * parameters tiled along the row once per call, then its units copied out in reverse order
+ * where the record is flipped. The generic kernel goes unit by unit: 12x the plain cast's time
+ * on 128x128x3 frames flipped along W. */
+#define UNITS_MAX 4096 /* values in a row: 16 KiB of float32 */
+#define DEFINE_UNITS_F32(NAME, T, LOAD8)                                                 \
+    __attribute__((target("avx2"))) static void NAME(const job_t *j) {                  \
+        const Py_ssize_t O = j->O, M = j->M, I = j->I, L = M * I;                      \
+        const op_t *op = &j->ops[0];                                                   \
+        const float *F = (const float *)op->first, *G = (const float *)op->second;     \
+        float tf[UNITS_MAX] STOKER_ALIGNED, tg[UNITS_MAX] STOKER_ALIGNED, row[UNITS_MAX] STOKER_ALIGNED; \
+        for (Py_ssize_t k = 0; k < L; k++) {                                           \
+            tf[k] = op->vector ? F[k % I] : F[0];                                      \
+            tg[k] = op->vector ? G[k % I] : G[0];                                      \
+        }                                                                              \
+        const int divide = op->divide;                                                 \
+        for (Py_ssize_t r = 0; r < j->n; r++) {                                        \
+            const char *rec = j->src + r * j->rec_stride + (j->extra ? j->extra[r] : 0); \
+            const int flip = j->flips ? j->flips[r] : 0;                               \
+            float *drec = (float *)j->dst + (j->rows ? j->rows[r] : r) * O * L;        \
+            for (Py_ssize_t o = 0; o < O; o++) {                                       \
+                const T *s = (const T *)(rec + o * j->row_stride);                     \
+                float *d = drec + o * L, *x = flip ? row : d;                          \
+                Py_ssize_t i = 0;                                                      \
+                for (; i + 8 <= L; i += 8) {                                           \
+                    const __m256 v = LOAD8(s + i), f = _mm256_load_ps(tf + i), g = _mm256_load_ps(tg + i); \
+                    _mm256_storeu_ps(x + i, divide ? _mm256_div_ps(_mm256_sub_ps(v, f), g)                  \
+                                                   : _mm256_add_ps(_mm256_mul_ps(v, f), g)); \
+                }                                                                      \
+                for (; i < L; i++) {                                                   \
+                    const float v = (float)s[i];                                       \
+                    x[i] = divide ? (v - tf[i]) / tg[i] : v * tf[i] + tg[i];           \
+                }                                                                      \
+                if (flip)                                                              \
+                    for (Py_ssize_t m = 0; m < M; m++) memcpy(d + (M - 1 - m) * I, row + m * I, (size_t)I * sizeof(float)); \
+            }                                                                          \
+        }                                                                              \
+    }
+DEFINE_UNITS_F32(units_i8_f32, int8_t, LOAD8_I8)
+DEFINE_UNITS_F32(units_u8_f32, uint8_t, LOAD8_U8)
+DEFINE_UNITS_F32(units_i16_f32, int16_t, LOAD8_I16)
+DEFINE_UNITS_F32(units_u16_f32, uint16_t, LOAD8_U16)
+DEFINE_UNITS_F32(units_f32_f32, float, LOAD8_F32)
 #endif
 
 /* Whether job j's one op can give no NaN from a finite value: finite parameters and, to
@@ -829,6 +874,15 @@ static int gives_no_nan(const job_t *j) {
  * the row. */
 static kernel_t pick_rows(int src, int out, const job_t *j, int whole_units) {
 #ifdef STOKER_X86
+    if (j->nops == 1 && j->I > 1 && j->M * j->I <= UNITS_MAX && out == 'f' && __builtin_cpu_supports("avx2")) {
+        switch (src) {
+        case 'b': return units_i8_f32;
+        case 'B': return units_u8_f32;
+        case 'h': return units_i16_f32;
+        case 'H': return units_u16_f32;
+        case 'f': return units_f32_f32;
+        }
+    }
     if (j->nops != 1 || (j->ops[0].vector && !whole_units) || j->I != 1 || j->M < 8 || j->M % 8 != 0) return NULL;
     if (j->stream && ((uintptr_t)j->dst & 31) != 0) return NULL; /* streamed stores need aligned rows */
     if (!__builtin_cpu_supports("avx2") || (out == 'e' && !__builtin_cpu_supports("f16c"))) return NULL;
