@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import stoker
 import stoker.transforms as transforms
 from conftest import LAB_GZ, FieldPlan, build
 from stoker.plan import BatchPlan
@@ -262,6 +263,20 @@ def test_a_lone_cast_is_done_as_records_are_read_with_the_same_bits(
         assert g["image"].dtype == want.dtype
         assert np.array_equal(g["image"].view(f"u{want.itemsize}"), want.view(f"u{want.itemsize}"))
         assert np.array_equal(g["label"], p["label"])
+
+
+def test_a_cast_after_a_rounding_loader_cast_is_not_fused_past_it(tmp_path: Path) -> None:
+    """int64 records the loader casts to float64 round past 2**53 (numpy calls that cast safe):
+    a Cast("float32") after it must round what the loader delivered, not the stored integers
+    (2**60 + 2**36 + 1 is float32's 2**60 that way, and 2**60 + 2**37 straight from the int)."""
+    values = np.array([2**60 + 2**36 + 1, 3, -(2**60 + 2**36 + 1), 2**62 + 2**38 + 5], np.int64)
+    (tmp_path / "v_0.bin").write_bytes(values.tobytes())
+    ds = stoker.Dataset(v=stoker.Field(str(tmp_path / "v_*.bin"), "int64"))
+    with ds.loader(4, cast="float64", transform=[Cast("float32", fields="v")]) as loader:
+        (got,) = [b["v"] for b in loader]
+    want = values.astype(np.float64).astype(np.float32)
+    assert want[0] != values[:1].astype(np.float32)[0]  # the double rounding this checks
+    assert np.array_equal(got, want)
 
 
 def test_process_workers_deliver_what_the_fused_threads_do(tmp_path: Path) -> None:

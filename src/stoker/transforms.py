@@ -531,6 +531,16 @@ def first_position(plan: BatchPlan, shard: tuple[int, int]) -> int:
     return plan.position - c * real + i
 
 
+def _exact_in(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether every value of ``src`` is exact in ``dst``: numpy's "safe" casts, less 64-bit
+    integers into float64 (which numpy calls safe, but which round past 2**53)."""
+    if not np.can_cast(src, dst, "safe"):
+        return False
+    if src.kind in "iu" and dst.kind == "f":
+        return src.itemsize * 8 - (src.kind == "i") <= np.finfo(dst).nmant + 1
+    return True
+
+
 class LoneCast:
     """A field's chain that is one :class:`Cast` of records read in their stored dtype: cast as
     they are read (the ``cast=`` path, the compiled kernel's loops), not read then cast. W1's
@@ -591,7 +601,7 @@ class Stage:
         self.assembly = {n: records[n][1] for n in records}
         for name in self.chains:
             src = stored.get(name)
-            if src is not None and np.can_cast(src, records[name][1], "safe"):
+            if src is not None and _exact_in(np.dtype(src), np.dtype(records[name][1])):
                 self.assembly[name] = np.dtype(src)
         self.exact = all(isinstance(fn, Transform) for fn in fns)
         # Fields whose chain the compiled kernel runs in one pass (see OnePass), or whose one
