@@ -793,6 +793,9 @@ _INTERRUPT = textwrap.dedent(
     import gc, json, os, signal, sys, threading, time
     import stoker
 
+    # Python leaves SIGINT ignored where its parent ignored it (a job started in the background
+    # by a shell without job control: `nohup cmd &`), and then no Ctrl-C below would arrive.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     d, mode = sys.argv[1], sys.argv[2]
     ds = stoker.Dataset(image=stoker.Field(d + "/img_*.bin", "int8", (6, 6, 1)),
                         label=stoker.Field(d + "/out_*.bin.gz", "float32"))
