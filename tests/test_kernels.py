@@ -296,7 +296,7 @@ def test_global_shuffle_gathers_into_bfloat16_with_the_kernel_bit_for_bit(src: s
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(len(src))
     x = _values(src, 40 * 3 * 37, rng).reshape(40, 3, 37)
-    assert kernels._gather_codes(np.empty((2, 3, 37), bf16), x) == (np.dtype(src).char, "E")
+    assert kernels._codes(np.empty((2, 3, 37), bf16), x) == (np.dtype(src).char, "E")
     rows, index = rng.permutation(30)[:25], rng.integers(0, 40, size=25)
     got = np.full((30, 3, 37), 7, np.uint16).view(bf16)
     want = got.copy()
@@ -304,7 +304,7 @@ def test_global_shuffle_gathers_into_bfloat16_with_the_kernel_bit_for_bit(src: s
         kernels.gather_into(got, rows, x, index)
         want[rows] = x[index].astype(bf16)
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
-    assert kernels._gather_codes(np.empty((2, 3), bf16), np.empty((4, 3), np.float64)) is None  # to numpy
+    assert kernels._codes(np.empty((2, 3), bf16), np.empty((4, 3), np.float64)) is None  # to numpy
 
 
 def test_file_size_is_the_size_of_the_open_file_now(tmp_path: Path) -> None:

@@ -759,8 +759,8 @@ DEFINE_TO_BF16_NE(u16_bf16_ne, uint16_t, LOAD8_U16)
  * multiple of 8), one Normalize op with one mean/std or scale/offset (or, in rows never
  * reversed, a parameter per value of the row: per-channel Normalize of a record with no flip,
  * one row per record), each row optionally reversed (RandomFlip along W), 8 values a step
- * written straight into the batch, streamed
- * when asked (the rows of a record are contiguous there). The generic kernel builds each
+ * written straight into the batch, streamed when asked (the rows of a record are contiguous
+ * there). The generic kernel builds each
  * block in L1 and copies it out: W1's Normalize + RandomFlip took ~1,600 us a batch in it on
  * one thread, against ~760 for the plain cast, and ~810 in this loop. The same IEEE
  * operations in the same order ((x - mean) / std, or x * scale + offset, never fused), so the
@@ -768,6 +768,11 @@ DEFINE_TO_BF16_NE(u16_bf16_ne, uint16_t, LOAD8_U16)
  * bf16x8, ml_dtypes' rounding and NaNs) instead of through a float32 scratch: the values are
  * computed, never signalling NaNs, so F16C rounds them as numpy does (see computed_to_float16).
  * bfloat16 rows are not streamed (see DEFINE_TO_BF16_AVX2). */
+/* One Normalize op on 8 values: (v - f) / g, or v * f + g (two roundings, never fused). */
+__attribute__((target("avx2"))) static inline __m256 norm8(__m256 v, __m256 f, __m256 g, int divide) {
+    return divide ? _mm256_div_ps(_mm256_sub_ps(v, f), g) : _mm256_add_ps(_mm256_mul_ps(v, f), g);
+}
+
 #define STORE_F32(d, v, stream) ((stream) ? _mm256_stream_ps((d), (v)) : _mm256_storeu_ps((d), (v)))
 #define STORE_F16(d, v, stream)                                                          \
     ((stream) ? _mm_stream_si128((__m128i *)(d), _mm256_cvtps_ph((v), 0))                \
@@ -792,11 +797,10 @@ DEFINE_TO_BF16_NE(u16_bf16_ne, uint16_t, LOAD8_U16)
                 const T *s = (const T *)(rec + o * j->row_stride);                     \
                 D *d = drec + o * M;                                                   \
                 for (Py_ssize_t i = 0; i < M; i += 8) {                                \
-                    __m256 v = flip ? _mm256_permutevar8x32_ps(LOAD8(s + M - 8 - i), rev) : LOAD8(s + i); \
+                    const __m256 v = flip ? _mm256_permutevar8x32_ps(LOAD8(s + M - 8 - i), rev) : LOAD8(s + i); \
                     const __m256 f = vector ? _mm256_loadu_ps(F + i) : f1;             \
                     const __m256 g = vector ? _mm256_loadu_ps(G + i) : g1;             \
-                    v = divide ? _mm256_div_ps(_mm256_sub_ps(v, f), g) : _mm256_add_ps(_mm256_mul_ps(v, f), g); \
-                    STORE(d + i, v, stream);                                           \
+                    STORE(d + i, norm8(v, f, g, divide), stream);                      \
                 }                                                                      \
             }                                                                          \
         }                                                                              \
@@ -822,7 +826,7 @@ DEFINE_ROWS_ALL(f32, float, LOAD8_F32)
 /* Reversing the order of units of I values (I <= 8), a block of lcm(8, I) values (U units,
  * V vectors) at a time: dst vector v lane l takes src vector src_vec[v][l] lane idx[v][l]. */
 typedef struct {
-    int I, U, V;
+    int U, V;
     __m256i idx[8];
     __m256i from[8][8]; /* lanes of dst vector v taken from src vector w: all ones */
 } reversal_t;
@@ -830,7 +834,6 @@ typedef struct {
 __attribute__((target("avx2"))) static void plan_reversal(reversal_t *rv, Py_ssize_t I) {
     int P = 8;
     while (I <= 8 && P % I) P += 8;
-    rv->I = (int)I;
     rv->V = I <= 8 ? P / 8 : 0;
     rv->U = I <= 8 ? P / (int)I : 0;
     for (int v = 0; v < rv->V; v++) {
@@ -888,9 +891,7 @@ __attribute__((target("avx2"))) static void reverse_units(const float *row, floa
                 float *d = drec + o * L, *x = flip ? row : d;                          \
                 Py_ssize_t i = 0;                                                      \
                 for (; i + 8 <= L; i += 8) {                                           \
-                    const __m256 v = LOAD8(s + i), f = _mm256_load_ps(tf + i), g = _mm256_load_ps(tg + i); \
-                    _mm256_storeu_ps(x + i, divide ? _mm256_div_ps(_mm256_sub_ps(v, f), g)                  \
-                                                   : _mm256_add_ps(_mm256_mul_ps(v, f), g)); \
+                    _mm256_storeu_ps(x + i, norm8(LOAD8(s + i), _mm256_load_ps(tf + i), _mm256_load_ps(tg + i), divide)); \
                 }                                                                      \
                 for (; i < L; i++) {                                                   \
                     const float v = (float)s[i];                                       \
@@ -953,10 +954,6 @@ static kernel_t pick_rows(int src, int out, const job_t *j, int whole_units) {
     return NULL;
 }
 
-/* bfloat16(src_code, src_addr, n, dst_addr): n values of dtype src_code (b B h H f) into
- * bfloat16, as ml_dtypes' cast (see bf16_of). The caller checks the arrays: numpy exports no
- * buffer for ml_dtypes' bfloat16, so cast_into cannot (stoker.kernels.cast_into for integer
- * records, the transforms' one-pass kernel for its float32 scratch). */
 static bf16_loop_t pick_bf16(int src_code) {
     bf16_loop_t loop = NULL;
     switch (src_code) {
@@ -990,6 +987,10 @@ static bf16_loop_t pick_bf16(int src_code) {
     return loop;
 }
 
+/* bfloat16(src_code, src_addr, n, dst_addr): n values of dtype src_code (b B h H f) into
+ * bfloat16, as ml_dtypes' cast (see bf16_of). The caller checks the arrays: numpy exports no
+ * buffer for ml_dtypes' bfloat16, so cast_into cannot (stoker.kernels.cast_into for integer
+ * and float32 records; the transforms' scratch goes through it too). */
 static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
     (void)self;
     int src_code;

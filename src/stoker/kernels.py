@@ -49,6 +49,9 @@ _CODES = {
     np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float16, np.float32, np.float64)
 }
 _CASTS = {(s, o) for s in "bBhHf" for o in "fd"} | {("d", "d")}
+# The sources the kernel's bfloat16 loops take (float32: rounded to nearest even, NaN kept
+# quiet, bit for bit ml_dtypes' cast).
+_BF16_CODES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float32)}
 # Integers into float16 where the build has its loop (x86 with F16C).
 if _kernels is not None and _kernels.cast_into(np.empty(1, np.float16), np.zeros(1, np.int8), 0):
     _CASTS |= {(s, "e") for s in "bBhH"}
@@ -89,24 +92,19 @@ def address(x: np.ndarray) -> int:
 
 
 def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
-    """The kernel's (source, output) dtype codes for a copy of ``src`` into ``dst``, or None
-    where the kernel does not apply (no build, a dtype or cast it lacks, a strided or
-    read-only array)."""
+    """The gather kernel's (source, output) dtype codes for a copy of ``src`` into ``dst``, or
+    None where the kernel does not apply (no build, a dtype or cast it lacks, a strided or
+    read-only array). ml_dtypes' bfloat16 output is "E" (its type code), from the sources its
+    loops take."""
     if _kernels is None or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
         return None
+    if dst.dtype.name == "bfloat16":
+        code = _BF16_CODES.get(src.dtype)
+        return None if code is None else (code, "E")
     s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
     if s is None or o is None or (s != o and (s, o) not in _CASTS):
         return None
     return s, o
-
-
-def _gather_codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
-    """As :func:`_codes`, plus ml_dtypes' bfloat16 output ("E", its type code) from the sources
-    its loops take."""
-    if dst.dtype.name == "bfloat16" and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable:
-        code = _BF16_CODES.get(src.dtype)
-        return None if code is None or _kernels is None else (code, "E")
-    return _codes(dst, src)
 
 
 def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -121,11 +119,6 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     elif not _kernels.cast_into(dst, src, STREAM_MIN_BYTES) and not _bfloat16_into(dst, src):
         _kernels.flush()  # numpy may give the GIL up: send a deferred wake-up first (stoker.engine)
         np.copyto(dst, src, casting="unsafe")
-
-
-# The sources the kernel's bfloat16 loops take (float32: rounded to nearest even, NaN kept
-# quiet, bit for bit ml_dtypes' cast).
-_BF16_CODES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float32)}
 
 
 def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
@@ -147,7 +140,7 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
     """``dst[rows] = src[index]`` (cast as ``np.copyto`` casts), one pass per record where the
     compiled kernel applies; numpy's fancy indexing otherwise (a copy of the records, then a
     second pass to scatter and cast them)."""
-    codes = _gather_codes(dst, src) if len(rows) == len(index) and dst.shape[1:] == src.shape[1:] else None
+    codes = _codes(dst, src) if len(rows) == len(index) and dst.shape[1:] == src.shape[1:] else None
     if codes is None:
         dst[rows] = src[index]
     elif len(index):

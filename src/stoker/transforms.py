@@ -479,16 +479,18 @@ class OnePass:
         """The float32 scratch into the output's dtype: float16 by F16C where built (numpy
         converts one value at a time: W1's Normalize + Cast("float16") ran at ~43k records/s);
         the scratch holds computed values, never a signalling NaN, so the two round alike.
-        bfloat16 by the kernel's loop, bit for bit ml_dtypes' cast (which is one value at a time too)."""
+        bfloat16 through cast_into, whose kernel loop rounds bit for bit as ml_dtypes' cast
+        (which is one value at a time too)."""
         plain = (
             computed.dtype == np.float32 and y.flags.c_contiguous and computed.flags.c_contiguous
             and y.shape == computed.shape
         )  # fmt: skip
-        if plain and y.dtype == np.float16:
-            if _kernels.computed_to_float16(address(computed), computed.size, address(y), y.nbytes >= STREAM_MIN_BYTES):
-                return
-        elif plain and y.dtype.name == "bfloat16":
-            _kernels.bfloat16("f", address(computed), computed.size, address(y))
+        stream = y.nbytes >= STREAM_MIN_BYTES
+        if (
+            plain
+            and y.dtype == np.float16
+            and _kernels.computed_to_float16(address(computed), computed.size, address(y), stream)
+        ):
             return
         cast_into(y, computed)
 
@@ -730,9 +732,6 @@ class Stage:
             self._runs(x, y, chain, draws, per)
             return
         norms = [op for op in ops if isinstance(op, Normalize)]
-        if not views and not norms:  # a lone Cast: one copy of the whole batch, no cache to keep
-            cast_into(y, x)  # W1 to bfloat16: 103-119k records/s in chunks of 4 records, 325-345k whole
-            return
         for a in range(0, n, per):
             b = min(n, a + per)
             if not views:
