@@ -331,6 +331,20 @@ def _no_leaked_workers():
     assert not alive, f"stoker worker threads still alive: {alive}"
 
 
+@pytest.fixture(params=["all", "avx2", "none"])
+def isa(request: pytest.FixtureRequest) -> Iterable[str]:
+    """Each set of the kernels' hand-written loops in turn (stoker.kernels.set_isa): what this
+    CPU runs, what a CPU with AVX2 but no AVX512_BF16 runs, and none of them; else CI's CPU
+    would test only its own widest path."""
+    from stoker import kernels
+
+    before = kernels.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        kernels.set_isa(before)
+
+
 IMG = FieldPlan("img", "int8", (6, 6, 1))
 LAB_GZ = FieldPlan("out", "float32", (), kind="gzip")
 

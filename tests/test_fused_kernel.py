@@ -22,6 +22,9 @@ from stoker.transforms import Cast, Normalize, RandomCrop, RandomFlip, Stage, ba
 
 SEED = 5
 
+# Every test here runs with each set of the kernel's hand-written loops (conftest's `isa`).
+pytestmark = pytest.mark.usefixtures("isa")
+
 
 @pytest.fixture(params=["kernel", "numpy"])
 def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:

@@ -24,6 +24,14 @@ OUTPUTS = ["int8", "uint8", "int16", "uint16", "float16", "float32", "float64"]
 STREAMED = kernels.STREAM_MIN_BYTES // 4 + 37  # float32 values: just over the threshold
 X86 = platform.machine().lower() in ("x86_64", "amd64")  # where the float16 loops are (F16C)
 
+# Every test here runs with each set of hand-written loops (conftest's `isa`).
+pytestmark = pytest.mark.usefixtures("isa")
+
+
+def f16c() -> bool:
+    """Whether integers (and computed float32) go to float16 by the F16C loop now."""
+    return X86 and kernels.isa() != "none"
+
 
 def test_the_compiled_kernels_are_built() -> None:
     """`make test` builds them; losing the build would silently halve W1's float32 records/s."""
@@ -101,7 +109,7 @@ def test_a_byte_order_stated_as_the_machines_own_takes_the_kernel(dtype: str, ou
     assert field.dtype.byteorder in (native, "=") and memoryview(np.empty(1, field.dtype)).format[0] == native
     x = _values(dtype, 256 * 64 * 64, np.random.default_rng(5)).astype(field.dtype).reshape(256, 64, 64)
     got = np.empty(x.shape, out)
-    if out != "float16" or X86:
+    if out != "float16" or f16c():
         assert kernels._kernels.cast_into(got, x, kernels.STREAM_MIN_BYTES), "went to numpy"
     with np.errstate(over="ignore"):  # uint16 past 65519 is inf in float16
         kernels.cast_into(got, x)
@@ -118,7 +126,7 @@ def test_integers_to_float16_round_as_numpy_does_for_every_value(src: str, strea
     65519 included (inf). The loop is x86's (F16C, on every x86-64 CPU since 2013); elsewhere
     the copy is numpy's, checked the same way."""
     took = kernels._kernels.cast_into(np.empty(1, np.float16), np.zeros(1, src), 0)
-    assert took == X86, "the kernel does not cast to float16 here (no F16C?): numpy's copy is ~16x slower"
+    assert took == f16c(), "the kernel does not cast to float16 here (no F16C?): numpy's copy is ~16x slower"
     info = np.iinfo(src)
     x = np.arange(info.min, info.max + 1).astype(src)
     with np.errstate(over="ignore"):
@@ -126,7 +134,7 @@ def test_integers_to_float16_round_as_numpy_does_for_every_value(src: str, strea
     for misalign in (0, 1, 3):
         buf = np.full(len(x) + 8, 7, np.float16)
         got = buf[misalign : misalign + len(x)]
-        if X86:
+        if f16c():
             assert kernels._kernels.cast_into(got, x, 0 if stream else 1 << 40)
         else:
             with np.errstate(over="ignore"):
@@ -183,7 +191,7 @@ def test_computed_float32_narrows_to_float16_as_numpy_rounds() -> None:
         want = x.astype(np.float16)
     got = np.full(len(x), 7, np.float16)
     took = kernels._kernels.computed_to_float16(x.ctypes.data, len(x), got.ctypes.data, False)
-    assert took == X86
+    assert took == f16c()
     if took:
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
@@ -215,6 +223,31 @@ def test_float32_narrows_to_bfloat16_as_ml_dtypes_rounds() -> None:
     out = np.full(len(x), 7, np.uint16).view(ml_dtypes.bfloat16)
     assert kernels._bfloat16_into(out, field), "went to numpy"
     assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
+
+
+def test_set_isa_returns_the_level_before_and_refuses_an_unknown_one(isa: str) -> None:
+    assert kernels.isa() == isa
+    assert kernels.set_isa("none") == isa and kernels.isa() == "none"
+    assert kernels._codes(np.empty(3, np.float16), np.empty(3, np.int8)) is None  # no F16C loop to gather with
+    with pytest.raises(ValueError, match=r"'sse2' is not one of none, avx2, all"):
+        kernels.set_isa("sse2")
+    assert kernels.isa() == "none"
+    assert kernels.set_isa(isa) == "none" and kernels.isa() == isa
+    with pytest.raises(ValueError, match="level 3 is not 0, 1 or 2"):
+        kernels._kernels.set_isa(3)
+
+
+def test_stoker_kernels_isa_sets_the_level_at_import() -> None:
+    import subprocess
+
+    code = "from stoker import kernels; print(kernels.isa())"
+    for value, want in (("avx2", "avx2"), ("none", "none"), ("", "all")):
+        env = {**os.environ, "STOKER_KERNELS_ISA": value}
+        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert got.stdout.strip() == want
+    env = {**os.environ, "STOKER_KERNELS_ISA": "avx9"}
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "STOKER_KERNELS_ISA='avx9' is not one of none, avx2, all" in bad.stderr
 
 
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
@@ -282,7 +315,7 @@ def test_global_shuffle_gathers_integers_into_float16_with_the_kernel() -> None:
     """numpy's gather then cast ran W1's global shuffle into float16 at 47k records/s, the
     kernel's gather at 207k (float32: 171k)."""
     for src, code in (("int8", "b"), ("uint8", "B"), ("int16", "h"), ("uint16", "H")):
-        want = (code, "e") if X86 else None
+        want = (code, "e") if f16c() else None
         assert kernels._codes(np.empty((2, 3), np.float16), np.empty((4, 3), src)) == want
 
 

@@ -41,6 +41,21 @@
 #define STOKER_ALIGNED
 #endif
 
+/* Which hand-written loops may run (set_isa, for tests and A/B runs): ISA_ALL takes the widest
+ * the CPU has; ISA_AVX2 what a CPU without AVX512_BF16 runs (the AVX2 and F16C loops); ISA_NONE
+ * none of them (the generic kernels and numpy, as on a CPU without AVX2). The generic kernels'
+ * target_clones are picked once at load time and are not affected. */
+enum { ISA_NONE = 0, ISA_AVX2 = 1, ISA_ALL = 2 };
+static int isa_limit = ISA_ALL;
+
+#ifdef STOKER_X86
+static inline int has_avx2(void) { return isa_limit >= ISA_AVX2 && __builtin_cpu_supports("avx2"); }
+static inline int has_f16c(void) { return has_avx2() && __builtin_cpu_supports("f16c"); }
+static inline int has_bf16ne(void) {
+    return isa_limit >= ISA_ALL && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
+}
+#endif
+
 #define MAX_OPS 8
 #define BLOCK 2048 /* elements: a block of float64 is 16 KiB, in L1 while the ops run */
 
@@ -466,7 +481,7 @@ DEFINE_TO_F16(f32_f16_f16c, float, LOAD8_F32)
 
 /* The float16 loop for an integer source code, or NULL (no F16C, or not such a source). */
 static void (*pick_f16(int src))(const void *, uint16_t *, Py_ssize_t, int) {
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return NULL;
+    if (!has_f16c()) return NULL;
     switch (src) {
     case 'b': return i8_f16_f16c;
     case 'B': return u8_f16_f16c;
@@ -522,9 +537,9 @@ static int convert_run(int src_code, int out_code, const char *src, char *dst, P
     if (kernel == NULL) return -1;
     RELEASE_GIL_IF_BIG((size_t)n * value_bytes(out_code));
 #ifdef STOKER_X86
-    if (stream && out_code == 'f' && (src_code == 'b' || src_code == 'B') && __builtin_cpu_supports("avx2")) {
+    if (stream && out_code == 'f' && (src_code == 'b' || src_code == 'B') && has_avx2()) {
         (src_code == 'b' ? i8_f32_avx2 : u8_f32_avx2)(src, (float *)dst, n);
-    } else if (stream && out_code == 'f' && (src_code == 'h' || src_code == 'H') && __builtin_cpu_supports("avx2")) {
+    } else if (stream && out_code == 'f' && (src_code == 'h' || src_code == 'H') && has_avx2()) {
         (src_code == 'h' ? i16_f32_avx2 : u16_f32_avx2)(src, (float *)dst, n);
     } else
 #endif
@@ -924,7 +939,7 @@ static int gives_no_nan(const job_t *j) {
  * the row. */
 static kernel_t pick_rows(int src, int out, const job_t *j, int whole_units) {
 #ifdef STOKER_X86
-    if (j->nops == 1 && j->I > 1 && j->M * j->I <= UNITS_MAX && out == 'f' && __builtin_cpu_supports("avx2")) {
+    if (j->nops == 1 && j->I > 1 && j->M * j->I <= UNITS_MAX && out == 'f' && has_avx2()) {
         switch (src) {
         case 'b': return units_i8_f32;
         case 'B': return units_u8_f32;
@@ -935,7 +950,7 @@ static kernel_t pick_rows(int src, int out, const job_t *j, int whole_units) {
     }
     if (j->nops != 1 || (j->ops[0].vector && !whole_units) || j->I != 1 || j->M < 8 || j->M % 8 != 0) return NULL;
     if (j->stream && ((uintptr_t)j->dst & 31) != 0) return NULL; /* streamed stores need aligned rows */
-    if (!__builtin_cpu_supports("avx2") || (out == 'e' && !__builtin_cpu_supports("f16c"))) return NULL;
+    if (!has_avx2() || (out == 'e' && !has_f16c())) return NULL;
     const int exact_ints = src != 'f' && gives_no_nan(j); /* integers, exact in float32, are finite */
 #define ROWS_BY_OUT(SRC)                                                                   \
     return out == 'f' ? rows_##SRC##_f32 : out == 'e' ? rows_##SRC##_f16                   \
@@ -964,7 +979,7 @@ static bf16_loop_t pick_bf16(int src_code) {
     case 'f': loop = f32_bf16; break;
     }
 #ifdef STOKER_X86
-    if (__builtin_cpu_supports("avx2")) {
+    if (has_avx2()) {
         switch (src_code) {
         case 'b': loop = i8_bf16_avx2; break;
         case 'B': loop = u8_bf16_avx2; break;
@@ -974,7 +989,7 @@ static bf16_loop_t pick_bf16(int src_code) {
         }
     }
 #ifdef STOKER_AVX512BF16
-    if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl")) {
+    if (has_bf16ne()) {
         switch (src_code) {
         case 'b': loop = i8_bf16_ne; break;
         case 'B': loop = u8_bf16_ne; break;
@@ -1019,7 +1034,7 @@ static PyObject *computed_to_float16(PyObject *self, PyObject *args) {
     int stream;
     if (!PyArg_ParseTuple(args, "KnKp", &src, &n, &dst, &stream)) return NULL;
 #ifdef STOKER_X86
-    if (n >= 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+    if (n >= 0 && has_f16c()) {
         RELEASE_GIL_IF_BIG((size_t)n * 2);
         f32_f16_f16c((const void *)(uintptr_t)src, (uint16_t *)(uintptr_t)dst, n, stream);
         if (stream) stream_fence();
@@ -1030,6 +1045,22 @@ static PyObject *computed_to_float16(PyObject *self, PyObject *args) {
     (void)src, (void)dst, (void)n, (void)stream;
 #endif
     Py_RETURN_FALSE;
+}
+
+/* set_isa(level) -> int: the hand-written loops allowed from now on (ISA_NONE, ISA_AVX2,
+ * ISA_ALL); returns the level before (-1: only that). For tests and A/B runs, no batch in flight. */
+static PyObject *set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const long level = PyLong_AsLong(arg);
+    if (level == -1 && PyErr_Occurred()) return NULL;
+    if (level == -1) return PyLong_FromLong(isa_limit); /* a query */
+    if (level < ISA_NONE || level > ISA_ALL) {
+        PyErr_Format(PyExc_ValueError, "set_isa: level %ld is not 0, 1 or 2", level);
+        return NULL;
+    }
+    const int before = isa_limit;
+    isa_limit = (int)level;
+    return PyLong_FromLong(before);
 }
 
 /* file_size(fd) -> int: fstat's st_size, with the GIL held. os.fstat gives the GIL up for a
@@ -1276,6 +1307,7 @@ static PyObject *flush(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"flush", flush, METH_NOARGS, "flush(): send this thread's deferred wake-up (Signal.post_later) now"},
     {"file_size", file_size, METH_O, "file_size(fd) -> int (fstat's st_size, GIL held)"},
+    {"set_isa", set_isa, METH_O, "set_isa(level) -> int: hand-written loops allowed (0 none, 1 AVX2/F16C, 2 all; -1 asks); the level before"},
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"
      " -> bool (False, nothing written: no row kernel for a float16 'e' or bfloat16 'E' output)"},

@@ -30,8 +30,10 @@ __all__ = [
     "compiled",
     "file_size",
     "gather_into",
+    "isa",
     "map_file",
     "maps_hold_descriptors",
+    "set_isa",
 ]
 
 _kernels: Any
@@ -52,9 +54,53 @@ _CASTS = {(s, o) for s in "bBhHf" for o in "fd"} | {("d", "d")}
 # The sources the kernel's bfloat16 loops take (float32: rounded to nearest even, NaN kept
 # quiet, bit for bit ml_dtypes' cast).
 _BF16_CODES = {np.dtype(t): np.dtype(t).char for t in (np.int8, np.uint8, np.int16, np.uint16, np.float32)}
-# Integers into float16 where the build has its loop (x86 with F16C).
-if _kernels is not None and _kernels.cast_into(np.empty(1, np.float16), np.zeros(1, np.int8), 0):
-    _CASTS |= {(s, "e") for s in "bBhH"}
+_F16_CASTS = {(s, "e") for s in "bBhH"}
+
+
+def _probe_f16() -> None:
+    """Integers into float16 where the kernels have that loop now (x86 with F16C, see set_isa)."""
+    if _kernels is not None and _kernels.cast_into(np.empty(1, np.float16), np.zeros(1, np.int8), 0):
+        _CASTS.update(_F16_CASTS)
+    else:
+        _CASTS.difference_update(_F16_CASTS)
+
+
+_probe_f16()
+
+# The hand-written loops set_isa allows, widest last (the C side's ISA_NONE, ISA_AVX2, ISA_ALL).
+ISA_LEVELS = ("none", "avx2", "all")
+
+
+def isa() -> str:
+    """The hand-written loops allowed now (see :func:`set_isa`): one of ``ISA_LEVELS``."""
+    return ISA_LEVELS[_kernels.set_isa(-1)] if _kernels is not None else "none"
+
+
+def set_isa(level: str) -> str:
+    """Which of the kernels' hand-written loops may run from now on; returns the level before.
+
+    ``"all"`` (the default): the widest the CPU has (AVX512_BF16's conversion for integers into
+    bfloat16). ``"avx2"``: what a CPU with AVX2 and F16C but no AVX512_BF16 runs. ``"none"``: no
+    hand-written loop, as on a CPU without AVX2 (the generic kernels, and numpy where they have
+    no loop). Every level gives the same bits; this exists so tests check each path on one
+    machine and benchmarks can compare them. Process-wide: call it with no loader running.
+    ``STOKER_KERNELS_ISA`` sets it at import.
+    """
+    if level not in ISA_LEVELS:
+        raise ValueError(f"set_isa: level {level!r} is not one of {', '.join(ISA_LEVELS)}")
+    if _kernels is None:
+        return "none"
+    before = ISA_LEVELS[_kernels.set_isa(ISA_LEVELS.index(level))]
+    _probe_f16()
+    return before
+
+
+if os.environ.get("STOKER_KERNELS_ISA"):
+    if os.environ["STOKER_KERNELS_ISA"] not in ISA_LEVELS:
+        raise ValueError(
+            f"STOKER_KERNELS_ISA={os.environ['STOKER_KERNELS_ISA']!r} is not one of {', '.join(ISA_LEVELS)}"
+        )
+    set_isa(os.environ["STOKER_KERNELS_ISA"])
 
 
 def compiled() -> bool:
