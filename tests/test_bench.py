@@ -66,6 +66,23 @@ def test_every_raw_ceiling_loop_copies_whole_records_of_every_file(sample: Path,
     assert m.records > 2 * 64 and m.bytes_read == m.records * 16 * 16
 
 
+@pytest.mark.parametrize("out", ["bfloat16", "float32"])
+def test_the_ceiling_reads_a_bfloat16_field_and_a_loop_that_fails_says_why(tmp_path: Path, out: str) -> None:
+    """A field stored as bfloat16 reaches the ceiling's child by name ('<V2' would make it raw
+    bytes, and every loop failed: a ceiling of "no record"); a loop that fails raises in the child."""
+    import ml_dtypes
+
+    path = tmp_path / "e_0.bin"
+    np.arange(64 * 32, dtype=np.float32).astype(ml_dtypes.bfloat16).tofile(path)
+    cfg = {"paths": [str(path)], "header": 0, "shape": [32], "src_dtype": "bfloat16", "out_dtype": out,
+           "batch": 16, "loop": "mmap_kept", "threads": 1, "seconds": 0.2}  # fmt: skip
+    m = run_child("ceiling", cfg)
+    assert m.records > 64 and m.bytes_read == m.records * 64
+    # Raw void records cannot be cast: the loop's error, from inside the loop, fails the child.
+    with pytest.raises(RuntimeError, match=r"child .ceiling. failed:(.|\n)*_ceiling_worker(.|\n)*ValueError"):
+        run_child("ceiling", {**cfg, "src_dtype": "<V2", "out_dtype": "float32"})
+
+
 def test_the_ceiling_loops_buffers_are_memory_as_stoker_s_batches_get() -> None:
     """Page aligned, huge pages advised from 2 MiB (a faster yardstick than np.empty's memory)."""
     big = output_buffer((256, 128, 128, 1), np.dtype(np.float32))

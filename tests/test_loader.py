@@ -123,6 +123,51 @@ def test_cast_to_bfloat16_rounds_every_field_as_ml_dtypes_does(tmp_path: Path, s
     assert one["x"].dtype.name == "bfloat16" and one["image"].dtype == np.int8 and one["label"].dtype == np.float32
 
 
+@pytest.mark.parametrize("shuffle", [False, "global"])
+@pytest.mark.parametrize("cast", [None, "float32", "float16"])
+def test_fields_stored_as_bfloat16_are_read_bit_for_bit(tmp_path: Path, shuffle: object, cast: str | None) -> None:
+    """Records stored as bfloat16 (ml_dtypes' dtype): raw (with a header), gzip and zlib, in
+    order or gathered by a global shuffle, kept as bfloat16 or cast as ml_dtypes casts."""
+    import ml_dtypes
+
+    plans = {
+        "emb": FieldPlan("emb", "bfloat16", (5, 3), header=6),
+        "logit": FieldPlan("lg", "bfloat16", (2,), kind="gzip"),
+        "aux": FieldPlan("aux", "bfloat16", (), kind="zlib"),
+        "label": LAB_GZ,
+    }
+    ds = build(tmp_path, [13, 0, 7, 21], plans)
+    assert ds.fields["emb"].dtype == np.dtype(ml_dtypes.bfloat16) and ds.fields["emb"].record_bytes == 30
+    kw = {"shuffle": shuffle, "seed": 5} if shuffle else {}
+    casts = dict.fromkeys(("emb", "logit", "aux"), cast) if cast else {}
+    batches = list(ds.loader(8, cast=casts or None, with_index=True, **kw))  # type: ignore[arg-type]
+    check_batches(ds, batches, cast=casts)
+    for b in batches:  # bit for bit: bfloat16 values compared as their bits
+        want = np.stack([ref for ref in _raw_bf16(tmp_path, b["__group__"], b["__index__"])])
+        got = b["emb"] if cast is None else b["emb"].astype(ml_dtypes.bfloat16)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def _raw_bf16(tmp_path: Path, groups: np.ndarray, index: np.ndarray) -> list[np.ndarray]:
+    """The "emb" records at (group, index), read with numpy from the files themselves."""
+    import ml_dtypes
+
+    files = {g: np.fromfile(tmp_path / f"emb_{g:04d}.bin", np.uint8)[6:] for g in set(groups.tolist())}
+    return [
+        files[g][i * 30 : (i + 1) * 30].view(ml_dtypes.bfloat16).reshape(5, 3)
+        for g, i in zip(groups.tolist(), index.tolist())
+    ]
+
+
+def test_a_bfloat16_field_refuses_big_endian_naming_the_way_to_read_it() -> None:
+    import ml_dtypes
+
+    for dtype in ("bfloat16", "BFloat16", ml_dtypes.bfloat16, np.dtype(ml_dtypes.bfloat16)):
+        assert stoker.Field("x_*.bin", dtype, (4,)).record_bytes == 8
+    with pytest.raises(stoker.SpecError, match=r"bfloat16' is read little-endian only.*dtype='>u2'"):
+        stoker.Field("x_*.bin", "bfloat16", byte_order="big")
+
+
 def test_big_endian_values_are_decoded_to_native(tmp_path: Path) -> None:
     (tmp_path / "a.bin").write_bytes(np.array([1, 256, -2], ">i4").tobytes())
     ds = stoker.Dataset(a=stoker.Field([str(tmp_path / "a.bin")], "int32", byte_order="big"))

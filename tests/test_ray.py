@@ -97,6 +97,11 @@ def test_a_bfloat16_cast_is_refused_naming_the_field_rather_than_made_python_obj
     with pytest.raises(stoker.SpecError, match="ray: field 'label' cast to bfloat16: Ray Data's Arrow") as e:
         stoker.ray.read(ds, cast={"label": "bfloat16"})
     assert e.value.field == "label"
+    stored = build(tmp_path / "s", [6, 9], {"image": IMG, "emb": FieldPlan("emb", "bfloat16", (2,))})
+    with pytest.raises(stoker.SpecError, match="ray: field 'emb' stored as bfloat16: Ray Data's Arrow"):
+        stoker.ray.read(stored)
+    # Cast to a type Arrow has, it reads (no cluster needed to build the datasource).
+    assert stoker.ray.StokerDatasource(stored, cast={"emb": "float32"}).ranges == [(0, 0, 6), (1, 0, 9)]
 
 
 def test_ray_workers_read_s3_urls_with_the_fields_storage_options(tmp_path: Path, cluster: None) -> None:

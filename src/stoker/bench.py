@@ -121,7 +121,7 @@ def _ceiling_worker(
     paths: Sequence[str], header: int, shape: tuple[int, ...], src_dtype: str, out_dt: np.dtype,
     batch: int, loop: str, begin: float, until: float, tallies: list[_Tally],
 ) -> None:  # fmt: skip
-    src_dt = np.dtype(src_dtype)
+    src_dt = resolve_dtype(src_dtype)
     rb = int(np.prod(shape)) * src_dt.itemsize
     out = output_buffer((batch, *shape), out_dt)
     staging = output_buffer((batch * rb,), np.dtype(np.uint8))
@@ -192,17 +192,26 @@ def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
     threads = cfg["threads"]
     paths = cfg["paths"]
     tallies: list[_Tally] = []
+    failed: list[BaseException] = []
+
+    def run(*args: Any) -> None:
+        try:
+            _ceiling_worker(*args)
+        except BaseException as e:
+            failed.append(e)
+
     if cfg.get("evict"):
         _evict_page_cache(paths)
     # Before the clock starts: "bfloat16" imports ml_dtypes, which took longer than a short
     # timed window (a ceiling of zero records).
     out_dtype = resolve_dtype(cfg["out_dtype"])
+    resolve_dtype(cfg["src_dtype"])
     start = time.perf_counter()
     begin = start + _warmup_seconds(cfg)
     until = begin + cfg["seconds"]
     workers = [
         threading.Thread(
-            target=_ceiling_worker,
+            target=run,
             args=(
                 paths[i::threads] or paths,
                 cfg["header"],
@@ -232,7 +241,9 @@ def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
     elapsed = max(t.ended for t in timed) - min(t.begun for t in timed if t.begun is not None) if timed else 0.0
     if not records:  # nothing done in the window (no records in the files): the whole run's pace, zero
         elapsed = time.perf_counter() - start
-    rb = int(np.prod(cfg["shape"])) * np.dtype(cfg["src_dtype"]).itemsize
+    if failed:  # a loop that cannot run on these files says why, not "no record in the window"
+        raise failed[0]
+    rb = int(np.prod(cfg["shape"])) * resolve_dtype(cfg["src_dtype"]).itemsize
     return {"records": records, "seconds": elapsed, "bytes_read": records * rb, "cpu_seconds": cpu}
 
 

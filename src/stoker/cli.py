@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .dataset import Dataset, resolve_cast
 from .errors import PairingError, SpecError, StokerError
 from .sample import CONFIG_NAME, cached_sample, write_sample
@@ -224,6 +226,11 @@ def _check_bench_numbers(args: argparse.Namespace) -> None:
             raise SpecError(f"stoker bench {flag} {value:g}: must be {need}")
 
 
+def _dtype_arg(dtype: np.dtype) -> str:
+    """A dtype as the ceiling's child process reads it back (stoker.spec.resolve_dtype)."""
+    return dtype.name if dtype.kind == "V" else dtype.str  # ml_dtypes' bfloat16: '<V2' would lose it
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     _check_bench_numbers(args)
     if args.compare:
@@ -267,14 +274,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.no_ceiling:
         f = ds.fields[widest]
         out = resolve_cast(ds.fields, cast)[widest]
-        out_dtype = out.name if out.kind == "V" else out.str  # ml_dtypes' bfloat16: '<V2' would lose it
+        out_dtype = _dtype_arg(out)
         paths = [i[widest].path for i in ds.files]
         threads = len(os.sched_getaffinity(0))
         # The widest field bounds the copy; compressed, its decompression bounds it instead.
         compressed = any(i[widest].compression is not None for i in ds.files)
         for loop in ("inflate_cast",) if compressed else ("mmap_kept", "mmap_stream", "preadv_cast"):
             contenders[f"ceiling:{loop}"] = {
-                "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": f.dtype.str,
+                "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": _dtype_arg(f.dtype),
                 "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": threads,
                 "seconds": args.seconds, "warmup": args.warmup,
             }  # fmt: skip

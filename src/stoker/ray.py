@@ -128,8 +128,9 @@ class StokerDatasource(_datasource_base()):  # type: ignore[misc]
         self._dtypes = ds.output_dtypes(cast)
         for name, dtype in self._dtypes.items():
             if dtype.kind == "V":  # ml_dtypes' bfloat16: Ray would turn the column into Python objects
+                how = "stored as" if ds.fields[name].dtype.kind == "V" else "cast to"
                 raise SpecError(
-                    f"ray: field {name!r} cast to {dtype.name}: Ray Data's Arrow blocks have no such type (the "
+                    f"ray: field {name!r} {how} {dtype.name}: Ray Data's Arrow blocks have no such type (the "
                     "column would become Python objects, one per value); cast to float16 or float32 here and "
                     "to bfloat16 where the batch is consumed",
                     field=name,

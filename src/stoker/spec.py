@@ -83,10 +83,20 @@ def _stated_order(value: object, dtype: np.dtype) -> str | None:
 
 
 def _as_dtype(value: object, byte_order: str | None) -> tuple[np.dtype, Literal["little", "big"]]:
-    try:
-        dtype = np.dtype(value)  # type: ignore[call-overload]
-    except TypeError as e:
-        raise SpecError(f"dtype={value!r} is not a numpy dtype") from e
+    if isinstance(value, str) and value.lower() == "bfloat16":
+        dtype = resolve_dtype(value)
+    else:
+        try:
+            dtype = np.dtype(value)  # type: ignore[call-overload]
+        except TypeError as e:
+            raise SpecError(f"dtype={value!r} is not a numpy dtype") from e
+    if dtype.name == "bfloat16":  # ml_dtypes' (numpy kind "V"): its values, stored little-endian
+        if byte_order == "big":
+            raise SpecError(
+                "dtype='bfloat16' is read little-endian only (ml_dtypes' bfloat16 has no byte-swapped form); "
+                "read such a field as dtype='>u2' and view its batches' arrays as ml_dtypes.bfloat16"
+            )
+        return dtype, "little"
     if dtype.kind not in "biuf" or dtype.itemsize == 0:
         raise SpecError(f"dtype={value!r} must be a fixed-size bool, integer or float dtype")
     stated = _stated_order(value, dtype)
@@ -106,7 +116,8 @@ class Field:
     Args:
         files: a glob pattern, a list of patterns, or a list of paths. A glob's matches are
             sorted by code point; an explicit list keeps its order.
-        dtype: the stored element type (``"int8"``, ``"float32"``, ...).
+        dtype: the stored element type (``"int8"``, ``"float32"``, ...; ``"bfloat16"`` is
+            ml_dtypes' type, stored little-endian).
         shape: the shape of one record; ``()`` for a scalar per record.
         header_bytes, footer_bytes: skipped at the start/end of every file (of the
             decompressed stream for compressed files), as tf.data.FixedLengthRecordDataset does.
