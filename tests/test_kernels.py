@@ -250,6 +250,23 @@ def test_stoker_kernels_isa_sets_the_level_at_import() -> None:
     assert bad.returncode != 0 and "STOKER_KERNELS_ISA='avx9' is not one of none, avx2, all" in bad.stderr
 
 
+@pytest.mark.parametrize("n", [2**16, 2**16 - 5, 3, 0, STREAMED])
+@pytest.mark.parametrize("misalign", [0, 1, 3])
+def test_bfloat16_records_widen_to_float32_as_ml_dtypes_casts_every_value(n: int, misalign: int) -> None:
+    """Every bfloat16 bit pattern (NaNs with their payloads and signs, infinities, subnormals)
+    into float32 by the kernel: ml_dtypes' bits, nothing written outside the output."""
+    import ml_dtypes
+
+    x = np.resize(np.arange(2**16, dtype=np.uint16), n).view(ml_dtypes.bfloat16)
+    buf = np.full(n + misalign + 4, 7, np.float32)
+    got = buf[misalign : misalign + n]
+    assert kernels._widen_bf16(got, x), "went to numpy"
+    assert np.array_equal(got.view(np.uint32), x.astype(np.float32).view(np.uint32))
+    assert np.all(buf[:misalign] == 7) and np.all(buf[misalign + n :] == 7)
+    assert not kernels._widen_bf16(np.empty(n, np.float64), x)  # float64: numpy's cast
+    assert not kernels._widen_bf16(got, x.astype(np.float32))  # not bfloat16
+
+
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
     rng = np.random.default_rng(2)
     x = _values("int16", 4096, rng).reshape(64, 64)

@@ -1023,6 +1023,54 @@ static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* bfloat16 records into float32: exact, each value's 16 bits become the float32's top half
+ * (NaN payloads and signs kept, as ml_dtypes' cast does). ml_dtypes converts one value at a
+ * time through its own loop. Streamed where the output is a batch (see cast_into). */
+static void bf16_f32(const uint16_t *s, uint32_t *d, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+}
+#ifdef STOKER_X86
+__attribute__((target("avx2"))) static void bf16_f32_avx2(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream) {
+    Py_ssize_t i = 0;
+    for (; i < n && ((uintptr_t)(d + i) & 31); i++) d[i] = (uint32_t)s[i] << 16;
+    for (; i + 16 <= n; i += 16) {
+        const __m256i a = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i))), 16);
+        const __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i + 8))), 16);
+        if (stream) {
+            _mm256_stream_si256((__m256i *)(d + i), a);
+            _mm256_stream_si256((__m256i *)(d + i + 8), b);
+        } else {
+            _mm256_store_si256((__m256i *)(d + i), a);
+            _mm256_store_si256((__m256i *)(d + i + 8), b);
+        }
+    }
+    for (; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+}
+#endif
+
+/* from_bfloat16(src_addr, n, dst_addr, stream): n bfloat16 values into float32 (see bf16_f32). */
+static PyObject *from_bfloat16(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long src, dst;
+    Py_ssize_t n;
+    int stream;
+    if (!PyArg_ParseTuple(args, "KnKp", &src, &n, &dst, &stream)) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative count");
+        return NULL;
+    }
+    RELEASE_GIL_IF_BIG((size_t)n * 4);
+#ifdef STOKER_X86
+    if (has_avx2()) {
+        bf16_f32_avx2((const uint16_t *)(uintptr_t)src, (uint32_t *)(uintptr_t)dst, n, stream);
+        if (stream) stream_fence();
+    } else
+#endif
+        bf16_f32((const uint16_t *)(uintptr_t)src, (uint32_t *)(uintptr_t)dst, n);
+    TAKE_GIL_BACK();
+    Py_RETURN_NONE;
+}
+
 /* computed_to_float16(src_addr, n, dst_addr, stream) -> bool: n float32 values computed by
  * stoker (never signalling NaNs) into float16, by F16C; False, with nothing written, where the
  * build or the CPU has no F16C. The transforms' one-pass kernel computes in float32 and narrows
@@ -1312,6 +1360,7 @@ static PyMethodDef methods[] = {
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"
      " -> bool (False, nothing written: no row kernel for a float16 'e' or bfloat16 'E' output)"},
     {"cast_into", cast_arrays, METH_VARARGS, "cast_into(dst, src, stream_min_bytes) -> bool"},
+    {"from_bfloat16", from_bfloat16, METH_VARARGS, "from_bfloat16(src_addr, n, dst_addr, stream): bfloat16 values into float32"},
     {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): b B h H f values into bfloat16"},
     {"computed_to_float16", computed_to_float16, METH_VARARGS,
      "computed_to_float16(src_addr, n, dst_addr, stream) -> bool: float32 values computed here into float16"},

@@ -12,6 +12,7 @@ slower on W1's frames). Arrays in either spelling of the machine's byte order ("
 "=f4") take the kernels; the other order goes to numpy, which swaps it. Integer and float32
 records into ml_dtypes' bfloat16 (``cast="bfloat16"``, ``Cast("bfloat16")``) take a kernel too,
 integers by the CPU's own conversion where it has AVX512_BF16; gathers into bfloat16 as well.
+Records stored as bfloat16 widen into float32 by a kernel loop too.
 """
 
 from __future__ import annotations
@@ -162,7 +163,11 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     """
     if _kernels is None:
         np.copyto(dst, src, casting="unsafe")
-    elif not _kernels.cast_into(dst, src, STREAM_MIN_BYTES) and not _bfloat16_into(dst, src):
+    elif (
+        not _kernels.cast_into(dst, src, STREAM_MIN_BYTES)
+        and not _bfloat16_into(dst, src)
+        and not _widen_bf16(dst, src)
+    ):
         _kernels.flush()  # numpy may give the GIL up: send a deferred wake-up first (stoker.engine)
         np.copyto(dst, src, casting="unsafe")
 
@@ -179,6 +184,19 @@ def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
         return False
     if dst.size:
         _kernels.bfloat16(code, address(src), dst.size, address(dst))
+    return True
+
+
+def _widen_bf16(dst: np.ndarray, src: np.ndarray) -> bool:
+    """bfloat16 records (``Field(dtype="bfloat16")``) into float32 by the kernel, where it applies:
+    exact, each value's bits moved to the top half, as ml_dtypes' cast does one value at a time."""
+    if (
+        src.dtype.name != "bfloat16" or dst.dtype != np.float32 or dst.shape != src.shape
+        or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable)
+    ):  # fmt: skip
+        return False
+    if dst.size:
+        _kernels.from_bfloat16(address(src), dst.size, address(dst), dst.nbytes >= STREAM_MIN_BYTES)
     return True
 
 
