@@ -357,6 +357,20 @@ def test_global_shuffle_gathers_into_bfloat16_with_the_kernel_bit_for_bit(src: s
     assert kernels._codes(np.empty((2, 3), bf16), np.empty((4, 3), np.float64)) is None  # to numpy
 
 
+def test_bfloat16_records_gathered_into_bfloat16_keep_every_bit() -> None:
+    """Stored bfloat16 gathered as it is (the kernel copies its 16-bit patterns, NaN payloads too)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(12)
+    x = rng.integers(0, 2**16, size=(40, 3, 5), dtype=np.uint16).view(ml_dtypes.bfloat16)
+    rows, index = rng.permutation(30)[:25], rng.integers(0, 40, size=25)
+    got = np.full((30, 3, 5), 7, np.uint16).view(ml_dtypes.bfloat16)
+    want = got.view(np.uint16).copy()
+    kernels.gather_into(got, rows, x, index)
+    want[rows] = x.view(np.uint16)[index]
+    assert got.dtype.name == "bfloat16" and np.array_equal(got.view(np.uint16), want)
+
+
 def test_file_size_is_the_size_of_the_open_file_now(tmp_path: Path) -> None:
     path = tmp_path / "img_0000.bin"
     path.write_bytes(bytes(1000))

@@ -204,6 +204,8 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
     """``dst[rows] = src[index]`` (cast as ``np.copyto`` casts), one pass per record where the
     compiled kernel applies; numpy's fancy indexing otherwise (a copy of the records, then a
     second pass to scatter and cast them)."""
+    if src.dtype.name == "bfloat16" and dst.dtype.name == "bfloat16":  # a copy: gather the bits
+        dst, src = dst.view(np.uint16), src.view(np.uint16)
     codes = _codes(dst, src) if len(rows) == len(index) and dst.shape[1:] == src.shape[1:] else None
     if codes is None:
         dst[rows] = src[index]
