@@ -275,6 +275,25 @@ def test_native_dataset_decodes_dtypes_decode_raw_lacks(tmp_path: Path) -> None:
     assert batch["u"].dtype == np.uint64 and batch["v"].dtype == np.uint32
 
 
+def test_bfloat16_fields_reach_tensorflow_with_their_bits(tmp_path: Path) -> None:
+    """Records stored as bfloat16 (every bit pattern, NaN payloads included): to_tf and
+    native_dataset give tf.bfloat16 tensors with the files' bits, and cast float32 as ml_dtypes does."""
+    import ml_dtypes
+
+    bits = np.arange(2**16, dtype=np.uint16).reshape(-1, 8)
+    (tmp_path / "e_0.bin").write_bytes(bits[:4096].tobytes())
+    (tmp_path / "e_1.bin").write_bytes(bits[4096:].tobytes())
+    ds = stoker.Dataset(e=stoker.Field(str(tmp_path / "e_*.bin"), "bfloat16", (8,)))
+    native = [b["e"] for b in native_dataset(ds, 512)]
+    bridged = [b["e"] for b in ds.loader(512).to_tf()]
+    for got in (native, bridged):
+        assert all(t.dtype == tf.bfloat16 for t in got)
+        assert np.array_equal(np.concatenate([tf.bitcast(t, tf.uint16).numpy() for t in got]), bits)
+    widened = np.concatenate([b["e"].numpy() for b in native_dataset(ds, 512, cast={"e": "float32"})])
+    want = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(widened.view(np.uint32), want.view(np.uint32))
+
+
 # -- tf.data service ----------------------------------------------------------------
 
 
