@@ -74,6 +74,7 @@ def test_inspect_reports_out_of_sync_groups_with_exit_code_1(sample: Path, capsy
         ("y=b.gz:float32:gzip", {"files": "b.gz", "dtype": "float32", "compression": "gzip"}),
         ("y=b:float32:4:none", {"files": "b", "shape": [4], "compression": None}),
         ("z=C:/data/*.bin:uint8:3:zlib", {"files": "C:/data/*.bin", "dtype": "uint8", "compression": "zlib"}),
+        ("e=emb_*.bin:bfloat16:8x8", {"files": "emb_*.bin", "dtype": "bfloat16", "shape": [8, 8]}),
     ],
 )
 def test_parse_field(text: str, expected: dict) -> None:

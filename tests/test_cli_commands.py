@@ -200,6 +200,20 @@ def test_bench_says_the_ceiling_was_not_measured_when_its_loops_timed_no_record(
     assert "verdict: " in out
 
 
+def test_bench_on_a_bfloat16_field_measures_its_ceiling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ceiling's child gets the field's dtype by name: as '<V2' every loop failed and the
+    ceiling read "not measured"."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    for g in range(2):
+        rng.normal(size=(512, 16, 16)).astype(ml_dtypes.bfloat16).tofile(tmp_path / f"e_{g}.bin")
+    field = f"e={tmp_path}/e_*.bin:bfloat16:16x16"
+    code = main(["bench", "--field", field, "--rounds", "1", "--seconds", "0.3", "--warmup", "0.1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "stoker / ceiling: median" in out and "batch 256, cast float32;" in out
+
+
 def test_bench_cast_none_keeps_the_stored_dtypes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _bench_a_sample(tmp_path, capsys, "--cast", "none")
     assert code == 0
