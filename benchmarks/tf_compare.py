@@ -157,6 +157,11 @@ def _child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, fl
         kind = "to_tf"
     if kind.endswith("_graph"):
         return _child_in_graph(kind.removesuffix("_graph"), data, seconds, warmup)
+    if kind != "numpy":
+        # Imported before the warm-up's clock starts, as _child_in_graph does: TensorFlow's import
+        # (~3 s here) used up the whole warm-up, so the eager TF contenders were timed from their
+        # first batch, start-up included (to_tf's first 0.5 s ran at ~6k records/s, its next at 450k+).
+        import tensorflow  # noqa: F401
     began = time.perf_counter()
     return time_batches(_batches(kind, data), seconds, warmup=warmup, began=began)  # build and trace untimed
 
