@@ -314,7 +314,10 @@ class Task:
 
 def _bytes_of(dst: np.ndarray) -> memoryview:
     """A C-contiguous array's memory as bytes, to read into; also for dtypes numpy exports no
-    buffer for (ml_dtypes' bfloat16)."""
+    buffer for (ml_dtypes' bfloat16). Never a copy: a strided array is refused, as
+    ``memoryview(dst).cast("B")`` refused it."""
+    if not dst.flags.c_contiguous:
+        raise TypeError("a read goes straight into a C-contiguous array, never into a copy")
     return memoryview(dst.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
