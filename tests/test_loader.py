@@ -159,6 +159,18 @@ def _raw_bf16(tmp_path: Path, groups: np.ndarray, index: np.ndarray) -> list[np.
     ]
 
 
+def test_reads_go_into_the_batch_s_own_memory_never_into_a_copy() -> None:
+    import ml_dtypes
+
+    from stoker.batch import _bytes_of
+
+    batch = np.zeros((4, 3), ml_dtypes.bfloat16)  # a dtype numpy exports no buffer for
+    _bytes_of(batch[1:3])[:2] = b"\x80\x3f"  # bfloat16 1.0, written through the view
+    assert float(batch[1, 0]) == 1.0
+    with pytest.raises(TypeError, match="C-contiguous"):
+        _bytes_of(np.zeros((4, 3), np.float32)[:, :2])
+
+
 def test_a_bfloat16_field_refuses_big_endian_naming_the_way_to_read_it() -> None:
     import ml_dtypes
 
