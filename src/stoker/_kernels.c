@@ -1032,7 +1032,8 @@ static void bf16_f32(const uint16_t *s, uint32_t *d, Py_ssize_t n) {
 #ifdef STOKER_X86
 __attribute__((target("avx2"))) static void bf16_f32_avx2(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream) {
     Py_ssize_t i = 0;
-    for (; i < n && ((uintptr_t)(d + i) & 31); i++) d[i] = (uint32_t)s[i] << 16;
+    while (i < n && ((uintptr_t)(d + i) & 31)) i++;
+    bf16_f32(s, d, i); /* to an aligned output */
     for (; i + 16 <= n; i += 16) {
         const __m256i a = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i))), 16);
         const __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i + 8))), 16);
@@ -1044,7 +1045,7 @@ __attribute__((target("avx2"))) static void bf16_f32_avx2(const uint16_t *s, uin
             _mm256_store_si256((__m256i *)(d + i + 8), b);
         }
     }
-    for (; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+    bf16_f32(s + i, d + i, n - i);
 }
 #endif
 

@@ -118,10 +118,9 @@ def output_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def _ceiling_worker(
-    paths: Sequence[str], header: int, shape: tuple[int, ...], src_dtype: str, out_dt: np.dtype,
+    paths: Sequence[str], header: int, shape: tuple[int, ...], src_dt: np.dtype, out_dt: np.dtype,
     batch: int, loop: str, begin: float, until: float, tallies: list[_Tally],
 ) -> None:  # fmt: skip
-    src_dt = resolve_dtype(src_dtype)
     rb = int(np.prod(shape)) * src_dt.itemsize
     out = output_buffer((batch, *shape), out_dt)
     staging = output_buffer((batch * rb,), np.dtype(np.uint8))
@@ -205,7 +204,7 @@ def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
     # Before the clock starts: "bfloat16" imports ml_dtypes, which took longer than a short
     # timed window (a ceiling of zero records).
     out_dtype = resolve_dtype(cfg["out_dtype"])
-    resolve_dtype(cfg["src_dtype"])
+    src_dtype = resolve_dtype(cfg["src_dtype"])
     start = time.perf_counter()
     begin = start + _warmup_seconds(cfg)
     until = begin + cfg["seconds"]
@@ -216,7 +215,7 @@ def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
                 paths[i::threads] or paths,
                 cfg["header"],
                 tuple(cfg["shape"]),
-                cfg["src_dtype"],
+                src_dtype,
                 out_dtype,
                 cfg["batch"],
                 cfg["loop"],
@@ -243,7 +242,7 @@ def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
         elapsed = time.perf_counter() - start
     if failed:  # a loop that cannot run on these files says why, not "no record in the window"
         raise failed[0]
-    rb = int(np.prod(cfg["shape"])) * resolve_dtype(cfg["src_dtype"]).itemsize
+    rb = int(np.prod(cfg["shape"])) * src_dtype.itemsize
     return {"records": records, "seconds": elapsed, "bytes_read": records * rb, "cpu_seconds": cpu}
 
 

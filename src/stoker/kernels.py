@@ -97,11 +97,12 @@ def set_isa(level: str) -> str:
 
 
 if os.environ.get("STOKER_KERNELS_ISA"):
-    if os.environ["STOKER_KERNELS_ISA"] not in ISA_LEVELS:
+    try:
+        set_isa(os.environ["STOKER_KERNELS_ISA"])
+    except ValueError as e:
         raise ValueError(
             f"STOKER_KERNELS_ISA={os.environ['STOKER_KERNELS_ISA']!r} is not one of {', '.join(ISA_LEVELS)}"
-        )
-    set_isa(os.environ["STOKER_KERNELS_ISA"])
+        ) from e
 
 
 def compiled() -> bool:
@@ -146,6 +147,8 @@ def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
     if _kernels is None or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
         return None
     if dst.dtype.name == "bfloat16":
+        if src.dtype.name == "bfloat16":  # a copy: the kernel moves their bits as uint16
+            return "H", "H"
         code = _BF16_CODES.get(src.dtype)
         return None if code is None else (code, "E")
     s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
@@ -172,15 +175,18 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src, casting="unsafe")
 
 
+def _elementwise(dst: np.ndarray, src: np.ndarray) -> bool:
+    """Whether a loop over ``dst.size`` values can convert ``src`` into ``dst`` by address: the
+    same shape, both C-contiguous, the output writable (what the C ``cast_into`` checks itself)."""
+    return dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable
+
+
 def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
     """Integer or float32 records into ml_dtypes' bfloat16 by the kernel, where it applies (numpy
     exports no buffer for that dtype, so the kernel's ``cast_into`` cannot take it). ml_dtypes
     casts one value at a time."""
     code = _BF16_CODES.get(src.dtype)
-    if (
-        code is None or dst.dtype.name != "bfloat16" or dst.shape != src.shape
-        or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable)
-    ):  # fmt: skip
+    if code is None or dst.dtype.name != "bfloat16" or not _elementwise(dst, src):
         return False
     if dst.size:
         _kernels.bfloat16(code, address(src), dst.size, address(dst))
@@ -190,10 +196,7 @@ def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
 def _widen_bf16(dst: np.ndarray, src: np.ndarray) -> bool:
     """bfloat16 records (``Field(dtype="bfloat16")``) into float32 by the kernel, where it applies:
     exact, each value's bits moved to the top half, as ml_dtypes' cast does one value at a time."""
-    if (
-        src.dtype.name != "bfloat16" or dst.dtype != np.float32 or dst.shape != src.shape
-        or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable)
-    ):  # fmt: skip
+    if src.dtype.name != "bfloat16" or dst.dtype != np.float32 or not _elementwise(dst, src):
         return False
     if dst.size:
         _kernels.from_bfloat16(address(src), dst.size, address(dst), dst.nbytes >= STREAM_MIN_BYTES)
@@ -204,8 +207,6 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
     """``dst[rows] = src[index]`` (cast as ``np.copyto`` casts), one pass per record where the
     compiled kernel applies; numpy's fancy indexing otherwise (a copy of the records, then a
     second pass to scatter and cast them)."""
-    if src.dtype.name == "bfloat16" and dst.dtype.name == "bfloat16":  # a copy: gather the bits
-        dst, src = dst.view(np.uint16), src.view(np.uint16)
     codes = _codes(dst, src) if len(rows) == len(index) and dst.shape[1:] == src.shape[1:] else None
     if codes is None:
         dst[rows] = src[index]
