@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from .spec import is_bfloat16
+
 __all__ = [
     "STREAM_MIN_BYTES",
     "address",
@@ -146,8 +148,8 @@ def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
     loops take."""
     if _kernels is None or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
         return None
-    if dst.dtype.name == "bfloat16":
-        if src.dtype.name == "bfloat16":  # a copy: the kernel moves their bits as uint16
+    if is_bfloat16(dst.dtype):
+        if is_bfloat16(src.dtype):  # a copy: the kernel moves their bits as uint16
             return "H", "H"
         code = _BF16_CODES.get(src.dtype)
         return None if code is None else (code, "E")
@@ -186,7 +188,7 @@ def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
     exports no buffer for that dtype, so the kernel's ``cast_into`` cannot take it). ml_dtypes
     casts one value at a time."""
     code = _BF16_CODES.get(src.dtype)
-    if code is None or dst.dtype.name != "bfloat16" or not _elementwise(dst, src):
+    if code is None or not is_bfloat16(dst.dtype) or not _elementwise(dst, src):
         return False
     if dst.size:
         _kernels.bfloat16(code, address(src), dst.size, address(dst))
@@ -196,7 +198,7 @@ def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
 def _widen_bf16(dst: np.ndarray, src: np.ndarray) -> bool:
     """bfloat16 records (``Field(dtype="bfloat16")``) into float32 by the kernel, where it applies:
     exact, each value's bits moved to the top half, as ml_dtypes' cast does one value at a time."""
-    if src.dtype.name != "bfloat16" or dst.dtype != np.float32 or not _elementwise(dst, src):
+    if not is_bfloat16(src.dtype) or dst.dtype != np.float32 or not _elementwise(dst, src):
         return False
     if dst.size:
         _kernels.from_bfloat16(address(src), dst.size, address(dst), dst.nbytes >= STREAM_MIN_BYTES)
