@@ -305,7 +305,8 @@ def run_one(kind: str, workload: str, data: Path, seconds: float, warmup: float 
         os.sync()
         _evict_page_cache([str(p) for p in data.iterdir() if p.name.startswith(("img_", "out_"))])
     if kind == "stoker numpy":
-        cfg: dict[str, Any] = {"fields": stoker_fields(workload, data), "batch": BATCH, "cast": dtype,
+        # The images alone are cast, as the ceiling and the peers cast them; labels stay float32.
+        cfg: dict[str, Any] = {"fields": stoker_fields(workload, data), "batch": BATCH, "cast": {"image": dtype},
                                "seconds": seconds, "shuffle": "global" if workload == "W3" else None,
                                "busy_ms": BUSY_MS if workload == "W1-busy" else 0,
                                "warmup": warmup or True}  # fmt: skip
