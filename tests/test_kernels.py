@@ -267,6 +267,25 @@ def test_bfloat16_records_widen_to_float32_as_ml_dtypes_casts_every_value(n: int
     assert not kernels._widen_bf16(got, x.astype(np.float32))  # not bfloat16
 
 
+def test_only_ml_dtypes_bfloat16_is_taken_for_bfloat16() -> None:
+    """The casts route by stoker.spec.is_bfloat16 (not numpy's slow dtype.name): no other
+    2-byte or ml_dtypes type may reach the bfloat16 loops, and the float32 labels of W1-int8
+    still cast to int8 as numpy does."""
+    import ml_dtypes
+
+    from stoker.spec import is_bfloat16
+
+    assert is_bfloat16(np.dtype(ml_dtypes.bfloat16))
+    others = [np.float16, np.uint16, np.int16, "V2", ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, np.float32]
+    assert not any(is_bfloat16(np.dtype(t)) for t in others)
+    labels = np.array([0.5, -1.7, 126.9, 300.0, -300.0, np.nan], np.float32)
+    got, want = np.full(6, 9, np.int8), np.empty(6, np.int8)
+    with np.errstate(invalid="ignore"):
+        kernels.cast_into(got, labels)
+        np.copyto(want, labels, casting="unsafe")
+    assert np.array_equal(got, want)
+
+
 def test_what_the_kernel_cannot_do_goes_to_numpy() -> None:
     rng = np.random.default_rng(2)
     x = _values("int16", 4096, rng).reshape(64, 64)
