@@ -390,6 +390,26 @@ def test_bfloat16_records_gathered_into_bfloat16_keep_every_bit() -> None:
     assert got.dtype.name == "bfloat16" and np.array_equal(got.view(np.uint16), want)
 
 
+@pytest.mark.parametrize("out_rows", [2000, kernels.STREAM_MIN_BYTES // (37 * 4) + 1])  # plain, streamed
+def test_bfloat16_records_gathered_into_float32_widen_every_bit_pattern(out_rows: int) -> None:
+    """Stored bfloat16 cast to float32 under a global shuffle: the kernel's gather widens each
+    record (odd lengths: the vector loop's unaligned head and tail) as ml_dtypes casts, NaN
+    payloads and signs included; rows not gathered stay as they were."""
+    import ml_dtypes
+
+    x = np.resize(np.arange(2**16, dtype=np.uint16), 1772 * 37).reshape(1772, 37).view(ml_dtypes.bfloat16)
+    assert kernels._codes(np.empty((2, 37), np.float32), x) == ("E", "f")
+    assert kernels._codes(np.empty((2, 37), np.float64), x) is None  # numpy's cast
+    rng = np.random.default_rng(out_rows)
+    rows = rng.permutation(out_rows)[: out_rows - 3]
+    index = np.resize(rng.permutation(1772), len(rows))  # every record, some twice
+    got = np.full((out_rows, 37), 7, np.float32)
+    want = got.copy()
+    kernels.gather_into(got, rows, x, index)
+    want[rows] = x[index].astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_file_size_is_the_size_of_the_open_file_now(tmp_path: Path) -> None:
     path = tmp_path / "img_0000.bin"
     path.write_bytes(bytes(1000))

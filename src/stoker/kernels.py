@@ -12,7 +12,7 @@ slower on W1's frames). Arrays in either spelling of the machine's byte order ("
 "=f4") take the kernels; the other order goes to numpy, which swaps it. Integer and float32
 records into ml_dtypes' bfloat16 (``cast="bfloat16"``, ``Cast("bfloat16")``) take a kernel too,
 integers by the CPU's own conversion where it has AVX512_BF16; gathers into bfloat16 as well.
-Records stored as bfloat16 widen into float32 by a kernel loop too.
+Records stored as bfloat16 widen into float32 by a kernel loop too, in order and gathered.
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def address(x: np.ndarray) -> int:
 def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
     """The gather kernel's (source, output) dtype codes for a copy of ``src`` into ``dst``, or
     None where the kernel does not apply (no build, a dtype or cast it lacks, a strided or
-    read-only array). ml_dtypes' bfloat16 output is "E" (its type code), from the sources its
-    loops take."""
+    read-only array). ml_dtypes' bfloat16 is "E" (its type code): as the output, from the
+    sources its loops take; as the source, into float32."""
     if _kernels is None or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
         return None
     if is_bfloat16(dst.dtype):
@@ -153,6 +153,8 @@ def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
             return "H", "H"
         code = _BF16_CODES.get(src.dtype)
         return None if code is None else (code, "E")
+    if is_bfloat16(src.dtype):  # widened into float32 (exact), else numpy's cast
+        return ("E", "f") if dst.dtype == np.float32 else None
     s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
     if s is None or o is None or (s != o and (s, o) not in _CASTS):
         return None
