@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
@@ -104,6 +104,10 @@ class JaxLoader(UserPosition):
         return len(self.loader)
 
     def _put(self, batch: Mapping[str, np.ndarray]) -> JaxBatch:
+        if not any(self.sharding.values()):
+            # One call for the whole batch: device_put's Python costs ~50 us a call, per call
+            # rather than per array (W1's two fields: ~57-95 us a batch by field, ~51 in one).
+            return cast(JaxBatch, jax.device_put(dict(batch)))
         out: JaxBatch = {}
         for name, array in batch.items():
             s = self.sharding.get(name)
