@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import re
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,6 @@ def test_bench_on_a_tiny_dataset_prints_records_per_second_and_the_ceiling_ratio
     assert "stoker / ceiling: median" in out
     assert "ceiling:mmap_stream" in out and "ceiling:mmap_kept" in out
     assert "1 alternated rounds of 0.3s, each after 0.2s of warm-up" in out
+    first = re.search(r"first batch after ([\d,]+) ms \(rounds ([\d,]+)\.\.([\d,]+)\): start-up", out)
+    assert first is not None, out
+    assert 0 <= int(first[1].replace(",", "")) < 60_000  # measured, in milliseconds

@@ -37,6 +37,7 @@ first batch only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -78,6 +79,8 @@ class Measurement:
     bytes_read: int
     stats: dict[str, Any] | None = None  # stoker's loader.stats().to_dict(), for stoker contenders
     cpu_seconds: float = 0.0
+    # stoker: from iter(loader) to its first batch (threads, file maps, the first new buffers).
+    first_batch_seconds: float | None = None
 
     @property
     def records_per_s(self) -> float:
@@ -335,8 +338,10 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
 
         began = time.perf_counter()
         batches = epoch_after_epoch() if per_epoch and not cold else iter(loader)
+        first: float | None = None
         if cfg.get("warmup"):  # start-up and first batch excluded, as peers' benchmarks do
             next(batches)
+            first = time.perf_counter() - began
             # A warm-up in seconds: the steady state is timed, as the ceiling's is.
             warm_until = began + _warmup_seconds(cfg)
             if time.perf_counter() < warm_until:
@@ -349,6 +354,8 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         until = start + cfg["seconds"]
         for batch in batches:
+            if first is None:
+                first = time.perf_counter() - began
             n += batch_rows(batch)
             if busy:
                 burn(busy)
@@ -358,7 +365,7 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         stats = loader.stats().to_dict()
     return {
         "records": n, "seconds": elapsed, "bytes_read": n * total_bytes, "stats": stats,
-        "cpu_seconds": time.process_time() - cpu,
+        "cpu_seconds": time.process_time() - cpu, "first_batch_seconds": first,
     }  # fmt: skip
 
 
@@ -393,8 +400,9 @@ def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
     """Run one contender for ``cfg['seconds']`` in a fresh process and return its figures."""
     out = child_json(contender, ["-m", "stoker.bench", contender, json.dumps(cfg)])
     return Measurement(
-        contender, out["records"], out["seconds"], out["bytes_read"], out.get("stats"), out.get("cpu_seconds", 0.0)
-    )
+        contender, out["records"], out["seconds"], out["bytes_read"], out.get("stats"), out.get("cpu_seconds", 0.0),
+        out.get("first_batch_seconds"),
+    )  # fmt: skip
 
 
 def measure(
@@ -407,7 +415,7 @@ def measure(
         for name in order:
             kind = "stoker" if name.startswith("stoker") else "ceiling"
             m = run_child(kind, contenders[name])
-            m = Measurement(name, m.records, m.seconds, m.bytes_read, m.stats, m.cpu_seconds)
+            m = dataclasses.replace(m, contender=name)
             results[name].append(m)
             if on_result is not None:
                 on_result(r, m)

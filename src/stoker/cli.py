@@ -320,6 +320,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"CPU {stats.cpu_utilization:.0%} of {stats.cores} cores; {stats.settings}")  # fmt: skip
         print(f"you waited on stoker {stats.wait_fraction:.0%} of the loop; stoker waited on you "
               f"{stats.consumer_fraction:.0%}")  # fmt: skip
+        firsts = [m.first_batch_seconds for m in results["stoker"] if m.first_batch_seconds is not None]
+        if firsts:
+            med, lo, hi = summarize(firsts)
+            print(f"first batch after {med * 1000:,.0f} ms (rounds {lo * 1000:,.0f}..{hi * 1000:,.0f}): "
+                  "start-up, from iter(loader): threads, file maps, the first new buffers")  # fmt: skip
         print(stats.stage_split)
         if stats.busy_split:
             print(stats.busy_split)
