@@ -612,10 +612,7 @@ static PyObject *cast_arrays(PyObject *self, PyObject *args) {
 /* The fastest loop this CPU has from dtype code src (b B h H f) into bfloat16, or NULL. */
 typedef void (*bf16_loop_t)(const void *, uint16_t *, Py_ssize_t);
 static bf16_loop_t pick_bf16(int src);
-static void bf16_f32(const uint16_t *s, uint32_t *d, Py_ssize_t n);
-#ifdef STOKER_X86
-__attribute__((target("avx2"))) static void bf16_f32_avx2(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream);
-#endif
+static void widen_bf16(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream);
 
 /* gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream): record k
  * (rec_elems values of dtype src at base + offsets[k] bytes) cast or copied into row rows[k] of
@@ -647,17 +644,9 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     }
     if (src_code == 'E' && out_code == 'f') { /* bfloat16 records widened into float32 (see bf16_f32) */
         RELEASE_GIL_IF_BIG((size_t)n * (size_t)elems * 4);
-        for (Py_ssize_t k = 0; k < n; k++) {
-            const uint16_t *s = (const uint16_t *)((const char *)(uintptr_t)base + off[k]);
-            uint32_t *d = (uint32_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems;
-#ifdef STOKER_X86
-            if (has_avx2()) {
-                bf16_f32_avx2(s, d, elems, stream);
-                continue;
-            }
-#endif
-            bf16_f32(s, d, elems);
-        }
+        for (Py_ssize_t k = 0; k < n; k++)
+            widen_bf16((const uint16_t *)((const char *)(uintptr_t)base + off[k]),
+                       (uint32_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems, elems, stream);
         if (stream) stream_fence();
         TAKE_GIL_BACK();
         Py_RETURN_NONE;
@@ -1070,6 +1059,17 @@ __attribute__((target("avx2"))) static void bf16_f32_avx2(const uint16_t *s, uin
 }
 #endif
 
+/* The widest of the two loops this CPU may run (see set_isa); the caller fences a streamed one. */
+static void widen_bf16(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream) {
+#ifdef STOKER_X86
+    if (has_avx2()) {
+        bf16_f32_avx2(s, d, n, stream);
+        return;
+    }
+#endif
+    bf16_f32(s, d, n);
+}
+
 /* from_bfloat16(src_addr, n, dst_addr, stream): n bfloat16 values into float32 (see bf16_f32). */
 static PyObject *from_bfloat16(PyObject *self, PyObject *args) {
     (void)self;
@@ -1082,13 +1082,8 @@ static PyObject *from_bfloat16(PyObject *self, PyObject *args) {
         return NULL;
     }
     RELEASE_GIL_IF_BIG((size_t)n * 4);
-#ifdef STOKER_X86
-    if (has_avx2()) {
-        bf16_f32_avx2((const uint16_t *)(uintptr_t)src, (uint32_t *)(uintptr_t)dst, n, stream);
-        if (stream) stream_fence();
-    } else
-#endif
-        bf16_f32((const uint16_t *)(uintptr_t)src, (uint32_t *)(uintptr_t)dst, n);
+    widen_bf16((const uint16_t *)(uintptr_t)src, (uint32_t *)(uintptr_t)dst, n, stream);
+    if (stream) stream_fence();
     TAKE_GIL_BACK();
     Py_RETURN_NONE;
 }
