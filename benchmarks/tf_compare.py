@@ -1,18 +1,20 @@
 """stoker against tf.data on W1: the seed's pipeline, its interleave version, the best tf.data, native_dataset, to_tf.
 
-Every contender produces float32 images (256, 128, 128, 1) + float32 labels (256,) from the
-same files and a consumer that only iterates and counts: a Python loop over the iterator, and,
-for the TF contenders marked "in graph", a tf.function that pulls 50 batches from the iterator
-per call, as Keras' fit does (its train function calls ``next(iterator)`` inside the graph), so
-no Python runs per batch on the consumer's side. "tf.data best" is the fastest plain
-tf.data pipeline we could write by hand for these files: each record of the image files is a
-whole batch (4096 records per file is a multiple of 256), the gzip labels likewise, per-pair zip
-inside a parallel deterministic interleave, one decode + cast per batch in a parallel map.
-"numpy_function bridge" is to_tf with ``STOKER_TF_BRIDGE=numpy_function``: the fallback used
-where the native op cannot be compiled. Rounds alternate the contenders, each in a fresh process
-(this kind of machine drifts by tens of percent within a minute); ratios are taken within a
-round, then their median is reported. Each contender runs ``--warmup`` seconds (and at least one
-batch or call) unmeasured before its timed seconds: all are timed in their steady state.
+Every contender produces float32 images (256, 128, 128, 1) + float32 labels (256,) from the same
+files and a consumer that only iterates and counts: a Python loop over the iterator, and, for
+the TF contenders marked "in graph", a tf.function that pulls 50 batches from the iterator per
+call, as Keras' fit does (its train function calls ``next(iterator)`` inside the graph), so no
+Python runs per batch on the consumer's side. The contenders marked "1 inter-op thread" are the
+same graph consumers after ``tf.config.threading.set_inter_op_parallelism_threads(1)``. "tf.data
+best" is the fastest plain tf.data pipeline we could write by hand for these files: each record
+of the image files is a whole batch (4096 records per file is a multiple of 256), the gzip
+labels likewise, per-pair zip inside a parallel deterministic interleave, one decode + cast per
+batch in a parallel map. "numpy_function bridge" is to_tf with
+``STOKER_TF_BRIDGE=numpy_function``: the fallback used where the native op cannot be compiled.
+Rounds alternate the contenders, each in a fresh process (this kind of machine drifts by tens of
+percent within a minute); ratios are taken within a round, then their median is reported. Each
+contender runs ``--warmup`` seconds (and at least one batch or call) unmeasured before its timed
+seconds: all are timed in their steady state.
 
     python benchmarks/tf_compare.py [--rounds 5] [--seconds 3] [--warmup 1] [--data DIR] [--out FILE]
 """
@@ -45,6 +47,8 @@ CONTENDERS = {
     "stoker to_tf, numpy_function bridge": "to_tf_pyfunc",
     "tf.data best (in graph)": "best_graph",
     "stoker to_tf (in graph)": "to_tf_graph",
+    "tf.data best (in graph, 1 inter-op thread)": "best_graph_interop1",
+    "stoker to_tf (in graph, 1 inter-op thread)": "to_tf_graph_interop1",
 }
 STEPS_PER_CALL = 50
 
@@ -152,6 +156,14 @@ def _child_in_graph(kind: str, data: Path, seconds: float, warmup: float) -> dic
 
 
 def _child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, float]:
+    if kind.endswith("_interop1"):
+        # TensorFlow's inter-op pool of one thread (set before TensorFlow's runtime starts): the
+        # graph's ops, GetNext included, then run on that thread instead of hopping between pool
+        # threads that spin for work between hops.
+        import tensorflow as tf
+
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        kind = kind.removesuffix("_interop1")
     if kind == "to_tf_pyfunc":
         os.environ["STOKER_TF_BRIDGE"] = "numpy_function"
         kind = "to_tf"
@@ -223,6 +235,10 @@ def main() -> int:
         ("stoker to_tf", "stoker to_tf, numpy_function bridge"),
         ("stoker to_tf (in graph)", "stoker numpy"),
         ("stoker to_tf (in graph)", "tf.data best (in graph)"),
+        ("stoker to_tf (in graph, 1 inter-op thread)", "stoker numpy"),
+        ("stoker to_tf (in graph, 1 inter-op thread)", "stoker to_tf (in graph)"),
+        ("tf.data best (in graph, 1 inter-op thread)", "tf.data best (in graph)"),
+        ("stoker to_tf (in graph, 1 inter-op thread)", "tf.data best (in graph, 1 inter-op thread)"),
         ("stoker native_dataset", "stoker numpy"),
     ):
         med, lo, hi = ratio(a, b)
