@@ -4,7 +4,9 @@
 
 Writes the sample dataset into DIRECTORY (default: a temporary directory) unless it is
 already there, then fits a tiny conv net that learns the label from the image. Each Keras
-epoch iterates the tf.data dataset again, which starts a fresh pass of the loader.
+epoch iterates the tf.data dataset again, which starts a fresh pass of the loader. Run as a
+script, it gives TensorFlow one inter-op thread first, as the README recommends for a
+``tf.function`` consumer on a host with few cores.
 """
 
 from __future__ import annotations
@@ -70,4 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import tensorflow as tf
+
+    # Before TensorFlow's first op: one inter-op thread keeps the graph's ops (next() included)
+    # on one thread instead of hopping between spinning pool threads, which on a host with few
+    # cores take CPU from the loader's workers (README, "From tf.data").
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     sys.exit(main())

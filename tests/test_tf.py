@@ -6,6 +6,8 @@ import gc
 import gzip
 import importlib.util
 import os
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -180,6 +182,21 @@ def test_keras_fit_runs_on_the_sample(tmp_path: Path) -> None:
     losses = module.train(tmp_path, steps=3, epochs=2)
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert module.main([str(tmp_path), "--steps", "2", "--epochs", "1"]) == 0
+
+
+def test_keras_fit_runs_as_a_script_with_one_inter_op_thread(tmp_path: Path) -> None:
+    """As a user runs it: the inter-op setting comes before TensorFlow's first op, or it raises."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "keras_fit.py"), str(tmp_path), "--steps", "2", "--epochs", "2"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1", "epoch 2"]
+    assert all(np.isfinite(float(line.rsplit(" ", 1)[1])) for line in lines)
+    names = {p.name for p in tmp_path.iterdir()}  # the sample it wrote and trained on
+    assert {"img_0000.bin", "img_0001.bin", "out_0000.bin.gz", "out_0001.bin.gz"} <= names
 
 
 # -- native_dataset -----------------------------------------------------------------
