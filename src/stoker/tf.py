@@ -148,8 +148,8 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     Consumed inside a ``tf.function`` (Keras' ``fit``) on a host with few cores, call
     ``tf.config.threading.set_inter_op_parallelism_threads(1)`` before TensorFlow's first op:
     the graph's ops then stay on one thread instead of hopping between spinning pool threads
-    that take CPU from the loader's workers (W1, 2 cores: 0.89x of the numpy loop's records/s
-    against 0.84x; README, From tf.data).
+    that take CPU from the loader's workers (W1, 2 cores: 0.87-0.89x of the numpy loop's
+    records/s against 0.84-0.85x in two runs; README, From tf.data).
 
     Args:
         element_spec: the spec of each element, for a ``transform=`` that cannot run on a
