@@ -347,17 +347,41 @@ def test_a_ready_result_waits_at_most_for_the_one_in_flight_after_it() -> None:
     done = threading.Event()
 
     def fn(x: int) -> int:
-        if x == 1:
+        if x == 2:
             done.wait(5)
             time.sleep(0.1)
         return x
 
     with ThreadExecutor(2).map_ordered(fn, range(6), window=4) as results:
+        assert next(results) == 0
         threading.Timer(0.05, done.set).start()
         t = time.perf_counter()
+        assert next(results) == 1
+        assert time.perf_counter() - t < 0.4  # task 2's end wakes it, not the 0.5 s poll
+        assert list(results) == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("defer_wake", [False, True], ids=["at-once", "deferred"])
+def test_the_first_result_goes_at_once_though_later_ones_are_in_flight(defer_wake: bool) -> None:
+    """The consumer has nothing before its first result, so it is not held for the ones after
+    it: here task 1 ends only once result 0 has been taken, which the 0.5 s poll would find."""
+    taken, started = threading.Event(), threading.Event()
+
+    def fn(x: int) -> int:
+        if x == 0:
+            started.wait(5)  # task 1 is in flight when result 0 lands
+        if x == 1:
+            started.set()
+            taken.wait(5)
+        return x
+
+    with ThreadExecutor(2).map_ordered(fn, range(6), window=4, defer_wake=defer_wake) as results:
+        t = time.perf_counter()
         assert next(results) == 0
-        assert time.perf_counter() - t < 0.4  # task 1's end wakes it, not the 0.5 s poll
+        waited = time.perf_counter() - t
+        taken.set()
         assert list(results) == [1, 2, 3, 4, 5]
+    assert waited < 0.4, waited
 
 
 def test_large_pool_buffers_are_advised_to_use_huge_pages_and_small_ones_are_not() -> None:
