@@ -465,10 +465,10 @@ class _State(Generic[T, R]):
                 # instead of two or three, 1.05x W1 float32 records/s (5 alternated rounds).
                 # The map's first result is the exception: the consumer has nothing to work on
                 # yet, so it goes at once. Held for the three after it, a pass's first batch came
-                # ~3 batches late (W1 float32, 2 threads: 5.3 ms after iter() instead of 2.2),
-                # dead time for a consumer slower than the workers (a training step), which
-                # never waits again once its first batch is in hand; paid once per pass (per epoch
-                # in PyTorch's and Keras' loops).
+                # ~3 batches late (W1 float32, 2 threads, one trace: 5.3 ms after iter() instead
+                # of 2.2), dead time for a consumer slower than the workers (a training step),
+                # which never waits again once its first batch is in hand; paid once per pass
+                # (per epoch in PyTorch's and Keras' loops).
                 d = self.delivered
                 if d in self.results and (
                     d == 0
