@@ -234,9 +234,27 @@ def small_sample(directory: Path, *, pairs: int, records: int, inrez: int = 16) 
     )
 
 
-def record_allocations(loader: stoker.Loader) -> set[int]:
-    """Make ``loader`` record the address of every buffer its allocator hands out; returns the set it fills."""
-    addresses: set[int] = set()
+class Allocations:
+    """The buffers an allocator handed out: ``address in`` it is True for any address inside one
+    (a batch assembled with others is a view into theirs, see stoker.loader.COALESCE_BYTES);
+    ``len()`` counts the distinct buffers."""
+
+    def __init__(self) -> None:
+        self.spans: dict[int, int] = {}  # start -> end
+
+    def add(self, arr: np.ndarray) -> None:
+        self.spans[arr.ctypes.data] = arr.ctypes.data + arr.nbytes
+
+    def __contains__(self, address: object) -> bool:
+        return isinstance(address, int) and any(a <= address < e for a, e in self.spans.items())
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+
+def record_allocations(loader: stoker.Loader) -> Allocations:
+    """Make ``loader`` record every buffer its allocator hands out; returns the record it fills."""
+    addresses = Allocations()
     make = loader.allocator_factory
 
     class Recording:
@@ -245,7 +263,7 @@ def record_allocations(loader: stoker.Loader) -> set[int]:
 
         def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
             out = self.inner.array(shape, dtype)
-            addresses.add(out.ctypes.data)
+            addresses.add(out)
             return out
 
         def clear(self) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import stoker
 import stoker.torch
+from conftest import Allocations
 from stoker.engine import AlignedPool
 from stoker.sample import expected_label
 from stoker.torch import StokerIterableDataset, shard_from_distributed, to_torch, worker_shard
@@ -83,19 +84,20 @@ def test_to_torch_yields_the_numpy_batches_as_tensors(sample: stoker.Dataset, sh
 
 
 class RecordingPool(AlignedPool):
-    """AlignedPool that remembers the address of every array it hands out."""
+    """AlignedPool that remembers every array it hands out (a batch may be a view into one,
+    see conftest.Allocations)."""
 
-    addresses: ClassVar[set[int]] = set()
+    addresses: ClassVar[Allocations] = Allocations()
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         arr = super().array(shape, dtype)
-        RecordingPool.addresses.add(arr.ctypes.data)
+        RecordingPool.addresses.add(arr)
         return arr
 
 
 def test_to_torch_on_cpu_is_zero_copy_over_stokers_buffers(sample: stoker.Dataset) -> None:
     # Guard: fails if a copy sneaks into the CPU path (torch.tensor, .clone, ascontiguousarray...).
-    RecordingPool.addresses = set()
+    RecordingPool.addresses = Allocations()
     loader = sample.loader(16)
     loader.allocator_factory = lambda pooled: RecordingPool(pooled)
     with to_torch(loader) as batches:
@@ -112,7 +114,7 @@ def test_bfloat16_batches_become_torch_bfloat16_tensors_on_stokers_buffers(sampl
 
     with sample.loader(16) as plain:
         expected = [dict(b) for b in plain]
-    RecordingPool.addresses = set()
+    RecordingPool.addresses = Allocations()
     loader = sample.loader(16, cast="bfloat16")
     loader.allocator_factory = lambda pooled: RecordingPool(pooled)
     seen = 0

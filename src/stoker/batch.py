@@ -389,6 +389,8 @@ class Assembler:
         # their stored records never land in a buffer of their own.
         self.fused: Any = None
         self._fusable: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        self._redoable: dict[int, bool] = {}  # per group, see redoable()
+        self._decode_locks: dict[tuple[str, str], threading.Lock] = {}  # see _kept_or_decoded
 
     def share_kept(self, maps: KeptMaps | None, decoded: KeptDecoded) -> None:
         """Keep maps (unless None) and decoded files in the loader's, which outlive this pass,
@@ -900,6 +902,21 @@ class Assembler:
             )  # fmt: skip
         return inf
 
+    def redoable(self, plan: BatchPlan) -> bool:
+        """Whether ``plan`` can be assembled again, or its runs split between batches: it reads
+        no compressed stream in turns (only raw files and files decoded whole, whose records
+        any batch copies in any order)."""
+        return all(self._redoable_group(run.group) for run in plan.runs)
+
+    def _redoable_group(self, group: int) -> bool:
+        known = self._redoable.get(group)
+        if known is None:
+            infos = self.catalog.files[group]
+            known = self._redoable[group] = all(
+                infos[n].compression is None or self._whole_able(n, group) for n in self._compressed
+            )
+        return known
+
     def _whole_able(self, name: str, group: int) -> bool:
         """Whether the group's file of ``name`` is decoded and verified whole (no turns)."""
         spec = self.fields[name]
@@ -960,7 +977,18 @@ class Assembler:
                         del self._streams[(epoch, run.group, name)]
 
     def _kept_or_decoded(self, name: str, spec: Field, info: FileInfo, group: int) -> _Whole:
-        """The group's file of ``name`` decoded whole: kept from an earlier epoch, or decoded now."""
+        """The group's file of ``name`` decoded whole: kept from an earlier epoch, or decoded now.
+
+        One decode at a time per file: epochs overlap when they are short (several batches
+        assembled together can be a whole epoch, see stoker.loader.COALESCE_BYTES), and the
+        next epoch's stream then waits for this one's decode and finds it kept.
+        """
+        with self._lock:
+            lock = self._decode_locks.setdefault((name, info.path), threading.Lock())
+        with lock:
+            return self._kept_or_decoded_now(name, spec, info, group)
+
+    def _kept_or_decoded_now(self, name: str, spec: Field, info: FileInfo, group: int) -> _Whole:
         expected = self.catalog.count(group)
         ident = identity(info.path)  # before decoding: a file changed meanwhile is not kept as this one
         if ident is not None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 import os
+import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .autotune import ThreadTuner, available_cores, default_prefetch, wanted_prefetch
+from .autotune import SPARE, ThreadTuner, available_cores, default_prefetch, wanted_prefetch
 from .batch import (
     GROUP_KEY,
     INDEX_KEY,
@@ -23,10 +26,10 @@ from .batch import (
     loader_kept_maps,
 )
 from .dataset import resolve_cast
-from .engine import AlignedPool, Allocator, Executor, OrderedMap, ThreadExecutor, run_finalizer
+from .engine import ALIGNMENT, AlignedPool, Allocator, Executor, OrderedMap, Stopped, ThreadExecutor, run_finalizer
 from .errors import SpecError, StateError
 from .order import even_length, fingerprint, shard_length, validate_shard
-from .plan import BatchPlan, Plan, PlanConfig, Shuffle, default_block_length, default_cycle_length
+from .plan import BatchPlan, Plan, PlanConfig, Shuffle, coalesce, default_block_length, default_cycle_length
 from .readahead import Readahead, drop_behind_for
 from .spec import parse_bytes
 from .stats import Counters, LoaderStats
@@ -42,6 +45,14 @@ STATE_VERSION = 1
 # "files" shuffle: blocks whose order is shuffled together. An explicit constant, never
 # derived from memory_budget, so the order never depends on the budget.
 DEFAULT_WINDOW = 16
+# Small batches are assembled several at a time, as one batch of about this many bytes whose
+# parts are delivered one by one (views of it; see _Pass): the per-batch work (planning,
+# dispatch, buffers, file bookkeeping, a copy call per run and field) is paid once for all of
+# them, and a file's records for all of them are copied in one call. The batches, their order
+# and their contents are what they would be one at a time. 16 MiB is a W1 batch (256 records
+# of 128x128 float32), where that work is about a tenth of the time.
+COALESCE_BYTES = 16 << 20
+MAX_COALESCE = 64
 
 
 def default_threads() -> int:
@@ -138,6 +149,7 @@ class Loader:
                 f"({self.batch_bytes} bytes for batch_size={self.batch_size}); raise memory_budget or lower batch_size"
             )
         fits = self.memory_budget // self.batch_bytes
+        self._parts = 1  # batches assembled together (see COALESCE_BYTES); set below
         # What the default prefetch takes half of: the batches the budget holds beside the
         # decoded files the loader keeps (at most KEPT_DECODED_BYTES, an eighth of what
         # prefetch leaves; see _kept_decoded), so the pool can recycle as many batches as are
@@ -147,9 +159,12 @@ class Loader:
         # others; at prefetch 5 none did (4 alternated rounds of 4 s).
         self._fits = max(0, self.memory_budget - min(KEPT_DECODED_BYTES, self.memory_budget // 8)) // self.batch_bytes
         if prefetch is None:
-            # See stoker.autotune.default_prefetch (measured there). Autotuned threads:
-            # reserved for the most workers it may reach.
-            self.prefetch = default_prefetch(self._max_threads, self.batch_bytes, self._fits)
+            # See stoker.autotune.default_prefetch (measured there), in batches assembled
+            # together (see COALESCE_BYTES). Autotuned threads: reserved for the most workers
+            # it may reach.
+            self._parts = self._coalesced(shuffle, pad_last, executor)
+            unit = self._parts * self.batch_bytes
+            self.prefetch = self._parts * default_prefetch(self._max_threads, unit, self._fits // self._parts)
         else:
             self.prefetch = _positive("prefetch", prefetch) or 1
             if self.prefetch > fits:
@@ -252,6 +267,26 @@ class Loader:
             self.dtypes = {n: d for n, (_, d) in stage.records.items()}
             self.shapes = {n: s for n, (s, _) in stage.records.items()}
         return stage
+
+    def _coalesced(self, shuffle: object, pad_last: bool, executor: Executor | None) -> int:
+        """Batches assembled together (see COALESCE_BYTES): 1 unless batches are small.
+
+        Only on the default path, where every batch is made of runs and a failed assembly can
+        be done again batch by batch (see _assemble_parts): thread workers and no transforms
+        (they draw per batch), no global shuffle (gathers) or padding, the prefetch left to
+        stoker (it is counted in these units). Each part must start 64-byte aligned, as a
+        batch of its own does (TensorFlow takes only such memory without a copy). At most
+        what leaves the memory budget room for the default look-ahead.
+        """
+        if executor is not None or self._stage is not None or self.workers != "thread":
+            return 1
+        if shuffle == "global" or pad_last:
+            return 1
+        if any(self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize % ALIGNMENT for n in self.dtypes):
+            return 1
+        parts = min(MAX_COALESCE, COALESCE_BYTES // self.batch_bytes)
+        parts = min(parts, self._fits // (2 * (self._max_threads + SPARE)))
+        return max(1, parts)
 
     @property
     def _spare_bytes(self) -> int:
@@ -415,7 +450,9 @@ class Loader:
             },
             memory_budget=self.memory_budget,
             batch_bytes=self.batch_bytes,
-            prefetch_limited=self._tune_prefetch and self.prefetch < wanted_prefetch(self.threads, self.batch_bytes),
+            coalesced=self._parts,
+            prefetch_limited=self._tune_prefetch
+            and self.prefetch < self._parts * wanted_prefetch(self.threads, self._parts * self.batch_bytes),
             buffers_made=getattr(self._pool, "allocated", 0),
         )
 
@@ -494,6 +531,90 @@ def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler
         pool.clear()
 
 
+def _units(plans: Iterator[BatchPlan], parts: int, redoable: Callable[[BatchPlan], bool]) -> Iterator[BatchPlan]:
+    """``plans`` with up to ``parts`` consecutive batches of one epoch coalesced into one
+    (stoker.plan.coalesce), where each can be assembled again on its own (``redoable``); a
+    batch that cannot (a gather, padding, a compressed stream read in turns) goes alone.
+
+    A planning error comes after the batches planned before it, as it does without this.
+    """
+    unit: list[BatchPlan] = []
+    try:
+        for plan in plans:
+            if plan.gather is not None or plan.valid is not None or not redoable(plan):
+                if unit:
+                    yield _one(unit)
+                    unit = []
+                yield plan
+                continue
+            if unit and unit[0].epoch != plan.epoch:
+                yield _one(unit)
+                unit = []
+            unit.append(plan)
+            if len(unit) == parts:
+                yield _one(unit)
+                unit = []
+    except GeneratorExit:
+        raise
+    except BaseException:
+        if unit:
+            yield _one(unit)
+        raise
+    if unit:
+        yield _one(unit)
+
+
+def _one(plans: Sequence[BatchPlan]) -> BatchPlan:
+    return plans[0] if len(plans) == 1 else coalesce(plans)
+
+
+class _Parts:
+    """What a worker makes of coalesced batches: each part's batch, in order, and the error of
+    the first part that failed (the parts after it are not made)."""
+
+    __slots__ = ("batches", "error", "rows")
+
+    def __init__(self, batches: list[tuple[Batch, BatchPlan]], error: BaseException | None, rows: int) -> None:
+        self.batches = batches
+        self.error = error
+        self.rows = rows
+
+
+def _assemble_parts(assembler: Assembler, task: Task) -> Any:
+    """Assemble a task; coalesced batches once as one, then split into their parts (views).
+
+    Where that fails, the parts are assembled again one by one, so every batch before the
+    failing one is delivered and the error is raised at the batch that holds the bad record,
+    as it is without coalescing. (A failure ends the pass there: a file the failed assembly
+    still had planned stays open until then.)
+    """
+    plan = task.plan
+    if plan.parts is None:
+        return assembler(task)
+    try:
+        out, _ = assembler(task)
+    except Stopped:
+        raise
+    except BaseException:
+        batches: list[tuple[Batch, BatchPlan]] = []
+        for part in plan.parts:
+            one = assembler.prepare(part)
+            try:
+                batches.append(assembler(one))
+            except Stopped:
+                raise
+            except BaseException as e:
+                e.add_note(f"stoker: raised in thread {threading.current_thread().name} on {one!r}")
+                return _Parts(batches, e, plan.rows)
+        return _Parts(batches, None, plan.rows)
+    split: list[tuple[Batch, BatchPlan]] = []
+    row = 0
+    for part in plan.parts:
+        split.append(({name: arr[row : row + part.rows] for name, arr in out.items()}, part))
+        row += part.rows
+    return _Parts(split, None, plan.rows)
+
+
 class _Pass:
     """One pass over the loader's epochs: the iterator ``iter(loader)`` returns."""
 
@@ -514,13 +635,23 @@ class _Pass:
         self._assembler.fused = loader._stage  # built-in transforms run as records are read
         self._last: float | None = None  # when __next__ last returned a batch
         first_epoch, start = loader._resume
-        tasks = map(self._assembler.prepare, loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start))
+        plans: Iterator[BatchPlan] = loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start)
+        # Batches assembled together (see COALESCE_BYTES): the engine, its look-ahead and
+        # autotune count these units; __next__ hands their parts out one by one.
+        parts = self._parts = loader._parts
+        self._ready: collections.deque[tuple[Batch, BatchPlan]] = collections.deque()
+        self._failed: BaseException | None = None  # raised once the parts before it are out
+        if parts > 1:
+            plans = _units(plans, parts, self._assembler.redoable)
+        tasks = map(self._assembler.prepare, plans)
         self._loader = weakref.ref(loader)
-        work: Callable[[Task], tuple[Batch, BatchPlan]] = self._assembler
+        work: Callable[[Task], Any] = self._assembler
+        if parts > 1:
+            work = functools.partial(_assemble_parts, self._assembler)
         if loader._stage is not None and loader.workers == "thread":
             work = loader._stage.bind(self._assembler, self._pool.array, ds._catalog)
         self._tuner: ThreadTuner | None = None
-        window = loader.prefetch
+        window = loader.prefetch // parts
         if loader._tune_threads and not loader.tuning:
             # A pass that ended before the climb did (a pass per epoch of a small dataset) hands
             # it on: this pass goes on from the worker count it stood at, with a fresh start-up
@@ -528,8 +659,8 @@ class _Pass:
             # 2 cores) and, at the maximum, stop there unmeasured.
             if loader._climb is None:
                 loader._climb = ThreadTuner(start=loader.threads, max_threads=loader._max_threads,
-                                            tune_prefetch=loader._tune_prefetch, fits=loader._fits,
-                                            batch_bytes=loader.batch_bytes)  # fmt: skip
+                                            tune_prefetch=loader._tune_prefetch, fits=loader._fits // parts,
+                                            batch_bytes=loader.batch_bytes * parts)  # fmt: skip
             else:
                 loader._climb.new_pass()
                 if isinstance(loader._executor, ThreadExecutor):  # the count the climb stands at
@@ -557,12 +688,26 @@ class _Pass:
     def __next__(self) -> Batch:
         asked = time.perf_counter()
         try:  # all of it: a Ctrl-C landing anywhere in here ends the pass with its threads
-            batch, plan = next(self._batches)
+            unit_rows = 0  # a unit taken from the engine now: its rows, for autotune
+            if not self._ready and self._failed is None:
+                result = next(self._batches)
+                if isinstance(result, _Parts):
+                    self._ready.extend(result.batches)
+                    self._failed = result.error
+                    unit_rows = result.rows
+                else:
+                    self._ready.append(result)
+                    unit_rows = result[1].rows
+            if not self._ready:  # the parts before it are out: now the error
+                failed, self._failed = self._failed, None
+                assert failed is not None
+                raise failed
+            batch, plan = self._ready.popleft()
             got = time.perf_counter()
             self._counters.delivered(batch, plan.rows, asked, got, self._last)
             loader = self._loader()
-            if self._tuner is not None and loader is not None:
-                self._tune(loader, asked, got, plan.rows)
+            if self._tuner is not None and loader is not None and unit_rows:
+                self._tune(loader, asked, got, unit_rows)
             self._last = got
             if loader is not None:
                 loader._delivered = (plan.epoch, plan.position)
@@ -582,7 +727,7 @@ class _Pass:
             if isinstance(loader._executor, ThreadExecutor):
                 loader._executor.threads = tuner.threads
             if loader._tune_prefetch:
-                loader.prefetch = tuner.prefetch_for(tuner.threads)
+                loader.prefetch = tuner.prefetch_for(tuner.threads) * self._parts
 
     def close(self) -> None:
         run_finalizer(self._finalizer)  # armed until done: a later close() or GC finishes an interrupted one

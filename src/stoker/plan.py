@@ -28,6 +28,7 @@ __all__ = [
     "Plan",
     "PlanConfig",
     "Run",
+    "coalesce",
     "default_block_length",
     "default_cycle_length",
     "interleave",
@@ -95,9 +96,36 @@ class BatchPlan:
     gather: Gather | None = None
     # pad_last: rows ``valid..rows`` are padding (the runs/gather fill only ``0..valid``).
     valid: int | None = None
+    # Made by :func:`coalesce`: the batches this one holds end to end, delivered one by one.
+    parts: tuple[BatchPlan, ...] | None = None
 
 
 Shuffle = Literal[False, "global", "files"]
+
+
+def coalesce(plans: Sequence[BatchPlan]) -> BatchPlan:
+    """Consecutive batches of one epoch, made of runs (no gather, no padding), as one batch
+    holding them end to end (``parts``): each run moved down by the rows before its batch, and
+    a run that goes on where the one before it stopped (same group, the next record) merged
+    into it, so a file's records are read in one call where they were read in several.
+    """
+    runs: list[Run] = []
+    row = 0
+    for plan in plans:
+        for r in plan.runs:
+            at = row + r.row
+            if runs and r.count:
+                last = runs[-1]
+                if (
+                    last.count and not last.final and last.group == r.group and last.step == r.step
+                    and last.row + last.count == at and last.start + last.count * last.step == r.start
+                ):  # fmt: skip
+                    runs[-1] = Run(last.group, last.start, last.count + r.count, last.row, r.final, last.step)
+                    continue
+            runs.append(Run(r.group, r.start, r.count, at, r.final, r.step))
+        row += plan.rows
+    first = plans[0]
+    return BatchPlan(first.epoch, first.index, plans[-1].position, row, tuple(runs), parts=tuple(plans))
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,6 +246,8 @@ class LoaderStats:
     batch_bytes: int = 0  # bytes of one delivered batch, every field's buffer together
     buffers_made: int = 0  # batch buffers the loader's pool has made anew (not recycled) so far
     prefetch_limited: bool = False  # stoker chose prefetch, and memory_budget held it below its default
+    # Batches assembled together, as one, and delivered one by one (stoker.loader.COALESCE_BYTES).
+    coalesced: int = 1
     # Worker-seconds of busy time runnable but off a CPU (other threads or processes had it), from
     # the kernel's scheduler statistics; None where unknown. busy - cpu - this: blocked (a lock,
     # the GIL, a read).
@@ -345,7 +347,8 @@ class LoaderStats:
                 f" (held down by memory_budget: it holds {self.budget_batches} batches "
                 f"of {self.batch_bytes / 2**20:,.1f} MiB)"
             )
-        return f"threads={self.threads} prefetch={self.prefetch}{bound}" + "".join(
+        together = f" (assembled {self.coalesced} at a time)" if self.coalesced > 1 else ""
+        return f"threads={self.threads} prefetch={self.prefetch}{together}{bound}" + "".join(
             f" ({k}: {v})" for k, v in self.tuning.items()
         )
 
