@@ -689,20 +689,25 @@ class _Pass:
         asked = time.perf_counter()
         try:  # all of it: a Ctrl-C landing anywhere in here ends the pass with its threads
             unit_rows = 0  # a unit taken from the engine now: its rows, for autotune
-            if not self._ready and self._failed is None:
+            if self._ready:
+                batch, plan = self._ready.popleft()
+            elif self._failed is not None:  # the parts before it are out: now the error
+                failed, self._failed = self._failed, None
+                raise failed
+            else:
                 result = next(self._batches)
                 if isinstance(result, _Parts):
                     self._ready.extend(result.batches)
                     self._failed = result.error
                     unit_rows = result.rows
+                    if not self._ready:  # its first batch failed
+                        assert result.error is not None
+                        self._failed = None
+                        raise result.error
+                    batch, plan = self._ready.popleft()
                 else:
-                    self._ready.append(result)
-                    unit_rows = result[1].rows
-            if not self._ready:  # the parts before it are out: now the error
-                failed, self._failed = self._failed, None
-                assert failed is not None
-                raise failed
-            batch, plan = self._ready.popleft()
+                    batch, plan = result
+                    unit_rows = plan.rows
             got = time.perf_counter()
             self._counters.delivered(batch, plan.rows, asked, got, self._last)
             loader = self._loader()
