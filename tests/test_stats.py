@@ -647,7 +647,13 @@ def test_workers_blocked_at_low_cpu_are_per_batch_bound_and_runnable_ones_cpu_st
     )
     assert gil.blocked_share == pytest.approx(0.9)
     got = verdict(gil, 0.3)
-    assert got.startswith(f"per-batch work limits you: {s.batches / s.seconds:,.0f} batches/s of 16 records at 30%")
+    assert s.coalesced > 1  # batches of 16 x 8 KiB are assembled together (stoker.loader.COALESCE_BYTES)
+    assert got.startswith(
+        f"per-batch work limits you: {s.batches / s.seconds:,.0f} batches/s of 16 records, "
+        f"assembled {s.coalesced} at a time at 30%"
+    )
+    alone = verdict(dataclasses.replace(gil, coalesced=1), 0.3)
+    assert alone.startswith(f"per-batch work limits you: {s.batches / s.seconds:,.0f} batches/s of 16 records at 30%")
     assert "ran on a CPU only 50% of their busy time and were blocked 90% of the rest" in got
     assert got.endswith("raise batch_size (now 16)")
     # The same workers runnable, waiting for a CPU, a third of their busy time: others have the cores.

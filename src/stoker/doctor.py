@@ -115,8 +115,9 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
                 )
             if cpu_share < GIL_CPU and blocked is not None and blocked >= BLOCKED:
                 rate = stats.batches / stats.seconds
+                together = f", assembled {stats.coalesced} at a time" if stats.coalesced > 1 else ""
                 return (
-                    f"per-batch work limits you: {rate:,.0f} batches/s of {stats.batch_size} records{where}; "
+                    f"per-batch work limits you: {rate:,.0f} batches/s of {stats.batch_size} records{together}{where}; "
                     f"workers ran on a CPU only {cpu_share:.0%} of their busy time and were blocked {blocked:.0%} "
                     f"of the rest (not waiting for a CPU: the process used {stats.cpu_utilization:.0%} of "
                     f"{cores} cores): they take turns at Python's GIL for each batch's bookkeeping, so records "
