@@ -199,3 +199,20 @@ def test_a_pass_resumed_from_a_batch_inside_an_assembly_goes_on_from_the_next(tm
         _same(list(resumed), rest)
     with ds.loader(16, epochs=2, with_index=True, prefetch=4) as ref:
         _same(first + rest, list(ref))
+
+
+def test_a_pass_closed_inside_an_assembly_lets_its_buffer_go(tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    ds = build(tmp_path, COUNTS, {"image": IMG, "label": LAB_GZ})
+    loader = ds.loader(16, epochs=None)
+    assert loader.stats().coalesced > 1
+    it = iter(loader)
+    first = next(it)  # the rest of its assembly waits in the pass
+    held = weakref.ref(first["image"].base if first["image"].base is not None else first["image"])
+    del first
+    it.close()  # type: ignore[attr-defined]
+    gc.collect()
+    assert held() is None  # nothing of the assembly is kept by a closed pass
+    loader.close()

@@ -690,7 +690,10 @@ class _Pass:
         try:  # all of it: a Ctrl-C landing anywhere in here ends the pass with its threads
             unit_rows = 0  # a unit taken from the engine now: its rows, for autotune
             if self._ready:
-                batch, plan = self._ready.popleft()
+                try:
+                    batch, plan = self._ready.popleft()
+                except IndexError:  # close() from another thread emptied it meanwhile
+                    raise StopIteration from None
             elif self._failed is not None:  # the parts before it are out: now the error
                 failed, self._failed = self._failed, None
                 raise failed
@@ -736,3 +739,4 @@ class _Pass:
 
     def close(self) -> None:
         run_finalizer(self._finalizer)  # armed until done: a later close() or GC finishes an interrupted one
+        self._ready.clear()  # batches of an assembly not handed out: their buffer goes with the pass
