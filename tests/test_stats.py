@@ -854,3 +854,30 @@ def test_buffers_made_anew_are_counted_and_named_when_the_pool_cannot_recycle_th
     # Batches dropped, but a budget that leaves the pool no room: the budget is named.
     tight = dataclasses.replace(dropped, buffers_made=2 * dropped.batches, memory_budget=3 * dropped.batch_bytes)
     assert "memory_budget='128MiB', a lower prefetch=, or holding fewer batches would move it" in verdict(tight)
+
+
+def test_batches_kept_from_assemblies_are_named_as_buffers_made_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small batches assembled together (stoker.loader.COALESCE_BYTES, lowered here so a short
+    # run holds many assemblies): one buffer per field for each, and a batch kept keeps its own.
+    import stoker.loader
+
+    monkeypatch.setattr(stoker.loader, "COALESCE_BYTES", 1 << 20)
+    ds = build(tmp_path, [400] * 2, {"wide": WIDE_RAW, "label": LAB_GZ})
+    with ds.loader(16, threads=2, epochs=8) as loader:
+        for _ in loader:  # each batch dropped before the next: recycled
+            pass
+        dropped = loader.stats()
+    k = dropped.coalesced
+    assert k == 7 and dropped.batches == 400  # 1 MiB holds 7 batches of 16 x 8 KiB (and 16 labels)
+    assert not verdict(dropped).startswith("batch buffers made anew")
+    with ds.loader(16, threads=2, epochs=8) as loader:
+        held = [b for i, b in enumerate(loader) if i % k == 0]  # one batch of each assembly kept
+        s = loader.stats()
+    assert len(held) >= 50 and s.buffers_made >= 2 * len(held)
+    v = verdict(s)
+    assert v.startswith(
+        f"batch buffers made anew instead of recycled: {s.buffers_made} for 400 batches "
+        f"(assembled {k} at a time: a batch kept keeps its assembly's buffer), "
+    ), v

@@ -184,19 +184,25 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
         f"of {bb / 2**20:,.1f} MiB"
     )
     fields = max(1, len(stats.record_bytes))
-    # Beyond the first fill: a buffer for each batch in flight, a wake-up's worth the consumer
+    # Counted in what the engine hands out: one buffer per field for each assembly of
+    # ``coalesced`` batches (stoker.loader.COALESCE_BYTES), where prefetch is a multiple of it.
+    k = max(1, stats.coalesced)
+    assemblies = -(-stats.batches // k)
+    # Beyond the first fill: a buffer for each assembly in flight, a wake-up's worth the consumer
     # takes at once, and the one it holds (stoker.engine.MAX_PER_WAKE), per field.
-    anew = stats.buffers_made - (prefetch + MAX_PER_WAKE + 2) * fields
-    if stats.batches >= CHURN_MIN_BATCHES and anew > CHURN_SHARE * stats.batches * fields:
+    anew = stats.buffers_made - (prefetch // k + MAX_PER_WAKE + 2) * fields
+    if assemblies >= CHURN_MIN_BATCHES and anew > CHURN_SHARE * assemblies * fields:
         # The pool keeps what the consumer drops, within what prefetch leaves of the budget.
-        need = (2 * prefetch + 2) * bb + KEPT_DECODED_BYTES
+        need = (2 * prefetch + 2 * k) * bb + KEPT_DECODED_BYTES
         move = (
             "hold fewer batches, or lower prefetch="
             if stats.memory_budget >= need  # room enough: the batches never came back
             else f"memory_budget={_size(need)!r}, a lower prefetch=, or holding fewer batches"
         )
+        together = f" (assembled {k} at a time: a batch kept keeps its assembly's buffer)" if k > 1 else ""
         return (
-            f"batch buffers made anew instead of recycled: {stats.buffers_made} for {stats.batches} batches{where}, "
+            f"batch buffers made anew instead of recycled: {stats.buffers_made} for {stats.batches} batches"
+            f"{together}{where}, "
             f"each paying a first touch of its pages; the pool recycles a batch once you drop it, within what "
             f"{held} leaves beside prefetch={prefetch} in flight: {move} would move it"
         )
