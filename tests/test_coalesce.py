@@ -17,7 +17,7 @@ import stoker
 import stoker.loader as sl
 from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, write_dataset
 from stoker.engine import ALIGNMENT
-from stoker.plan import BatchPlan, Run, coalesce
+from stoker.plan import BatchPlan, Gather, Run, coalesce
 
 COUNTS = [130, 0, 47, 211, 9, 64]
 WIDE = FieldPlan("wide", "int16", (8, 8))
@@ -65,6 +65,15 @@ def test_coalesce_keeps_runs_apart_where_records_or_rows_do_not_follow() -> None
     assert coalesce([e, c]).runs == (Run(0, 0, 4, 0, True, 2), Run(0, 8, 4, 4, False, 2))
 
 
+def test_coalesce_makes_one_gather_of_the_batches_gathers() -> None:
+    a = BatchPlan(1, 3, 30, 2, (), Gather(np.array([2, 0]), np.array([5, 9])))
+    b = BatchPlan(1, 4, 32, 2, (), Gather(np.array([1, 2]), np.array([0, 4])))
+    one = coalesce([a, b])
+    assert (one.epoch, one.index, one.position, one.rows, one.runs, one.parts) == (1, 3, 32, 4, (), (a, b))
+    assert one.gather is not None
+    assert one.gather.groups.tolist() == [2, 0, 1, 2] and one.gather.index.tolist() == [5, 9, 0, 4]
+
+
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize(
     "kw",
@@ -74,6 +83,8 @@ def test_coalesce_keeps_runs_apart_where_records_or_rows_do_not_follow() -> None
         {"shard": (1, 3)},
         {"shard": (0, 2), "even": False, "epochs": 2},
         {"shuffle": "files", "seed": 7, "window": 3, "epochs": 2},
+        {"shuffle": "global", "seed": 5, "epochs": 2},
+        {"shuffle": "global", "seed": 5, "shard": (2, 3), "drop_remainder": True},
         {"cycle_length": 2, "block_length": 5},
     ],
 )
@@ -120,7 +131,7 @@ def test_the_stats_say_how_many_are_assembled_together(tmp_path: Path) -> None:
         stats = loader.stats()
         assert f"(assembled {stats.coalesced} at a time)" in stats.settings
         assert loader.prefetch % stats.coalesced == 0
-    for kw in ({"prefetch": 3}, {"shuffle": "global", "seed": 1}, {"pad_last": True}):
+    for kw in ({"prefetch": 3}, {"pad_last": True}, {"shuffle": "global", "seed": 1, "pad_last": True}):
         with ds.loader(16, **kw) as alone:  # type: ignore[arg-type]
             assert alone.stats().coalesced == 1 and "assembled" not in alone.stats().settings
 
@@ -130,14 +141,15 @@ def test_a_truncated_raw_file_fails_at_the_batch_holding_its_first_missing_recor
     ds = stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
                         label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"))  # fmt: skip
     bad = tmp_path / "img_0003.bin"
-    os.truncate(bad, 36 * 100)
-    for threads in (1, 2):
-        loader = ds.loader(16, threads=threads, with_index=True)
+    os.truncate(bad, 36 * 205)  # 6 of its 211 records gone: a global shuffle meets them a few batches in
+    for threads, kw in ((1, {}), (2, {}), (2, {"shuffle": "global", "seed": 2})):
+        loader = ds.loader(16, threads=threads, with_index=True, **kw)  # type: ignore[arg-type]
         assert loader.stats().coalesced > 1
         got, err = _deliver(loader)
-        want, ref_err = _deliver(ds.loader(16, threads=threads, with_index=True, prefetch=4))
+        want, ref_err = _deliver(ds.loader(16, threads=threads, with_index=True, prefetch=4, **kw))  # type: ignore[arg-type]
         assert isinstance(err, stoker.CorruptDataError) and isinstance(ref_err, stoker.CorruptDataError)
-        assert err.path == str(bad) and str(bad) in str(err) and err.index == ref_err.index == 100
+        assert err.path == str(bad) and str(bad) in str(err) and err.index == ref_err.index
+        assert err.index == 205 or kw  # sequential: record 205 is the first missing; global: the first drawn
         assert str(err) == str(ref_err)
         _same(got, want)  # every batch before the failing one, and none after
         assert got, "the batches before the bad record come first"

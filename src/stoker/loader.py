@@ -162,7 +162,7 @@ class Loader:
             # See stoker.autotune.default_prefetch (measured there), in batches assembled
             # together (see COALESCE_BYTES). Autotuned threads: reserved for the most workers
             # it may reach.
-            self._parts = self._coalesced(shuffle, pad_last, executor)
+            self._parts = self._coalesced(pad_last, executor)
             unit = self._parts * self.batch_bytes
             self.prefetch = self._parts * default_prefetch(self._max_threads, unit, self._fits // self._parts)
         else:
@@ -268,19 +268,18 @@ class Loader:
             self.shapes = {n: s for n, (s, _) in stage.records.items()}
         return stage
 
-    def _coalesced(self, shuffle: object, pad_last: bool, executor: Executor | None) -> int:
+    def _coalesced(self, pad_last: bool, executor: Executor | None) -> int:
         """Batches assembled together (see COALESCE_BYTES): 1 unless batches are small.
 
-        Only on the default path, where every batch is made of runs and a failed assembly can
-        be done again batch by batch (see _assemble_parts): thread workers and no transforms
-        (they draw per batch), no global shuffle (gathers) or padding, the prefetch left to
-        stoker (it is counted in these units). Each part must start 64-byte aligned, as a
+        Only on the default path, where a failed assembly can be done again batch by batch
+        (see _assemble_parts): thread workers and no transforms (they draw per batch), no
+        padding, the prefetch left to stoker (it is counted in these units). Each part must start 64-byte aligned, as a
         batch of its own does (TensorFlow takes only such memory without a copy). At most
         what leaves the memory budget room for the default look-ahead.
         """
         if executor is not None or self._stage is not None or self.workers != "thread":
             return 1
-        if shuffle == "global" or pad_last:
+        if pad_last:
             return 1
         if any(self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize % ALIGNMENT for n in self.dtypes):
             return 1
@@ -534,20 +533,20 @@ def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler
 def _units(plans: Iterator[BatchPlan], parts: int, redoable: Callable[[BatchPlan], bool]) -> Iterator[BatchPlan]:
     """``plans`` with up to ``parts`` consecutive batches of one epoch coalesced into one
     (stoker.plan.coalesce), where each can be assembled again on its own (``redoable``); a
-    batch that cannot (a gather, padding, a compressed stream read in turns) goes alone.
+    batch that cannot (padding, a compressed stream read in turns) goes alone.
 
     A planning error comes after the batches planned before it, as it does without this.
     """
     unit: list[BatchPlan] = []
     try:
         for plan in plans:
-            if plan.gather is not None or plan.valid is not None or not redoable(plan):
+            if plan.valid is not None or not redoable(plan):
                 if unit:
                     yield _one(unit)
                     unit = []
                 yield plan
                 continue
-            if unit and unit[0].epoch != plan.epoch:
+            if unit and (unit[0].epoch != plan.epoch or (unit[0].gather is None) != (plan.gather is None)):
                 yield _one(unit)
                 unit = []
             unit.append(plan)

@@ -104,11 +104,21 @@ Shuffle = Literal[False, "global", "files"]
 
 
 def coalesce(plans: Sequence[BatchPlan]) -> BatchPlan:
-    """Consecutive batches of one epoch, made of runs (no gather, no padding), as one batch
-    holding them end to end (``parts``): each run moved down by the rows before its batch, and
-    a run that goes on where the one before it stopped (same group, the next record) merged
-    into it, so a file's records are read in one call where they were read in several.
+    """Consecutive batches of one epoch (no padding) as one batch holding them end to end
+    (``parts``). Runs: each moved down by the rows before its batch, and a run that goes on
+    where the one before it stopped (same group, the next record) merged into it, so a file's
+    records are read in one call where they were read in several. Gathers: one gather of all
+    their records, which visits each file once.
     """
+    first = plans[0]
+    if first.gather is not None:
+        gathers = [p.gather for p in plans if p.gather is not None]
+        assert len(gathers) == len(plans), "gathers and runs are never coalesced together"
+        groups = np.concatenate([g.groups for g in gathers])
+        index = np.concatenate([g.index for g in gathers])
+        rows = sum(p.rows for p in plans)
+        gather = Gather(groups, index)
+        return BatchPlan(first.epoch, first.index, plans[-1].position, rows, (), gather, parts=tuple(plans))
     runs: list[Run] = []
     row = 0
     for plan in plans:
@@ -124,7 +134,6 @@ def coalesce(plans: Sequence[BatchPlan]) -> BatchPlan:
                     continue
             runs.append(Run(r.group, r.start, r.count, at, r.final, r.step))
         row += plan.rows
-    first = plans[0]
     return BatchPlan(first.epoch, first.index, plans[-1].position, row, tuple(runs), parts=tuple(plans))
 
 
