@@ -15,30 +15,13 @@ import pytest
 
 import stoker
 import stoker.loader as sl
-from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, write_dataset
+from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, consume, write_dataset
 from stoker.engine import ALIGNMENT
 from stoker.plan import BatchPlan, Gather, Run, coalesce
+from stoker.testing import assert_same_batches
 
 COUNTS = [130, 0, 47, 211, 9, 64]
 WIDE = FieldPlan("wide", "int16", (8, 8))
-
-
-def _deliver(loader: stoker.Loader) -> tuple[list[dict[str, np.ndarray]], BaseException | None]:
-    got: list[dict[str, np.ndarray]] = []
-    try:
-        for batch in loader:
-            got.append(batch)
-    except stoker.StokerError as e:
-        return got, e
-    return got, None
-
-
-def _same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]), k
 
 
 def test_coalesce_moves_runs_down_and_merges_a_run_that_goes_on() -> None:
@@ -97,7 +80,7 @@ def test_small_batches_assembled_together_are_the_batches_made_one_at_a_time(
     ref = ds.loader(16, threads=threads, with_index=True, prefetch=4, **kw)  # type: ignore[arg-type]
     assert ref.stats().coalesced == 1
     got, want = list(loader), list(ref)
-    _same(got, want)
+    assert_same_batches(want, got)
     assert len(got) == len(loader) * int(kw.get("epochs", 1))  # type: ignore[call-overload]
     whole = "shard" not in kw and not kw.get("drop_remainder")  # else some records are not delivered
     check_batches(ds, got, epochs=int(kw.get("epochs", 1)), complete=whole)  # type: ignore[call-overload]
@@ -115,7 +98,7 @@ def test_each_batch_of_an_assembly_is_its_own_aligned_array_and_stays_as_deliver
         starts = {arr.ctypes.data for batch in held for arr in batch.values()}
         assert len(starts) == sum(len(b) for b in held)  # no two batches share memory
     with ds.loader(16, epochs=3, cast={"image": "float32"}, with_index=True, prefetch=4) as ref:
-        _same(held, list(ref))
+        assert_same_batches(list(ref), held)
 
 
 def test_batches_whose_rows_would_start_unaligned_are_made_one_at_a_time(tmp_path: Path) -> None:
@@ -145,13 +128,13 @@ def test_a_truncated_raw_file_fails_at_the_batch_holding_its_first_missing_recor
     for threads, kw in ((1, {}), (2, {}), (2, {"shuffle": "global", "seed": 2})):
         loader = ds.loader(16, threads=threads, with_index=True, **kw)  # type: ignore[arg-type]
         assert loader.stats().coalesced > 1
-        got, err = _deliver(loader)
-        want, ref_err = _deliver(ds.loader(16, threads=threads, with_index=True, prefetch=4, **kw))  # type: ignore[arg-type]
+        got, err = consume(loader)
+        want, ref_err = consume(ds.loader(16, threads=threads, with_index=True, prefetch=4, **kw))  # type: ignore[arg-type]
         assert isinstance(err, stoker.CorruptDataError) and isinstance(ref_err, stoker.CorruptDataError)
         assert err.path == str(bad) and str(bad) in str(err) and err.index == ref_err.index
         assert err.index == 205 or kw  # sequential: record 205 is the first missing; global: the first drawn
         assert str(err) == str(ref_err)
-        _same(got, want)  # every batch before the failing one, and none after
+        assert_same_batches(want, got)  # every batch before the failing one, and none after
         assert got, "the batches before the bad record come first"
         check_batches(ds, got, complete=False)
 
@@ -168,11 +151,11 @@ def test_a_label_file_cut_short_fails_where_it_does_one_batch_at_a_time(tmp_path
     for threads in (1, 2):
         loader = ds.loader(16, threads=threads, with_index=True, cycle_length=2)
         assert loader.stats().coalesced > 1
-        got, err = _deliver(loader)
-        want, ref_err = _deliver(ds.loader(16, threads=threads, with_index=True, cycle_length=2, prefetch=4))
+        got, err = consume(loader)
+        want, ref_err = consume(ds.loader(16, threads=threads, with_index=True, cycle_length=2, prefetch=4))
         assert isinstance(err, stoker.CorruptDataError) and err.path == str(bad) and str(bad) in str(err)
         assert type(err) is type(ref_err) and str(err) == str(ref_err)
-        _same(got, want)  # the reference's rows are checked against the files in test_loader
+        assert_same_batches(want, got)  # the reference's rows are checked against the files in test_loader
         assert got
 
 
@@ -195,7 +178,7 @@ def test_batches_reading_a_compressed_stream_in_turns_are_made_one_at_a_time(
     monkeypatch.setattr(sl, "coalesce", counting)
     got = list(ds.loader(16, with_index=True, cycle_length=1))
     want = list(ds.loader(16, with_index=True, cycle_length=1, prefetch=4))
-    _same(got, want)
+    assert_same_batches(want, got)
     check_batches(ds, got)
     assert made and set(made) <= {1, 2, 4}  # the groups of 47, 9 and 0 records (64 is over 60)
 
@@ -208,9 +191,9 @@ def test_a_pass_resumed_from_a_batch_inside_an_assembly_goes_on_from_the_next(tm
         state = loader.state_dict()
         rest = list(it)
     with ds.loader(16, epochs=2, with_index=True, state=state) as resumed:
-        _same(list(resumed), rest)
+        assert_same_batches(rest, list(resumed))
     with ds.loader(16, epochs=2, with_index=True, prefetch=4) as ref:
-        _same(first + rest, list(ref))
+        assert_same_batches(list(ref), first + rest)
 
 
 def test_a_pass_closed_inside_an_assembly_lets_its_buffer_go(tmp_path: Path) -> None:

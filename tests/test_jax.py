@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 import stoker
 from stoker.jax import shard_from_jax, to_jax
 from stoker.sample import expected_label
+from stoker.testing import assert_same_batches
 
 pytestmark = pytest.mark.jax
 
@@ -43,14 +44,6 @@ def as_numpy(batches: list[dict[str, jax.Array]]) -> list[dict[str, np.ndarray]]
     return [{k: np.asarray(v) for k, v in b.items()} for b in batches]
 
 
-def assert_same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]), k
-
-
 @pytest.mark.parametrize("sharding", ["none", "single", "named"])
 def test_to_jax_yields_the_numpy_batches_as_jax_arrays(sample: stoker.Dataset, sharding: str) -> None:
     device = jax.devices()[0]
@@ -67,7 +60,7 @@ def test_to_jax_yields_the_numpy_batches_as_jax_arrays(sample: stoker.Dataset, s
     assert all(isinstance(a, jax.Array) for b in got for a in b.values())
     if chosen is not None:
         assert all(a.sharding == chosen for b in got for a in b.values())
-    assert_same(expected, as_numpy(got))
+    assert_same_batches(expected, as_numpy(got))
 
 
 def test_to_jax_gives_bfloat16_arrays_bit_for_bit(sample: stoker.Dataset) -> None:
@@ -135,7 +128,7 @@ def test_to_jax_resumes_exactly_with_prefetch_in_flight(sample: stoker.Dataset, 
     with make().to_jax(prefetch_to_device=prefetch) as second:
         second.load_state_dict(state)
         after = list(second)
-    assert_same(reference, as_numpy(before + after))
+    assert_same_batches(reference, as_numpy(before + after))
 
 
 def test_to_jax_rejects_bad_settings(sample: stoker.Dataset) -> None:

@@ -22,6 +22,7 @@ import stoker.torch
 from conftest import Allocations
 from stoker.engine import AlignedPool
 from stoker.sample import expected_label
+from stoker.testing import assert_same_batches
 from stoker.torch import StokerIterableDataset, shard_from_distributed, to_torch, worker_shard
 
 pytestmark = pytest.mark.torch
@@ -61,14 +62,6 @@ def as_numpy(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, np.ndarra
     return [{k: v.numpy() for k, v in b.items()} for b in batches]
 
 
-def assert_same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys()
-        for k in x:
-            assert x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]), k
-
-
 # -- to_torch -----------------------------------------------------------------------
 @pytest.mark.parametrize("shuffle", [False, "global"])
 def test_to_torch_yields_the_numpy_batches_as_tensors(sample: stoker.Dataset, shuffle: object) -> None:
@@ -79,7 +72,7 @@ def test_to_torch_yields_the_numpy_batches_as_tensors(sample: stoker.Dataset, sh
         got = list(batches)
     assert all(isinstance(t, torch.Tensor) for b in got for t in b.values())
     assert got[0]["image"].dtype == torch.float32 and got[0]["__index__"].dtype == torch.int64
-    assert_same(expected, as_numpy(got))
+    assert_same_batches(expected, as_numpy(got))
     assert sorted(check_against_files(sample, got)) == sorted(list(range(PAIRS * RECORDS)) * 2)
 
 
@@ -174,7 +167,7 @@ def test_pin_memory_without_cuda_warns_and_leaves_batches_as_they_are(sample: st
     with batches:
         got = list(batches)
     with sample.loader(32) as again:
-        assert_same([dict(b) for b in again], as_numpy(got))
+        assert_same_batches([dict(b) for b in again], as_numpy(got))
 
 
 def test_pinned_pool_recycles_a_buffer_only_once_every_view_is_gone(
@@ -196,7 +189,7 @@ def test_pinned_pool_recycles_a_buffer_only_once_every_view_is_gone(
     with sample.loader(16, epochs=2) as plain:
         expected = [dict(b) for b in plain]
     with loader.to_torch() as batches:
-        assert_same(expected, as_numpy(list(batches)))
+        assert_same_batches(expected, as_numpy(list(batches)))
 
 
 def test_cast_on_device_casts_after_the_transfer(sample: stoker.Dataset) -> None:
@@ -245,7 +238,7 @@ def test_to_torch_resumes_exactly_after_any_batch(sample: stoker.Dataset, k: int
     with make().to_torch() as second:
         second.load_state_dict(state)
         after = list(second)
-    assert_same(reference, as_numpy(before + after))
+    assert_same_batches(reference, as_numpy(before + after))
 
 
 # -- sharding helpers ------------------------------------------------------------------
@@ -297,7 +290,7 @@ def test_iterable_dataset_in_process_gives_the_loaders_batches(sample: stoker.Da
         expected = [dict(b) for b in loader]
     batches = StokerIterableDataset(sample, 20, shuffle=shuffle, seed=2)
     got = list(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=0))
-    assert_same(expected, as_numpy(got))
+    assert_same_batches(expected, as_numpy(got))
 
 
 @pytest.mark.parametrize(
@@ -368,7 +361,7 @@ def test_stateful_dataloader_resumes_exactly(sample: stoker.Dataset, workers: in
     second = make()
     second.load_state_dict(state)  # type: ignore[attr-defined]
     after = list(second)  # type: ignore[call-overload]
-    assert_same(reference, as_numpy(before + after))
+    assert_same_batches(reference, as_numpy(before + after))
 
 
 # -- the example -------------------------------------------------------------------------
