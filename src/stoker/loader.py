@@ -273,13 +273,11 @@ class Loader:
 
         Only on the default path, where a failed assembly can be done again batch by batch
         (see _assemble_parts): thread workers and no transforms (they draw per batch), no
-        padding, the prefetch left to stoker (it is counted in these units). Each part must start 64-byte aligned, as a
-        batch of its own does (TensorFlow takes only such memory without a copy). At most
-        what leaves the memory budget room for the default look-ahead.
+        padding, the prefetch left to stoker (it is counted in these units). Each part must
+        start 64-byte aligned, as a batch of its own does (TensorFlow takes only such memory
+        without a copy). At most what leaves the memory budget room for the default look-ahead.
         """
-        if executor is not None or self._stage is not None or self.workers != "thread":
-            return 1
-        if pad_last:
+        if executor is not None or self._stage is not None or self.workers != "thread" or pad_last:
             return 1
         if any(self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize % ALIGNMENT for n in self.dtypes):
             return 1
@@ -699,13 +697,12 @@ class _Pass:
             else:
                 result = next(self._batches)
                 if isinstance(result, _Parts):
+                    unit_rows = result.rows
+                    if not result.batches:  # its first batch failed
+                        assert result.error is not None
+                        raise result.error
                     self._ready.extend(result.batches)
                     self._failed = result.error
-                    unit_rows = result.rows
-                    if not self._ready:  # its first batch failed
-                        assert result.error is not None
-                        self._failed = None
-                        raise result.error
                     batch, plan = self._ready.popleft()
                 else:
                     batch, plan = result
