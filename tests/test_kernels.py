@@ -332,6 +332,51 @@ def test_gather_into_refuses_rows_or_records_out_of_range() -> None:
         kernels.gather_into(dst, np.array([0, 1]), x, np.array([0, 4]))
 
 
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("out", ["int8", "float16", "float32", "float64"])
+@pytest.mark.parametrize("record", [(3,), (1,), (64, 64, 17)])
+def test_gather_records_from_several_arrays_equals_fancy_indexing(src: str, out: str, record: tuple[int, ...]) -> None:
+    """Records of three arrays (a batch's files) by address into rows in any order: the output
+    of the largest records is over STREAM_MIN_BYTES (streamed; 8/16-bit integers into float32 by
+    the direct loop), and records of (3,) or (1,) values start rows off every alignment."""
+    rng = np.random.default_rng(len(src) * 7 + len(out) + len(record))
+    arrays = [_values(src, k * int(np.prod(record)), rng).reshape(k, *record) for k in (11, 1, 23)]
+    which = rng.integers(0, 3, size=28)
+    index = np.array([rng.integers(0, len(arrays[w])) for w in which])
+    rows = rng.permutation(30)[:28]
+    starts = [kernels.address(a) for a in arrays]
+    addresses = np.array([starts[w] + i * arrays[w][0].nbytes for w, i in zip(which, index, strict=True)])
+    got, want = np.full((30, *record), 9, out), np.full((30, *record), 9, out)
+    copies = kernels.gathers(got, np.dtype(src))
+    if out == src or (out in ("float32", "float64") and src != "float64"):
+        assert copies  # the copies and casts the kernel has (the rest fall back to numpy)
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert kernels.gather_records(got, rows, addresses, np.dtype(src)) == copies
+        if copies:
+            for r, w, i in zip(rows, which, index, strict=True):
+                want[r] = arrays[w][i]
+    if record == (64, 64, 17) and out != "int8":
+        assert got.nbytes >= kernels.STREAM_MIN_BYTES
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_gather_records_checks_rows_and_declines_what_it_cannot_copy() -> None:
+    x = np.arange(16, dtype=np.int8).reshape(2, 8)
+    dst = np.zeros((3, 8), np.float32)
+    addresses = np.array([kernels.address(x), kernels.address(x) + 8])
+    with pytest.raises(IndexError, match="outside 3"):
+        kernels.gather_records(dst, np.array([0, 3]), addresses, x.dtype)
+    with pytest.raises(IndexError, match="2 rows for 1 records"):
+        kernels.gather_records(dst, np.array([0, 1]), addresses[:1], x.dtype)
+    assert not dst.any()
+    read_only = np.zeros((3, 8), np.float32)
+    read_only.flags.writeable = False
+    for target, dtype in [(dst, np.dtype(">i2")), (dst[:, ::2], x.dtype), (read_only, x.dtype)]:
+        assert not kernels.gathers(target, dtype)
+        assert not kernels.gather_records(target, np.array([0]), addresses[:1], dtype)
+    assert not dst.any()
+
+
 def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
     """A 64 x 64 x 64 int8 record cast to float32 is 1 MiB: every run of a batch is streamed."""
     img = FieldPlan("img", "int8", (64, 64, 64))

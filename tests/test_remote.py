@@ -249,6 +249,29 @@ def test_memory_filesystem_raw_gzip_zlib_with_header_and_footer_equal_local(tmp_
         mem.rm(base, recursive=True)
 
 
+def test_global_shuffle_gathers_a_field_of_local_and_remote_files(tmp_path: Path) -> None:
+    """One field, its files on local disk but group 1's at a URL: a global shuffle's gathers
+    take that group's records by ranged reads and the local groups' from their maps."""
+    plans = {"image": WIDE, "label": LAB_GZ}
+    local = _local(tmp_path, [9, 12, 31, 4], plans)
+    mem = fsspec.filesystem("memory")
+    url = f"memory:///stoker-{tmp_path.name}/img_0001.bin"
+    mem.pipe(url, (tmp_path / "img_0001.bin").read_bytes())
+    try:
+        image = local.fields["image"]
+        paths = [g.paths["image"] if g.index != 1 else url for g in local.groups]
+        ds = stoker.Dataset(
+            image=stoker.Field(paths, image.dtype, image.shape, header_bytes=image.header_bytes),
+            label=local.fields["label"],
+        )
+        for cast in (None, {"image": "float32"}):
+            batches = _batches(ds, shuffle="global", seed=4, cast=cast, batch_size=8)
+            seen = check_batches(local, batches, cast=cast)
+            assert {g for g, _ in seen[:8]} > {1}  # a batch of the remote group and local ones
+    finally:
+        mem.rm(url)
+
+
 def test_random_access_and_record_subsets_read_urls(tmp_path: Path) -> None:
     plans = {"image": WIDE, "label": LAB_GZ, "big": BIG_GZ}
     local = _local(tmp_path, [9, 31, 4], plans)

@@ -152,6 +152,33 @@ def test_global_with_index_matches_label(ds: stoker.Dataset, cast: str | None) -
         assert np.all(i < np.asarray(COUNTS)[g])
 
 
+def test_global_gathers_fields_whose_files_mix_raw_and_compressed(tmp_path: Path) -> None:
+    """A batch's records of one field come from raw files (read through their maps) and from
+    compressed files (decoded, held in memory) in the same gather: group 2's frames and group 3's
+    labels are stored the other way. Every record once, with its own label, at its place."""
+    write_dataset(tmp_path, COUNTS)
+    frames, labels = tmp_path / "img_0002.bin", tmp_path / "out_0003.bin.gz"
+    (tmp_path / "img_0002.bin.gz").write_bytes(gzip.compress(frames.read_bytes(), compresslevel=1))
+    (tmp_path / "out_0003.bin").write_bytes(gzip.decompress(labels.read_bytes()))
+    frames.unlink()
+    labels.unlink()
+    ds = stoker.Dataset(
+        image=stoker.Field(sorted(str(p) for p in tmp_path.glob("img_*")), "int8", (R, R, 1)),
+        label=stoker.Field(sorted(str(p) for p in tmp_path.glob("out_*")), "float32"),
+    )
+    assert [g.paths["image"].endswith(".gz") for g in ds.groups] == [False, False, True, False, False]
+    assert [g.paths["label"].endswith(".gz") for g in ds.groups] == [True, True, True, False, True]
+    firsts = np.concatenate([[0], np.cumsum(COUNTS)])
+    for cast in (None, "float32"):
+        batches = collect(ds.loader(32, shuffle="global", seed=11, with_index=True, cast=cast, threads=2))
+        ids = ids_of(batches)
+        assert sorted(ids.tolist()) == list(range(TOTAL))
+        for b in batches:
+            np.testing.assert_array_equal(firsts[b["__group__"]] + b["__index__"], b["label"].astype(np.int64))
+        sequential = collect(ds.loader(TOTAL, cast=cast))[0]
+        np.testing.assert_array_equal(np.concatenate([b["image"] for b in batches]), sequential["image"][ids])
+
+
 # -- shuffle="files" ---------------------------------------------------------------------
 
 

@@ -686,6 +686,22 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     }
     kernel_t kernel = pick_or_raise(src_code, out_code);
     if (kernel == NULL) return NULL;
+#ifdef STOKER_X86
+    /* 8/16-bit integers into float32, streamed: convert_run's direct loop, record by record,
+     * where the general kernel converts each block into L1 and streams it out from there. */
+    void (*wide)(const void *, float *, Py_ssize_t) = NULL;
+    if (stream && out_code == 'f' && has_avx2())
+        wide = src_code == 'b' ? i8_f32_avx2 : src_code == 'B' ? u8_f32_avx2
+             : src_code == 'h' ? i16_f32_avx2 : src_code == 'H' ? u16_f32_avx2 : NULL;
+    if (wide != NULL) {
+        RELEASE_GIL_IF_BIG((size_t)n * (size_t)elems * 4);
+        for (Py_ssize_t k = 0; k < n; k++)
+            wide((const char *)(uintptr_t)base + off[k], (float *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems, elems);
+        stream_fence();
+        TAKE_GIL_BACK();
+        Py_RETURN_NONE;
+    }
+#endif
     job_t j = {0};
     j.src = (const char *)(uintptr_t)base;
     j.n = n, j.O = 1, j.M = elems, j.I = 1;

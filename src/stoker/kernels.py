@@ -33,6 +33,8 @@ __all__ = [
     "compiled",
     "file_size",
     "gather_into",
+    "gather_records",
+    "gathers",
     "isa",
     "map_file",
     "maps_hold_descriptors",
@@ -146,16 +148,21 @@ def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
     None where the kernel does not apply (no build, a dtype or cast it lacks, a strided or
     read-only array). ml_dtypes' bfloat16 is "E" (its type code): as the output, from the
     sources its loops take; as the source, into float32."""
-    if _kernels is None or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
+    return _dtype_codes(dst, src.dtype) if src.flags.c_contiguous else None
+
+
+def _dtype_codes(dst: np.ndarray, src: np.dtype) -> tuple[str, str] | None:
+    """:func:`_codes` for contiguous records of dtype ``src``."""
+    if _kernels is None or not (dst.flags.c_contiguous and dst.flags.writeable):
         return None
     if is_bfloat16(dst.dtype):
-        if is_bfloat16(src.dtype):  # a copy: the kernel moves their bits as uint16
+        if is_bfloat16(src):  # a copy: the kernel moves their bits as uint16
             return "H", "H"
-        code = _BF16_CODES.get(src.dtype)
+        code = _BF16_CODES.get(src)
         return None if code is None else (code, "E")
-    if is_bfloat16(src.dtype):  # widened into float32 (exact), else numpy's cast
+    if is_bfloat16(src):  # widened into float32 (exact), else numpy's cast
         return ("E", "f") if dst.dtype == np.float32 else None
-    s, o = _CODES.get(src.dtype), _CODES.get(dst.dtype)
+    s, o = _CODES.get(src), _CODES.get(dst.dtype)
     if s is None or o is None or (s != o and (s, o) not in _CASTS):
         return None
     return s, o
@@ -225,3 +232,32 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
             *codes, address(src), address(offsets), address(rows), len(index), elems, address(dst),
             dst.nbytes >= STREAM_MIN_BYTES,
         )  # fmt: skip
+
+
+def gathers(dst: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether :func:`gather_records` copies records of ``dtype`` into ``dst``."""
+    return _dtype_codes(dst, dtype) is not None
+
+
+def gather_records(dst: np.ndarray, rows: np.ndarray, addresses: np.ndarray, dtype: np.dtype) -> bool:
+    """``dst[rows[k]]`` = the record at memory address ``addresses[k]`` (``dst.shape[1:]``
+    values of ``dtype``, contiguous), cast as ``np.copyto`` casts: one pass per record, records
+    from any number of files or arrays in one call. False, with nothing done, where the
+    compiled kernel does not apply (see :func:`_codes`).
+
+    The addresses are not checked: the caller holds the memory of every record and has
+    checked that each lies inside it. ``rows`` are checked against ``dst``.
+    """
+    codes = _dtype_codes(dst, dtype)
+    if codes is None:
+        return False
+    if len(rows):
+        rows = np.ascontiguousarray(rows, np.int64)
+        addresses = np.ascontiguousarray(addresses, np.int64)
+        if len(addresses) != len(rows) or rows.min() < 0 or rows.max() >= len(dst):
+            raise IndexError(f"gather: {len(rows)} rows for {len(addresses)} records, or rows outside {len(dst)}")
+        _kernels.gather(
+            *codes, 0, address(addresses), address(rows), len(rows), dst[0].size, address(dst),
+            dst.nbytes >= STREAM_MIN_BYTES,
+        )  # fmt: skip
+    return True
