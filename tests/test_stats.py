@@ -7,6 +7,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +15,13 @@ import pytest
 
 import stoker
 from conftest import LAB_GZ, FieldPlan, build, check_batches
+from stoker import kernels
 from stoker.autotune import ThreadTuner
 from stoker.doctor import verdict
+from stoker.files import open_local
 from stoker.readahead import Readahead, drop_behind_for, physical_memory
 from stoker.stats import CPU_SAMPLE_SECONDS, LoaderStats
+from stoker.testing import assert_same_batches
 
 WIDE_GZ = FieldPlan("wide", "int16", (64, 64), kind="gzip")
 WIDE_RAW = FieldPlan("wide", "int16", (64, 64))
@@ -200,6 +204,117 @@ def test_readahead_advises_only_ranges_that_are_not_cached_already(tmp_path: Pat
         assert cold.advised == 1
     finally:
         os.close(fd)
+
+
+def _cached(fd: int, offset: int) -> bool:
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT) == 1
+    except BlockingIOError:
+        return False
+
+
+def test_willneed_records_asks_the_disk_for_those_records_alone(tmp_path: Path) -> None:
+    """Records 1 MiB apart, two of them following one another: each comes into the page cache
+    (the reads are asynchronous: polled), and a record between them does not."""
+    path = tmp_path / "frames.bin"
+    size, record = 8 << 20, 16 << 10
+    path.write_bytes(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        _evict(fd, size)
+        asked = np.array([1 << 20, (1 << 20) + record, 3 << 20, 5 << 20])
+        kernels.willneed_records(fd, asked, record)
+        for off in asked.tolist():
+            for _ in range(500):
+                if _cached(fd, off) and _cached(fd, off + record - 1):
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError(f"record at {off} never reached the page cache")
+        assert not _cached(fd, 4 << 20)  # not asked for (probed once: a miss starts a readahead)
+    finally:
+        os.close(fd)
+
+
+def _random_read_maps(paths: set[str]) -> dict[str, bool]:
+    """This process's memory maps of ``paths``: whether each is advised MADV_RANDOM ("rr")."""
+    found: dict[str, bool] = {}
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and "-" in parts[0] and parts[-1] in paths:
+            current = parts[-1]
+        elif line.startswith("VmFlags:") and current is not None:
+            found[current] = "rr" in parts[1:]
+            current = None
+    return found
+
+
+@pytest.mark.parametrize("cast", [None, "float32"])
+def test_global_shuffle_larger_than_ram_asks_for_records_ahead_and_changes_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cast: str | None
+) -> None:
+    """A global shuffle of a dataset larger than half the RAM (as if: drop_behind) asks the disk
+    for each batch's records before they are copied, maps its files MADV_RANDOM, and keeps every
+    file open for the epoch: 80 files, more than the 64 that used to be, each opened once per
+    epoch instead of again and again as batches drew from all of them. The records are the same."""
+    import stoker.batch
+
+    ds = build(tmp_path, [7 + g % 5 for g in range(80)], {"wide": WIDE_RAW, "label": LAB_GZ})
+    opened: list[str] = []
+
+    def counting(name: str, path: str) -> int:
+        opened.append(path)
+        return open_local(name, path)
+
+    monkeypatch.setattr(stoker.batch, "open_local", counting)
+    # One worker: two opening a file at once keep one and close the other (a second open).
+    loader = ds.loader(16, cast=cast, with_index=True, epochs=2, shuffle="global", seed=2, threads=1)
+    loader.drop_behind = True  # as for a dataset larger than half the RAM
+    with loader:
+        it = iter(loader)
+        batches = [next(it)]
+        images = {str(g.paths["wide"]) for g in ds.groups}
+        maps = _random_read_maps(images)
+        assert maps and all(maps.values()), maps
+        batches += list(it)
+        check_batches(ds, batches, cast={"wide": cast} if cast else None, epochs=2)
+        assert it._assembler.readahead.advised > 0  # type: ignore[attr-defined]
+    assert len(opened) <= 2 * len(images), len(opened)
+    plain = ds.loader(16, cast=cast, with_index=True, epochs=2, shuffle="global", seed=2)
+    assert not _random_read_maps(images)  # closed: no map left
+    with plain:
+        assert_same_batches(batches, list(plain))
+
+
+def test_advising_ahead_asks_for_every_batch_once_and_in_time(tmp_path: Path) -> None:
+    """Task k asks for batch k + depth (the first task for itself and the depth after it), so
+    every batch is asked for once, never after its own task; a planning error still comes after
+    every task planned before it."""
+    from stoker.loader import _advising_ahead
+
+    ds = build(tmp_path, [40, 25], {"wide": WIDE_RAW})
+    plans = list(ds.loader(8, shuffle="global", seed=1, epochs=2)._plan.batches(2))
+    assert len(plans) == 18
+    for depth in (1, 3, len(plans) - 1, len(plans), len(plans) + 2):
+        tasks = list(_advising_ahead((stoker.batch.Task(p) for p in plans), depth))
+        assert [t.plan for t in tasks] == plans
+        asked = [(k, plans.index(p)) for k, t in enumerate(tasks) for p in t.ahead]
+        assert sorted(j for _, j in asked) == list(range(len(plans)))
+        assert all(k <= j <= k + depth for k, j in asked)
+
+    def failing() -> Iterator[stoker.batch.Task]:
+        yield from (stoker.batch.Task(p) for p in plans[:5])
+        raise ValueError("planning failed at batch 5")
+
+    for depth in (3, 9):
+        gen = _advising_ahead(failing(), depth)
+        got = [next(gen) for _ in range(5)]
+        assert [t.plan for t in got] == plans[:5]
+        assert sorted(plans.index(p) for t in got for p in t.ahead) == list(range(5))
+        with pytest.raises(ValueError, match="batch 5"):
+            next(gen)
 
 
 def _count_inflaters(monkeypatch: pytest.MonkeyPatch) -> list[str]:

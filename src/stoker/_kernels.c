@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <semaphore.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -607,6 +608,32 @@ static PyObject *cast_arrays(PyObject *self, PyObject *args) {
     PyBuffer_Release(&d);
     if (rc < 0) return NULL;
     return PyBool_FromLong(ok);
+}
+
+/* willneed_records(fd, offsets_addr, n, length): POSIX_FADV_WILLNEED on n records of `length`
+ * bytes at file offsets offsets[k] (ascending; records that follow one another in one call), the
+ * GIL given up for the system calls: the disk is asked for all of a batch's records at once
+ * instead of one page fault at a time. Advice only: returns how many calls failed. */
+static PyObject *willneed_records(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    unsigned long long offsets;
+    Py_ssize_t n, length;
+    if (!PyArg_ParseTuple(args, "iKnn", &fd, &offsets, &n, &length)) return NULL;
+    if (n < 0 || length < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative count or length");
+        return NULL;
+    }
+    const int64_t *off = (const int64_t *)(uintptr_t)offsets;
+    Py_ssize_t failed = 0;
+    RELEASE_GIL_IF_BIG(GIL_FREE_BYTES);
+    for (Py_ssize_t k = 0; k < n;) {
+        int64_t start = off[k], end = off[k] + length;
+        for (k++; k < n && off[k] == end; k++) end += length;
+        if (posix_fadvise(fd, start, end - start, POSIX_FADV_WILLNEED) != 0) failed++;
+    }
+    TAKE_GIL_BACK();
+    return PyLong_FromSsize_t(failed);
 }
 
 /* The fastest loop this CPU has from dtype code src (b B h H f) into bfloat16, or NULL. */
@@ -1397,6 +1424,7 @@ static PyMethodDef methods[] = {
     {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): b B h H f values into bfloat16"},
     {"computed_to_float16", computed_to_float16, METH_VARARGS,
      "computed_to_float16(src_addr, n, dst_addr, stream) -> bool: float32 values computed here into float16"},
+    {"willneed_records", willneed_records, METH_VARARGS, "willneed_records(fd, offsets_addr, n, length)"},
     {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},
     {NULL, NULL, 0, NULL},
 };

@@ -37,7 +37,7 @@ from .kernels import (
     map_file,
     maps_hold_descriptors,
 )
-from .plan import BatchPlan, Run
+from .plan import BatchPlan, Gather, Run
 from .readahead import Readahead
 from .remote import is_remote
 from .seekpoints import SeekPoint
@@ -50,7 +50,9 @@ GROUP_KEY = "__group__"
 INDEX_KEY = "__index__"
 VALID_KEY = "__valid__"  # pad_last: True on real rows, False on padding
 # Open raw files kept across runs; a group's files close after its last run, this bounds
-# what early breaks and dropped remainders leave open.
+# what early breaks and dropped remainders leave open. At least this many, and as many as maps
+# are kept (_max_kept_maps): a global shuffle's batch reads from most of the dataset's files,
+# and with 64 open W1-big's 415 files were opened, mapped and unmapped again batch after batch.
 _MAX_OPEN = 64
 
 
@@ -225,6 +227,17 @@ def _reading(name: str, info: FileInfo, group: int, start: int, stop: int) -> st
     return f"stoker: while reading field {name!r} from {info.path!r} (group {group}, records {start}..{stop - 1})"
 
 
+def _by_file(gather: Gather) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """A gather sorted by (group, record), so each file is visited once, front to back:
+    ``(order, groups, index, spans)``, record ``k`` of the sorted ones going to row
+    ``order[k]``, ``spans`` the ``[a, b)`` stretches of one group each."""
+    order = np.lexsort((gather.index, gather.groups))
+    groups, index = gather.groups[order], gather.index[order]
+    cuts = (np.flatnonzero(np.diff(groups)) + 1).tolist()
+    spans = list(zip([0, *cuts], [*cuts, len(order)], strict=True)) if len(order) else []
+    return order, groups, index, spans
+
+
 class _RawFile:
     __slots__ = ("_address", "done", "fd", "ident", "map", "refs", "reused", "size", "warm")
 
@@ -325,6 +338,8 @@ class Task:
     # Fields whose transforms ran during assembly (see Assembler.fused), with their draws.
     fused: frozenset[str] = frozenset()
     draws: Any = None
+    # Gathers whose records this task asks of the disk before its own (see Readahead.before_gather).
+    ahead: tuple[BatchPlan, ...] = ()
 
     def __repr__(self) -> str:
         return f"batch {self.plan.index} of epoch {self.plan.epoch} ({self.plan.rows} records)"
@@ -456,6 +471,8 @@ class Assembler:
         fused = self._fused_fields(plan)
         if fused:
             task.fused, task.draws = frozenset(fused), self.fused.draws(plan)
+        for ahead in task.ahead:
+            self._advise(ahead)
         for name, spec in self.fields.items():
             shape, dtype = fused.get(name, (spec.shape, self.out_dtypes[name]))
             out[name] = self.allocator.array((plan.rows, *shape), dtype)
@@ -531,12 +548,7 @@ class Assembler:
     def _gather(self, plan: BatchPlan, out: dict[str, np.ndarray]) -> None:
         assert plan.gather is not None
         flush_wake()  # see stoker.engine: gathers may wait on files, streams and numpy
-        groups, index = plan.gather.groups, plan.gather.index
-        # Sorted by (group, record): each file is visited once, front to back, in bulk.
-        order = np.lexsort((index, groups))
-        groups, index = groups[order], index[order]
-        cuts = (np.flatnonzero(np.diff(groups)) + 1).tolist()
-        spans = list(zip([0, *cuts], [*cuts, len(order)], strict=True)) if len(order) else []
+        order, groups, index, spans = _by_file(plan.gather)
         for name, spec in self.fields.items():
             t = time.perf_counter()
             self._gather_field(plan.epoch, name, spec, out[name], order, groups, index, spans)
@@ -544,6 +556,24 @@ class Assembler:
         if self.with_index:
             out[GROUP_KEY][: len(groups)] = plan.gather.groups
             out[INDEX_KEY][: len(index)] = plan.gather.index
+
+    def _advise(self, plan: BatchPlan) -> None:
+        """Ask the disk for the records of ``plan``'s gather in local raw files (see
+        Readahead.before_gather): a task does it for a batch a few ahead of its own."""
+        if plan.gather is None or not self.readahead.gathers_ahead:
+            return
+        _, groups, index, spans = _by_file(plan.gather)
+        for name, spec in self.fields.items():
+            rb = spec.record_bytes
+            for a, b in spans:
+                info = self.catalog.files[int(groups[a])][name]
+                if info.compression is not None or is_remote(info.path):
+                    continue
+                f = self._acquire(plan.epoch, name, info)
+                try:
+                    self.readahead.before_gather(f.fd, index[a:b] * rb + spec.header_bytes, rb)
+                finally:
+                    self._release(plan.epoch, info, f, False, counted=False)
 
     def _gather_field(
         self, epoch: int, name: str, spec: Field, dst: np.ndarray, order: np.ndarray, groups: np.ndarray,
@@ -671,6 +701,7 @@ class Assembler:
             try:
                 if mapped is None and size:
                     mapped = map_file(fd, size)
+                    self.readahead.on_map(mapped)
             except OSError as e:
                 raise ReadError(
                     f"field {name!r}: cannot map {info.path!r}: {e.strerror}", field=name, path=info.path
@@ -692,7 +723,7 @@ class Assembler:
         return f
 
     def _evict(self) -> None:
-        excess = len(self._files) - _MAX_OPEN
+        excess = len(self._files) - max(_MAX_OPEN, _max_kept_maps())
         for key in list(self._files):
             if excess <= 0:
                 break

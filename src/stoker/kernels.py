@@ -17,6 +17,7 @@ Records stored as bfloat16 widen into float32 by a kernel loop too, in order and
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import mmap
 import os
@@ -39,6 +40,7 @@ __all__ = [
     "map_file",
     "maps_hold_descriptors",
     "set_isa",
+    "willneed_records",
 ]
 
 _kernels: Any
@@ -232,6 +234,19 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
             *codes, address(src), address(offsets), address(rows), len(index), elems, address(dst),
             dst.nbytes >= STREAM_MIN_BYTES,
         )  # fmt: skip
+
+
+def willneed_records(fd: int, offsets: np.ndarray, length: int) -> None:
+    """``POSIX_FADV_WILLNEED`` on records of ``length`` bytes at file ``offsets`` (ascending;
+    records that follow one another share a call), the GIL given up for the system calls where
+    the kernels are built. Advice only: failures are ignored."""
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    if _kernels is not None:
+        _kernels.willneed_records(fd, address(offsets), len(offsets), length)
+        return
+    for off in offsets.tolist():
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)
 
 
 def gathers(dst: np.ndarray, dtype: np.dtype) -> bool:
