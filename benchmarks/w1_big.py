@@ -17,7 +17,12 @@ run starts cold and reads from the disk. Contenders alternate, each in a fresh p
 - ``disk+cast``: the same as ``disk`` plus the cast of every chunk to float32 (the cold ceiling);
 - ``stoker float32`` / ``stoker int8``: ``ds.loader(256)`` with and without the cast;
 - ``stoker float32 no-readahead``: the same with ``stoker.readahead`` switched off, to show what
-  the readahead and drop-behind buy.
+  the readahead and drop-behind buy;
+- ``disk random``: the disk's rate for W3's access pattern, random 16 KiB records: four threads
+  per core, each asking the disk for 256 records drawn at random from all the image files at
+  once (``POSIX_FADV_WILLNEED`` on each), then reading them with ``preadv`` (no cast);
+- ``stoker float32 shuffle=global``: ``ds.loader(256, shuffle="global", seed=0)`` cast to
+  float32 (W3 larger than RAM: every record from the disk, in random order).
 
 Each run lasts ``--seconds`` (default 25) or one whole epoch, whichever ends first
 (``--seconds 0``: the epoch; the disk's rate here has varied from 0.6 to 2.1 GB/s, an epoch
@@ -56,7 +61,11 @@ CHUNK = 8 << 20
 STREAMS_PER_CORE = 4
 STREAM_AHEAD = 32 << 20
 DISK_LOOPS = ("disk", "disk ahead", "disk streams")  # the fastest in a round is the disk's rate
-CONTENDERS = (*DISK_LOOPS, "disk+cast", "stoker float32", "stoker int8", "stoker float32 no-readahead")
+RANDOM_BATCH = 256  # records a random-read thread asks the disk for at once
+CONTENDERS = (
+    *DISK_LOOPS, "disk+cast", "stoker float32", "stoker int8", "stoker float32 no-readahead",
+    "disk random", "stoker float32 shuffle=global",
+)  # fmt: skip
 
 
 def cached_kib() -> int:
@@ -106,7 +115,42 @@ def disk_child(paths: list[str], cast: bool, seconds: float, ahead: bool = False
     return {"bytes": sum(done), "seconds": time.perf_counter() - start}
 
 
-def stoker_child(data: Path, cast: str | None, readahead: bool, seconds: float) -> dict[str, Any]:
+def random_child(paths: list[str], seconds: float) -> dict[str, Any]:
+    """Random whole records from every file, many asked of the disk at once (see ``disk random``)."""
+    threads = len(os.sched_getaffinity(0)) * STREAMS_PER_CORE
+    until = time.perf_counter() + seconds if seconds else math.inf
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    done: list[int] = []
+
+    def read(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        buf = np.empty(RECORD_BYTES, np.uint8)
+        n = 0
+        while time.perf_counter() < until:
+            picks = [(fds[f], r * RECORD_BYTES) for f, r in zip(
+                rng.integers(0, len(fds), RANDOM_BATCH).tolist(), rng.integers(0, RECORDS, RANDOM_BATCH).tolist(),
+                strict=True,
+            )]  # fmt: skip
+            for fd, off in picks:
+                os.posix_fadvise(fd, off, RECORD_BYTES, os.POSIX_FADV_WILLNEED)
+            for fd, off in picks:
+                n += os.preadv(fd, [buf], off)
+        done.append(n)
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=read, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    for fd in fds:
+        os.close(fd)
+    return {"bytes": sum(done), "seconds": time.perf_counter() - start}
+
+
+def stoker_child(
+    data: Path, cast: str | None, readahead: bool, seconds: float, shuffle: str | None = None
+) -> dict[str, Any]:
     import stoker
     import stoker.readahead
 
@@ -118,7 +162,8 @@ def stoker_child(data: Path, cast: str | None, readahead: bool, seconds: float) 
     )
     until = time.perf_counter() + seconds if seconds else math.inf
     n = 0
-    with ds.loader(256, epochs=1, cast={"image": cast} if cast else None) as loader:
+    order = {"shuffle": shuffle, "seed": 0} if shuffle else {}
+    with ds.loader(256, epochs=1, cast={"image": cast} if cast else None, **order) as loader:  # type: ignore[arg-type]
         start = time.perf_counter()
         for batch in loader:
             n += len(batch["image"])
@@ -132,13 +177,18 @@ def stoker_child(data: Path, cast: str | None, readahead: bool, seconds: float) 
 def child(kind: str, data: Path, seconds: float) -> dict[str, Any]:
     paths = sorted(str(p) for p in data.glob("img_*.bin"))
     before = cached_kib()
-    if kind.startswith("disk"):
+    if kind == "disk random":
+        out = random_child(paths, seconds)
+    elif kind.startswith("disk"):
         out = disk_child(
             paths, kind == "disk+cast", seconds, ahead=kind == "disk ahead",
             streams=STREAMS_PER_CORE if kind == "disk streams" else 1,
         )  # fmt: skip
     else:
-        out = stoker_child(data, None if "int8" in kind else "float32", "no-readahead" not in kind, seconds)
+        out = stoker_child(
+            data, None if "int8" in kind else "float32", "no-readahead" not in kind, seconds,
+            "global" if "shuffle=global" in kind else None,
+        )  # fmt: skip
     out["cache_growth_mib"] = (cached_kib() - before) / 1024
     return out
 
@@ -219,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| stoker float32 / disk | {ratio('stoker float32', 'disk')} |",
         f"| stoker float32 / disk ahead | {ratio('stoker float32', 'disk ahead')} |",
         f"| stoker float32 / stoker float32 no-readahead | {ratio('stoker float32', 'stoker float32 no-readahead')} |",
+        f"| stoker float32 shuffle=global / disk random | {ratio('stoker float32 shuffle=global', 'disk random')} |",
         "",
         f"stoker's readahead setting in these runs: {results['stoker float32'][0].get('tuning', {}).get('readahead')}",
     ]

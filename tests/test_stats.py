@@ -281,6 +281,7 @@ def test_global_shuffle_larger_than_ram_asks_for_records_ahead_and_changes_none(
         batches += list(it)
         check_batches(ds, batches, cast={"wide": cast} if cast else None, epochs=2)
         assert it._assembler.readahead.advised > 0  # type: ignore[attr-defined]
+        assert "each record a few batches ahead" in loader.stats().tuning["readahead"]
     assert len(opened) <= 2 * len(images), len(opened)
     plain = ds.loader(16, cast=cast, with_index=True, epochs=2, shuffle="global", seed=2)
     assert not _random_read_maps(images)  # closed: no map left

@@ -442,7 +442,7 @@ class Loader:
             record_bytes={n: f.record_bytes for n, f in self.dataset.fields.items()},
             dtypes={n: self.dtypes[n].name for n in self.dataset.fields},
             tuning={
-                "readahead": "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else ""),
+                "readahead": self._readahead_said(),
                 **({"autotune": self.tuning} if self.tuning else {}),
             },
             memory_budget=self.memory_budget,
@@ -452,6 +452,14 @@ class Loader:
             and self.prefetch < self._parts * wanted_prefetch(self.threads, self._parts * self.batch_bytes),
             buffers_made=getattr(self._pool, "allocated", 0),
         )
+
+    def _readahead_said(self) -> str:
+        """What stoker.readahead does for this loader, in a few words (stats' ``tuning``)."""
+        if self.shuffle != "global":
+            return "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else "")
+        if self.drop_behind:
+            return "willneed on each record a few batches ahead, maps MADV_RANDOM (larger than RAM/2)"
+        return "the kernel's read-around (fits in RAM/2)"
 
     # The adapters' own signatures, so ``loader.to_torch("cuda", ...)`` works as documented.
     def to_torch(self, device: Any = None, pin_memory: bool = False, cast_on_device: Any = None) -> Any:
