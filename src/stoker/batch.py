@@ -391,6 +391,7 @@ class Assembler:
         self._compressed = {n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)}
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
+        self._max_open = max(_MAX_OPEN, _max_kept_maps())  # see _MAX_OPEN
         # Memory maps of finished files kept for the next epoch (see _close_file): this pass's
         # own, closed with it, unless the loader shares its own (see share_kept).
         self.kept_maps = KeptMaps()
@@ -723,7 +724,7 @@ class Assembler:
         return f
 
     def _evict(self) -> None:
-        excess = len(self._files) - max(_MAX_OPEN, _max_kept_maps())
+        excess = len(self._files) - self._max_open
         for key in list(self._files):
             if excess <= 0:
                 break
