@@ -566,6 +566,7 @@ class Assembler:
         _, groups, index, spans = _by_file(plan.gather)
         for name, spec in self.fields.items():
             rb = spec.record_bytes
+            t = time.perf_counter()
             for a, b in spans:
                 info = self.catalog.files[int(groups[a])][name]
                 if info.compression is not None or is_remote(info.path):
@@ -575,6 +576,8 @@ class Assembler:
                     self.readahead.before_gather(f.fd, index[a:b] * rb + spec.header_bytes, rb)
                 finally:
                     self._release(plan.epoch, info, f, False, counted=False)
+            # The gathers' time: asking the disk for random records is part of reading them.
+            self.counters.add("gather", name, time.perf_counter() - t)
 
     def _gather_field(
         self, epoch: int, name: str, spec: Field, dst: np.ndarray, order: np.ndarray, groups: np.ndarray,
