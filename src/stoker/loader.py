@@ -624,8 +624,10 @@ def _advising_ahead(tasks: Iterator[Task], depth: int) -> Iterator[Task]:
     """``tasks``, each asking the disk for the records of the one ``depth`` after it first (the
     first for its own and the ``depth`` after it): a global shuffle's records, read from a
     dataset larger than RAM/2, are on their way by the time a worker copies them. On W1-big
-    (cold, 2 threads): 33k records/s asking for each batch's own records only, 40k two ahead,
-    43k four ahead (the disk's random 16 KiB reads: 34k-57k/s with 256 to 1,024 queued).
+    (cold, 2 threads, one scratch run each): 33k records/s asking for each batch's own records
+    only, 40k two ahead, 43k four ahead; asking 3 or 15 ahead later ran alike (35k-36k), so
+    the default (AHEAD_BYTES of records, 3 W1 batches) is not where the rest of the disk's
+    random rate is lost (see README, W1-big).
 
     A planning error comes after the tasks planned before it, as without the look-ahead.
     """
