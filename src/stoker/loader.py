@@ -633,27 +633,27 @@ def _advising_ahead(tasks: Iterator[Task], depth: int) -> Iterator[Task]:
     """
     waiting: collections.deque[Task] = collections.deque()
     first = True
+    error: BaseException | None = None
     while True:
         try:
             task = next(tasks)
         except StopIteration:
             break
-        except BaseException:
-            if first and waiting:  # fewer than depth + 1 tasks: the first asks for them all
-                waiting[0].ahead = tuple(t.plan for t in waiting)
-            while waiting:  # asked for already
-                yield waiting.popleft()
-            raise
+        except BaseException as e:  # a planning error: raised once the tasks before it are out
+            error = e
+            break
         waiting.append(task)
         if len(waiting) > depth:
             head = waiting.popleft()
             head.ahead = (head.plan, *(t.plan for t in waiting)) if first else (task.plan,)
             first = False
             yield head
-    if first and waiting:
+    if first and waiting:  # fewer than depth + 1 tasks: the first asks for them all
         waiting[0].ahead = tuple(t.plan for t in waiting)
-    while waiting:
+    while waiting:  # asked for already
         yield waiting.popleft()
+    if error is not None:
+        raise error
 
 
 class _Pass:
