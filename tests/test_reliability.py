@@ -462,6 +462,83 @@ def test_kept_maps_are_bounded_and_the_oldest_goes_first(tmp_path: Path, monkeyp
     assert _fd_count() == fds
 
 
+def test_a_global_shuffles_epochs_share_each_files_map_while_both_read_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A global shuffle reads from every file up to an epoch's last batch, so the next epoch's
+    first batches open every file while the last still reads it: both read through one map, not
+    a map each, made and faulted in again at every epoch."""
+    write_dataset(tmp_path, [40, 40], PAIR)
+    ds = _pair_ds(tmp_path)
+    ref = reference(ds)
+    real_map_file = stoker.batch.map_file
+    made: list[str] = []
+
+    def map_file(fd: int, size: int) -> Any:
+        made.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_map_file(fd, size)
+
+    monkeypatch.setattr(stoker.batch, "map_file", map_file)
+    fds = _fd_count()
+    loader = ds.loader(4, epochs=8, shuffle="global", seed=3, cast="float32", threads=2, prefetch=4, with_index=True)
+    with loader:
+        got = list(loader)
+        assert sorted(made) == [str(tmp_path / f"img_{g:04d}.bin") for g in range(2)]
+        assert _mappings(tmp_path / "img_0000.bin") == 1  # kept for a next pass
+    assert len(got) == 8 * 20
+    _assert_rows(got, ref)
+    assert _mappings(tmp_path / "img_0000.bin") == 0 and _fd_count() == fds
+
+
+def test_kept_maps_lend_one_map_per_unchanged_file_and_close_each_once_nobody_holds_it(tmp_path: Path) -> None:
+    from stoker.kernels import map_file
+
+    path = tmp_path / "img_0000.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+
+    def mapped() -> tuple[Any, tuple[int, int, int, int]]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            return map_file(fd, st.st_size), stoker.batch._identity_of(st, st.st_size)
+        finally:
+            os.close(fd)
+
+    def maps() -> int:  # of the file at ``path`` now, or of the one it replaced ("(deleted)")
+        return len(mapped_paths(path))
+
+    kept = stoker.batch.KeptMaps(limit=1)
+    old, ident = mapped()
+    assert kept.take(str(path), ident) is None
+    assert kept.lend(str(path), ident, old) is old
+    twin, _ = mapped()  # another holder mapped the same file meanwhile: it gets the first map
+    assert kept.lend(str(path), ident, twin) is old and maps() == 1
+    assert kept.take(str(path), ident) == (old, False)  # held, not idle
+    for _ in range(3):
+        kept.put(str(path), ident, old)
+    assert len(kept) == 1 and maps() == 1
+    assert kept.take(str(path), ident) == (old, True)  # kept after its holders read through it
+    incoming = tmp_path / "incoming"
+    incoming.write_bytes(bytes(64 * 256))
+    os.replace(incoming, path)
+    new, new_ident = mapped()
+    assert new_ident != ident
+    assert kept.take(str(path), new_ident) is None  # the old file's map is still held: it stays
+    assert kept.lend(str(path), new_ident, new) is new and maps() == 2
+    kept.put(str(path), new_ident, new)  # not kept while the old file's map is held
+    assert len(kept) == 0 and maps() == 1
+    kept.put(str(path), ident, old)  # kept once given back ...
+    assert len(kept) == 1 and maps() == 1
+    assert kept.take(str(path), new_ident) is None  # ... and closed when the new file is asked for
+    assert len(kept) == 0 and maps() == 0
+    new, new_ident = mapped()
+    assert kept.lend(str(path), new_ident, new) is new
+    kept.close()
+    assert maps() == 1  # held: unmapped when given back
+    kept.put(str(path), new_ident, new)
+    assert len(kept) == 0 and maps() == 0
+
+
 def _count_image_preadv(monkeypatch: pytest.MonkeyPatch, images: set[str]) -> list[str]:
     """Every read of one of ``images`` by ``os.preadv`` from now on (the readahead's cache probes
     keep the real call, bound at import, so they are not counted)."""
