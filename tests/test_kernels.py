@@ -360,12 +360,50 @@ def test_gather_records_from_several_arrays_equals_fancy_indexing(src: str, out:
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("src", ["int8", "uint8", "int16", "float32", "bfloat16"])
+def test_gather_records_into_and_from_bfloat16_takes_the_array_itself(src: str) -> None:
+    """bfloat16 rows (a dtype numpy describes no buffer format for) are handed to the kernel
+    as the array itself: values as ml_dtypes casts them, bfloat16 records widened into float32."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(5)
+    records = (rng.standard_normal((9, 5)) * 100).astype(bf16 if src == "bfloat16" else src)
+    out = np.float32 if src == "bfloat16" else bf16
+    rows, index = np.array([3, 0, 5, 1]), np.array([8, 2, 2, 0])
+    got = np.zeros((6, 5), out)
+    assert kernels.gather_records(got, rows, kernels.address(records) + index * records[0].nbytes, records.dtype)
+    want = np.zeros((6, 5), out)
+    want[rows] = records[index].astype(out)
+    assert np.array_equal(got.astype(np.float32), want.astype(np.float32))  # exact: no NaNs here
+
+
+@pytest.mark.parametrize("files", [3, 40])  # 40: past the length that gives the GIL up
+def test_file_sizes_are_each_descriptors_size_now(tmp_path: Path, files: int) -> None:
+    assert kernels.file_sizes([]) == []
+    fds = []
+    try:
+        for k in range(files):
+            (tmp_path / f"f{k}").write_bytes(b"x" * (k * 7))
+            fds.append(os.open(tmp_path / f"f{k}", os.O_RDONLY))
+        assert kernels.file_sizes(fds) == [k * 7 for k in range(files)] == [kernels.file_size(fd) for fd in fds]
+        os.truncate(tmp_path / "f2", 3)
+        assert kernels.file_sizes(fds)[2] == 3
+        with pytest.raises(OSError):  # a descriptor past any limit
+            kernels.file_sizes([*fds, 1 << 30])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_gather_records_checks_rows_and_declines_what_it_cannot_copy() -> None:
     x = np.arange(16, dtype=np.int8).reshape(2, 8)
     dst = np.zeros((3, 8), np.float32)
     addresses = np.array([kernels.address(x), kernels.address(x) + 8])
-    with pytest.raises(IndexError, match="outside 3"):
+    with pytest.raises(IndexError, match="row 3 outside the 3 rows"):
         kernels.gather_records(dst, np.array([0, 3]), addresses, x.dtype)
+    with pytest.raises(IndexError, match="row -1 outside the 3 rows"):
+        kernels.gather_records(dst, np.array([-1, 0]), addresses, x.dtype)
     with pytest.raises(IndexError, match="2 rows for 1 records"):
         kernels.gather_records(dst, np.array([0, 1]), addresses[:1], x.dtype)
     assert not dst.any()

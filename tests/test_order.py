@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import stoker.kernels
+import stoker.order
 from stoker.errors import SpecError
 from stoker.order import (
     Permutation,
@@ -92,7 +94,26 @@ def test_permutation_handles_n_just_past_even_powers_and_the_maximum(n: int) -> 
     assert out.min() >= 0 and out.max() < n and np.unique(out).size == 4
 
 
-def test_permutation_matches_pinned_values_so_order_is_portable() -> None:
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 2**62), seed=seeds, epoch=epochs, data=st.data())
+def test_compiled_permutation_gives_the_numpy_networks_values_bit_for_bit(
+    n: int, seed: int, epoch: int, data: st.DataObject
+) -> None:
+    assert stoker.kernels.compiled()  # see tests/test_kernels.py
+    positions = np.array(data.draw(st.lists(st.integers(0, max(0, n - 1)), max_size=64 if n else 0)), np.int64)
+    perm = index_permutation(n, seed, epoch)
+    compiled = perm(positions)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stoker.order, "permute", lambda *args: None)
+        assert np.array_equal(compiled, perm(positions))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_permutation_matches_pinned_values_so_order_is_portable(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not compiled:
+        monkeypatch.setattr(stoker.order, "permute", lambda *args: None)
     # Pinned on one machine: a change here changes every user's epoch order.
     assert index_permutation(10, 42, 3)(np.arange(10)).tolist() == [5, 4, 9, 1, 8, 2, 7, 0, 3, 6]
     big = index_permutation(2**40, 42, 3)(np.array([0, 1, 2**40 - 1]))
@@ -101,10 +122,17 @@ def test_permutation_matches_pinned_values_so_order_is_portable() -> None:
     assert window_shuffle(10, 4, 42, 3).tolist() == [0, 1, 3, 2, 7, 4, 6, 5, 8, 9]
 
 
-def test_permutation_rejects_positions_out_of_range_and_bad_arguments() -> None:
+@pytest.mark.parametrize("compiled", [True, False])
+def test_permutation_rejects_positions_out_of_range_and_bad_arguments(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not compiled:
+        monkeypatch.setattr(stoker.order, "permute", lambda *args: None)
     perm = index_permutation(10, 0, 0)
     with pytest.raises(SpecError, match=r"\[0, 10\)"):
         perm(np.array([3, 10]))
+    with pytest.raises(SpecError, match=r"got values in \[3, 12\]"):
+        perm(np.array([3, 12, 5], np.int64))
     with pytest.raises(SpecError, match=r"\[0, 10\)"):
         perm(np.array([-1]))
     with pytest.raises(SpecError, match="integers"):

@@ -723,6 +723,34 @@ def test_a_file_cut_before_the_pass_fails_at_the_first_batch_missing_a_record(tm
     _assert_rows(got, ref)
 
 
+def test_a_file_deleted_during_a_global_shuffle_fails_the_next_epochs_first_batch_reading_it(tmp_path: Path) -> None:
+    """Epoch 0 reads on from the files it opened; epoch 1 opens them again and fails at its first
+    batch that reads the deleted file, naming it, having let go of the files held for that
+    batch: nothing stays open."""
+    write_dataset(tmp_path, [50, 50, 50], {"image": IMG, "x": FieldPlan("x", "int16", (2,))})
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+        x=stoker.Field(str(tmp_path / "x_*.bin"), "int16", (2,)),
+    )
+    ref = reference(ds)
+    kw: dict[str, Any] = {"epochs": 2, "shuffle": "global", "seed": 3, "threads": 2, "prefetch": 2, "with_index": True}
+    order = [b["__group__"].tolist() for b in ds.loader(8, **kw)]
+    expected = next(k for k in range(19, len(order)) if 1 in order[k])  # epoch 0 is batches 0..18
+    fds = _fd_count()
+    loader = ds.loader(8, **kw)
+    it = iter(loader)
+    got = [next(it)]
+    os.unlink(tmp_path / "img_0001.bin")
+    more, err = consume(it)
+    got += more
+    assert isinstance(err, stoker.ReadError), err
+    assert err.path == str(tmp_path / "img_0001.bin") and "img_0001.bin" in str(err) and "No such file" in str(err)
+    assert len(got) == expected
+    _assert_rows(got, ref)
+    loader.close()
+    assert wait_no_stoker_threads() == [] and _fd_count() == fds
+
+
 @pytest.mark.parametrize("when", ["before the pass", "during the pass"])
 def test_a_grown_file_keeps_the_geometry_the_dataset_saw(tmp_path: Path, when: str) -> None:
     write_dataset(tmp_path, [40, 40], {"image": IMG, "x": FieldPlan("x", "float64")})

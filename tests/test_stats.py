@@ -237,6 +237,57 @@ def test_willneed_records_asks_the_disk_for_those_records_alone(tmp_path: Path) 
         os.close(fd)
 
 
+def _in_cache(fd: int, offset: int) -> bool:
+    """Whether the page at ``offset`` of ``fd`` is in the page cache, by mincore(2) on a map of
+    it: unlike a read probe, asking never starts a readahead."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    with mmap.mmap(fd, mmap.PAGESIZE, access=mmap.ACCESS_READ, offset=page) as m:
+        view = np.frombuffer(m, np.uint8)
+        at = view.__array_interface__["data"][0]
+        vec = (ctypes.c_ubyte * 1)()
+        if libc.mincore(ctypes.c_void_p(at), ctypes.c_size_t(mmap.PAGESIZE), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        del view
+        return bool(vec[0] & 1)
+
+
+def test_willneed_records_of_several_files_in_one_call_asks_each_its_own(tmp_path: Path) -> None:
+    """Records of two files in one call: a record of the second file at the offset just past one
+    of the first is its own request (not merged into the first file's), and each file's records
+    come into the page cache, and nothing else does (checked by mincore, which reads nothing)."""
+    size, record = 4 << 20, 16 << 10
+    fds = []
+    try:
+        for name in ("a.bin", "b.bin"):
+            path = tmp_path / name
+            path.write_bytes(np.random.default_rng(len(fds)).integers(0, 256, size, dtype=np.uint8).tobytes())
+            fds.append(os.open(path, os.O_RDONLY))
+            os.fsync(fds[-1])
+            _evict(fds[-1], size)
+        a, b = fds
+        asked_fds = np.array([a, b, b])
+        asked = np.array([1 << 20, (1 << 20) + record, 3 << 20])
+        kernels.willneed_records(asked_fds, asked, record)
+        for fd, off in zip(asked_fds.tolist(), asked.tolist(), strict=True):
+            for _ in range(500):
+                if _in_cache(fd, off) and _in_cache(fd, off + record - 1):
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError(f"record at {off} of descriptor {fd} never reached the page cache")
+        assert not _in_cache(a, (1 << 20) + record) and not _in_cache(a, 3 << 20)  # asked of b only
+        assert not _in_cache(b, 1 << 20)
+        with pytest.raises(ValueError, match="2 descriptors for 3 records"):
+            kernels.willneed_records(asked_fds[:2], asked, record)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def _random_read_maps(paths: set[str]) -> dict[str, bool]:
     """This process's memory maps of ``paths``: whether each is advised MADV_RANDOM ("rr")."""
     found: dict[str, bool] = {}

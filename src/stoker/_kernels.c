@@ -610,30 +610,36 @@ static PyObject *cast_arrays(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
-/* willneed_records(fd, offsets_addr, n, length): POSIX_FADV_WILLNEED on n records of `length`
- * bytes at file offsets offsets[k] (ascending; records that follow one another in one call), the
- * GIL given up for the system calls: the disk is asked for all of a batch's records at once
- * instead of one page fault at a time. Advice only: returns how many calls failed. */
+/* willneed_records(fds, offsets, length): POSIX_FADV_WILLNEED on records of `length` bytes,
+ * record k at offset offsets[k] of file fds[k] (int64 buffers of one length; a record that
+ * follows the one before in the same file shares its call), the GIL given up for the system
+ * calls: the disk is asked for all of a batch's records, of every file, at once instead of one
+ * page fault at a time. Advice only: returns how many calls failed. */
 static PyObject *willneed_records(PyObject *self, PyObject *args) {
     (void)self;
-    int fd;
-    unsigned long long offsets;
-    Py_ssize_t n, length;
-    if (!PyArg_ParseTuple(args, "iKnn", &fd, &offsets, &n, &length)) return NULL;
-    if (n < 0 || length < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative count or length");
-        return NULL;
+    Py_buffer fds, offsets;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "y*y*n", &fds, &offsets, &length)) return NULL;
+    PyObject *result = NULL;
+    if (length < 0 || fds.len != offsets.len || fds.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "willneed_records: negative length, or fds and offsets differ in length");
+    } else {
+        const int64_t *fd = (const int64_t *)fds.buf, *off = (const int64_t *)offsets.buf;
+        const Py_ssize_t n = offsets.len / 8;
+        Py_ssize_t failed = 0;
+        RELEASE_GIL_IF_BIG(GIL_FREE_BYTES);
+        for (Py_ssize_t k = 0; k < n;) {
+            const int64_t f = fd[k], start = off[k];
+            int64_t end = start + length;
+            for (k++; k < n && fd[k] == f && off[k] == end; k++) end += length;
+            if (posix_fadvise((int)f, start, end - start, POSIX_FADV_WILLNEED) != 0) failed++;
+        }
+        TAKE_GIL_BACK();
+        result = PyLong_FromSsize_t(failed);
     }
-    const int64_t *off = (const int64_t *)(uintptr_t)offsets;
-    Py_ssize_t failed = 0;
-    RELEASE_GIL_IF_BIG(GIL_FREE_BYTES);
-    for (Py_ssize_t k = 0; k < n;) {
-        int64_t start = off[k], end = off[k] + length;
-        for (k++; k < n && off[k] == end; k++) end += length;
-        if (posix_fadvise(fd, start, end - start, POSIX_FADV_WILLNEED) != 0) failed++;
-    }
-    TAKE_GIL_BACK();
-    return PyLong_FromSsize_t(failed);
+    PyBuffer_Release(&fds);
+    PyBuffer_Release(&offsets);
+    return result;
 }
 
 /* The fastest loop this CPU has from dtype code src (b B h H f) into bfloat16, or NULL. */
@@ -644,18 +650,8 @@ static void widen_bf16(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream)
 /* gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream): record k
  * (rec_elems values of dtype src at base + offsets[k] bytes) cast or copied into row rows[k] of
  * dst (dtype out). Global shuffle's gathers: one pass per record, no staging array. */
-static PyObject *gather(PyObject *self, PyObject *args) {
-    (void)self;
-    int src_code, out_code, stream;
-    unsigned long long base, offsets, rows, dst;
-    Py_ssize_t n, elems;
-    if (!PyArg_ParseTuple(args, "CCKKKnnKp", &src_code, &out_code, &base, &offsets, &rows, &n, &elems, &dst, &stream))
-        return NULL;
-    if (n < 0 || elems < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative count");
-        return NULL;
-    }
-    const int64_t *off = (const int64_t *)(uintptr_t)offsets, *row = (const int64_t *)(uintptr_t)rows;
+static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int64_t *off, const int64_t *row,
+                           Py_ssize_t n, Py_ssize_t elems, uintptr_t dst, int stream) {
     if (out_code == 'E') { /* ml_dtypes' bfloat16 (its type code; numpy has none of its own) */
         bf16_loop_t loop = pick_bf16(src_code);
         if (loop == NULL) {
@@ -741,6 +737,58 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     if (stream) stream_fence();
     TAKE_GIL_BACK();
     Py_RETURN_NONE;
+}
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    (void)self;
+    int src_code, out_code, stream;
+    unsigned long long base, offsets, rows, dst;
+    Py_ssize_t n, elems;
+    if (!PyArg_ParseTuple(args, "CCKKKnnKp", &src_code, &out_code, &base, &offsets, &rows, &n, &elems, &dst, &stream))
+        return NULL;
+    if (n < 0 || elems < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative count");
+        return NULL;
+    }
+    return gather_at(src_code, out_code, (uintptr_t)base, (const int64_t *)(uintptr_t)offsets,
+                     (const int64_t *)(uintptr_t)rows, n, elems, (uintptr_t)dst, stream);
+}
+
+/* gather_records(src, out, dst, rows, addresses, stream): record k (the values at memory
+ * address addresses[k]) cast or copied into row rows[k] of dst, a C-contiguous array of rows;
+ * rows and addresses int64 buffers of one length, every row checked against dst here (numpy's
+ * min and max and three address lookups cost more than the checks). */
+static PyObject *gather_records(PyObject *self, PyObject *args) {
+    (void)self;
+    int src_code, out_code, stream;
+    Py_ssize_t nrows;
+    Py_buffer dst, rows, addresses;
+    if (!PyArg_ParseTuple(args, "CCw*ny*y*p", &src_code, &out_code, &dst, &nrows, &rows, &addresses, &stream))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = rows.len / 8;
+    if (nrows <= 0 || dst.len % nrows || rows.len % 8 || addresses.len != rows.len) {
+        PyErr_SetString(PyExc_ValueError, "gather_records: rows and addresses differ in length, or dst has no rows");
+        goto done;
+    }
+    const int64_t *row = (const int64_t *)rows.buf;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (row[k] < 0 || row[k] >= nrows) {
+            PyErr_Format(PyExc_IndexError, "gather: row %lld outside the %zd rows of the output", (long long)row[k], nrows);
+            goto done;
+        }
+    const size_t size = value_bytes(out_code);
+    if (size == 0 || (size_t)(dst.len / nrows) % size) {
+        PyErr_Format(PyExc_ValueError, "gather_records: no output dtype %c, or rows of a partial value", out_code);
+        goto done;
+    }
+    result = gather_at(src_code, out_code, 0, (const int64_t *)addresses.buf, row, n,
+                       (Py_ssize_t)((size_t)(dst.len / nrows) / size), (uintptr_t)dst.buf, stream);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&addresses);
+    return result;
 }
 
 /* The bfloat16 nearest a float32, ties to even; a NaN becomes the quiet NaN of its sign: as
@@ -1183,6 +1231,108 @@ static PyObject *file_size(PyObject *self, PyObject *arg) {
     return PyLong_FromLongLong((long long)st.st_size);
 }
 
+/* permute(keys, half, n, positions, out) -> int: stoker.order.Permutation evaluated at each
+ * int64 position into out (int64): a Feistel network of len(keys) rounds of splitmix64's
+ * finalizer over [0, 2**(2*half)), walked again while >= n. The same values as its numpy
+ * code, bit for bit (tests compare them); ~40 numpy calls per round of a batch (~40 us for
+ * 256 positions, under the dispatcher's lock) become one call. Returns the index of the first
+ * position outside [0, n), out filled up to it, or -1. */
+static inline uint64_t mix64(uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+static PyObject *permute(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer keys, pos, out;
+    int half;
+    unsigned long long n;
+    if (!PyArg_ParseTuple(args, "y*iKy*w*", &keys, &half, &n, &pos, &out)) return NULL;
+    Py_ssize_t bad = -1;
+    const Py_ssize_t count = pos.len / 8, rounds = keys.len / 8;
+    if (half < 1 || half > 31 || pos.len % 8 || keys.len % 8 || out.len != pos.len) {
+        PyErr_SetString(PyExc_ValueError, "permute: bad half width or buffer sizes");
+        bad = -2;
+    } else {
+        const uint64_t *k = (const uint64_t *)keys.buf;
+        const int64_t *p = (const int64_t *)pos.buf;
+        int64_t *o = (int64_t *)out.buf;
+        const uint64_t mask = (1ULL << half) - 1;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (p[i] < 0 || (uint64_t)p[i] >= n) {
+                bad = i;
+                break;
+            }
+            uint64_t y = (uint64_t)p[i];
+            do {
+                uint64_t left = y >> half, right = y & mask;
+                for (Py_ssize_t r = 0; r < rounds; r++) {
+                    const uint64_t t = left ^ (mix64(right ^ k[r]) & mask);
+                    left = right;
+                    right = t;
+                }
+                y = (left << half) | right;
+            } while (y >= n);
+            o[i] = (int64_t)y;
+        }
+    }
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&pos);
+    PyBuffer_Release(&out);
+    if (bad == -2) return NULL;
+    return PyLong_FromSsize_t(bad);
+}
+
+/* file_sizes(fds) -> list: file_size of each descriptor in a list, in one call: a global
+ * shuffle's batch checks every file it reads from (up to hundreds), and a Python call each cost
+ * more than the system call. The GIL is given up for long lists only (see file_size). */
+static PyObject *file_sizes(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "file_sizes: a list of descriptors");
+        return NULL;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(arg);
+    long long *sizes = PyMem_Malloc(sizeof(long long) * (size_t)(n ? n : 1));
+    int *fds = PyMem_Malloc(sizeof(int) * (size_t)(n ? n : 1));
+    PyObject *out = NULL;
+    if (sizes == NULL || fds == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        if ((fds[k] = PyObject_AsFileDescriptor(PyList_GET_ITEM(arg, k))) < 0) goto done;
+    int error = 0;
+    RELEASE_GIL_IF_BIG(n >= 32 ? GIL_FREE_BYTES : 0);
+    for (Py_ssize_t k = 0; k < n && !error; k++) {
+        struct stat st;
+        if (fstat(fds[k], &st) != 0)
+            error = errno;
+        else
+            sizes[k] = (long long)st.st_size;
+    }
+    TAKE_GIL_BACK();
+    if (error) {
+        errno = error;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    if ((out = PyList_New(n)) == NULL) goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *v = PyLong_FromLongLong(sizes[k]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, k, v);
+    }
+done:
+    PyMem_Free(sizes);
+    PyMem_Free(fds);
+    return out;
+}
+
 static PyObject *signal_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if ((kwds != NULL && PyDict_GET_SIZE(kwds)) || !PyArg_ParseTuple(args, ":Signal")) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Signal() takes no arguments");
@@ -1424,7 +1574,10 @@ static PyMethodDef methods[] = {
     {"bfloat16", to_bfloat16, METH_VARARGS, "bfloat16(src_code, src_addr, n, dst_addr): b B h H f values into bfloat16"},
     {"computed_to_float16", computed_to_float16, METH_VARARGS,
      "computed_to_float16(src_addr, n, dst_addr, stream) -> bool: float32 values computed here into float16"},
-    {"willneed_records", willneed_records, METH_VARARGS, "willneed_records(fd, offsets_addr, n, length)"},
+    {"willneed_records", willneed_records, METH_VARARGS, "willneed_records(fds, offsets, length) -> calls failed"},
+    {"file_sizes", file_sizes, METH_O, "file_sizes(fds) -> list (fstat's st_size of each)"},
+    {"permute", permute, METH_VARARGS, "permute(keys, half, n, positions, out) -> int (first bad position, or -1)"},
+    {"gather_records", gather_records, METH_VARARGS, "gather_records(src, out, dst, nrows, rows, addresses, stream)"},
     {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},
     {NULL, NULL, 0, NULL},
 };

@@ -33,12 +33,14 @@ __all__ = [
     "cast_into",
     "compiled",
     "file_size",
+    "file_sizes",
     "gather_into",
     "gather_records",
     "gathers",
     "isa",
     "map_file",
     "maps_hold_descriptors",
+    "permute",
     "set_isa",
     "willneed_records",
 ]
@@ -114,6 +116,12 @@ if os.environ.get("STOKER_KERNELS_ISA"):
 def compiled() -> bool:
     """True when the compiled kernels are installed (else numpy does their work)."""
     return _kernels is not None
+
+
+def file_sizes(fds: list[int]) -> list[int]:
+    """:func:`file_size` of each descriptor, in one call where the kernels are built (a global
+    shuffle's batch checks every file it reads from: hundreds on W1-big)."""
+    return _kernels.file_sizes(fds) if _kernels is not None else [os.fstat(fd).st_size for fd in fds]
 
 
 def file_size(fd: int) -> int:
@@ -236,15 +244,19 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
         )  # fmt: skip
 
 
-def willneed_records(fd: int, offsets: np.ndarray, length: int) -> None:
-    """``POSIX_FADV_WILLNEED`` on records of ``length`` bytes at file ``offsets`` (ascending;
-    records that follow one another share a call), the GIL given up for the system calls where
-    the kernels are built. Advice only: failures are ignored."""
+def willneed_records(fds: np.ndarray | int, offsets: np.ndarray, length: int) -> None:
+    """``POSIX_FADV_WILLNEED`` on records of ``length`` bytes, record ``k`` at ``offsets[k]`` of
+    file ``fds[k]`` (or of the one file ``fds``), ascending within each file; records that
+    follow one another share a call. The GIL is given up for the system calls where the kernels
+    are built. Advice only: failures are ignored."""
     offsets = np.ascontiguousarray(offsets, np.int64)
+    fds = np.full(len(offsets), fds, np.int64) if isinstance(fds, int) else np.ascontiguousarray(fds, np.int64)
+    if len(fds) != len(offsets):
+        raise ValueError(f"willneed_records: {len(fds)} descriptors for {len(offsets)} records")
     if _kernels is not None:
-        _kernels.willneed_records(fd, address(offsets), len(offsets), length)
+        _kernels.willneed_records(fds, offsets, length)
         return
-    for off in offsets.tolist():
+    for fd, off in zip(fds.tolist(), offsets.tolist(), strict=True):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)
 
@@ -266,13 +278,23 @@ def gather_records(dst: np.ndarray, rows: np.ndarray, addresses: np.ndarray, dty
     codes = _dtype_codes(dst, dtype)
     if codes is None:
         return False
-    if len(rows):
-        rows = np.ascontiguousarray(rows, np.int64)
-        addresses = np.ascontiguousarray(addresses, np.int64)
-        if len(addresses) != len(rows) or rows.min() < 0 or rows.max() >= len(dst):
-            raise IndexError(f"gather: {len(rows)} rows for {len(addresses)} records, or rows outside {len(dst)}")
-        _kernels.gather(
-            *codes, 0, address(addresses), address(rows), len(rows), dst[0].size, address(dst),
+    if len(rows) != len(addresses):
+        raise IndexError(f"gather: {len(rows)} rows for {len(addresses)} records")
+    if len(rows):  # rows are checked against dst in the kernel
+        _kernels.gather_records(
+            *codes, dst, len(dst), np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(addresses, np.int64),
             dst.nbytes >= STREAM_MIN_BYTES,
         )  # fmt: skip
     return True
+
+
+def permute(keys: np.ndarray, half: int, n: int, positions: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """:class:`stoker.order.Permutation` at int64 ``positions`` by the compiled loop: (where
+    each goes, the index of the first position outside ``[0, n)`` or -1), or None where the
+    kernels are not built (the caller's numpy code gives the same values)."""
+    if _kernels is None:
+        return None
+    positions = positions if positions.flags.c_contiguous else positions.copy()  # keeps a 0-d shape
+    out = np.empty(positions.shape, np.int64)
+    bad = _kernels.permute(np.ascontiguousarray(keys, np.uint64), half, n, positions, out)
+    return out, bad

@@ -73,7 +73,7 @@ class Readahead:
         self.gathers = gathers  # the pass reads by gathers (shuffle="global")
         self.enabled = hasattr(os, "posix_fadvise")
         self.probing = hasattr(os, "RWF_NOWAIT") and _preadv is not None
-        self.advised = 0  # WILLNEED calls made (for tests and stats)
+        self.advised = 0  # WILLNEED rounds asked (calls ahead of runs, batches of gathers; for tests)
         # Per descriptor: bytes from the file's start already dropped behind the reader, so
         # each run drops only what it newly left behind (a range from 0 would walk the whole
         # file's pages again on every run). A descriptor number reused for another file
@@ -122,10 +122,11 @@ class Readahead:
             with contextlib.suppress(OSError, ValueError):
                 mapped.madvise(mmap.MADV_RANDOM)
 
-    def before_gather(self, fd: int, offsets: np.ndarray, length: int) -> None:
-        """Ask the disk for a gather's records of one file at once (``gathers_ahead`` only)."""
-        if self.gathers_ahead:
-            willneed_records(fd, offsets, length)
+    def before_gather(self, fds: np.ndarray, offsets: np.ndarray, length: int) -> None:
+        """Ask the disk for a gather's records at once, record ``k`` at ``offsets[k]`` of file
+        ``fds[k]`` (``gathers_ahead`` only)."""
+        if self.gathers_ahead and len(offsets):
+            willneed_records(fds, offsets, length)
             self.advised += 1
 
     def _cached(self, fd: int, offset: int) -> bool:
