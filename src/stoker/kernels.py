@@ -250,7 +250,7 @@ def willneed_records(fds: np.ndarray | int, offsets: np.ndarray, length: int) ->
     follow one another share a call. The GIL is given up for the system calls where the kernels
     are built. Advice only: failures are ignored."""
     offsets = np.ascontiguousarray(offsets, np.int64)
-    fds = np.full(len(offsets), fds, np.int64) if isinstance(fds, int) else np.ascontiguousarray(fds, np.int64)
+    fds = np.full(len(offsets), int(fds), np.int64) if np.ndim(fds) == 0 else np.ascontiguousarray(fds, np.int64)
     if len(fds) != len(offsets):
         raise ValueError(f"willneed_records: {len(fds)} descriptors for {len(offsets)} records")
     if _kernels is not None:
