@@ -647,9 +647,9 @@ typedef void (*bf16_loop_t)(const void *, uint16_t *, Py_ssize_t);
 static bf16_loop_t pick_bf16(int src);
 static void widen_bf16(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream);
 
-/* gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream): record k
- * (rec_elems values of dtype src at base + offsets[k] bytes) cast or copied into row rows[k] of
- * dst (dtype out). Global shuffle's gathers: one pass per record, no staging array. */
+/* Record k (elems values of dtype src_code at address base + off[k]) cast or copied into row
+ * row[k] of dst (dtype out_code): gathers, one pass per record, no staging array (called by
+ * gather_records with base 0 and each record's own address). */
 static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int64_t *off, const int64_t *row,
                            Py_ssize_t n, Py_ssize_t elems, uintptr_t dst, int stream) {
     if (out_code == 'E') { /* ml_dtypes' bfloat16 (its type code; numpy has none of its own) */
@@ -737,21 +737,6 @@ static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int
     if (stream) stream_fence();
     TAKE_GIL_BACK();
     Py_RETURN_NONE;
-}
-
-static PyObject *gather(PyObject *self, PyObject *args) {
-    (void)self;
-    int src_code, out_code, stream;
-    unsigned long long base, offsets, rows, dst;
-    Py_ssize_t n, elems;
-    if (!PyArg_ParseTuple(args, "CCKKKnnKp", &src_code, &out_code, &base, &offsets, &rows, &n, &elems, &dst, &stream))
-        return NULL;
-    if (n < 0 || elems < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative count");
-        return NULL;
-    }
-    return gather_at(src_code, out_code, (uintptr_t)base, (const int64_t *)(uintptr_t)offsets,
-                     (const int64_t *)(uintptr_t)rows, n, elems, (uintptr_t)dst, stream);
 }
 
 /* gather_records(src, out, dst, rows, addresses, stream): record k (the values at memory
@@ -1578,7 +1563,6 @@ static PyMethodDef methods[] = {
     {"file_sizes", file_sizes, METH_O, "file_sizes(fds) -> list (fstat's st_size of each)"},
     {"permute", permute, METH_VARARGS, "permute(keys, half, n, positions, out) -> int (first bad position, or -1)"},
     {"gather_records", gather_records, METH_VARARGS, "gather_records(src, out, dst, nrows, rows, addresses, stream)"},
-    {"gather", gather, METH_VARARGS, "gather(src, out, base_addr, offsets_addr, rows_addr, n, rec_elems, dst_addr, stream)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -236,12 +236,7 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
         index = np.asarray(index, np.int64)
         if rows.min() < 0 or rows.max() >= len(dst) or index.min() < 0 or index.max() >= len(src):
             raise IndexError(f"gather: rows or records out of range ({len(dst)} rows, {len(src)} records)")
-        elems = src[0].size
-        offsets = np.ascontiguousarray(index * (elems * src.dtype.itemsize))
-        _kernels.gather(
-            *codes, address(src), address(offsets), address(rows), len(index), elems, address(dst),
-            dst.nbytes >= STREAM_MIN_BYTES,
-        )  # fmt: skip
+        gather_records(dst, rows, address(src) + index * src[0].nbytes, src.dtype)
 
 
 def willneed_records(fds: np.ndarray | int, offsets: np.ndarray, length: int) -> None:
