@@ -638,9 +638,7 @@ class Assembler:
         lengths = [b - a for a, b in spans]
         for name, spec in self.fields.items():
             t = time.perf_counter()
-            infos = [self.catalog.files[g][name] for g in group_of]
-            raw = [info.compression is None and not is_remote(info.path) for info in infos]
-            picked = [info for info, r in zip(infos, raw, strict=True) if r]
+            _, raw, picked = self._raw_of(name, group_of)
             held = self._hold(plan.epoch, name, picked)
             try:
                 fd = iter([f.fd for f in held])
@@ -671,9 +669,7 @@ class Assembler:
         direct = gathers(dst, spec.dtype)  # the kernel copies this field's records
         group_of = groups[[a for a, _ in spans]].tolist() if spans else []
         lasts = index[[b - 1 for _, b in spans]].tolist() if spans else []  # sorted: each span's last record
-        infos = [self.catalog.files[g][name] for g in group_of]
-        raw = [info.compression is None and not is_remote(info.path) for info in infos]
-        picked = [info for info, r in zip(infos, raw, strict=True) if r]
+        infos, raw, picked = self._raw_of(name, group_of)
         held = self._hold(epoch, name, picked)
         bases = [-1] * len(spans)  # per span: where its group's records begin in memory, -1: copied already
         kept: list[np.ndarray] = []  # arrays some addresses point into, held until the copy is done
@@ -722,6 +718,13 @@ class Assembler:
         finally:
             self._let_go(epoch, picked, held)
             kept.clear()
+
+    def _raw_of(self, name: str, groups: list[int]) -> tuple[list[FileInfo], list[bool], list[FileInfo]]:
+        """Field ``name``'s file of each group, whether each is a local raw file (read through
+        its map), and those files alone (what a gather holds)."""
+        infos = [self.catalog.files[g][name] for g in groups]
+        raw = [info.compression is None and not is_remote(info.path) for info in infos]
+        return infos, raw, [info for info, r in zip(infos, raw, strict=True) if r]
 
     def _gather_truncated(
         self, name: str, info: FileInfo, spec: Field, g: int, local: np.ndarray, size: int
