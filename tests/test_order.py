@@ -108,12 +108,16 @@ def test_compiled_permutation_gives_the_numpy_networks_values_bit_for_bit(
         assert np.array_equal(compiled, perm(positions))
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_permutation_matches_pinned_values_so_order_is_portable(
-    compiled: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if not compiled:
+@pytest.fixture(params=["compiled", "numpy"])
+def permutation_code(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test using it runs with the compiled permutation and with its numpy code."""
+    if request.param == "numpy":
         monkeypatch.setattr(stoker.order, "permute", lambda *args: None)
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("permutation_code")
+def test_permutation_matches_pinned_values_so_order_is_portable() -> None:
     # Pinned on one machine: a change here changes every user's epoch order.
     assert index_permutation(10, 42, 3)(np.arange(10)).tolist() == [5, 4, 9, 1, 8, 2, 7, 0, 3, 6]
     big = index_permutation(2**40, 42, 3)(np.array([0, 1, 2**40 - 1]))
@@ -122,12 +126,8 @@ def test_permutation_matches_pinned_values_so_order_is_portable(
     assert window_shuffle(10, 4, 42, 3).tolist() == [0, 1, 3, 2, 7, 4, 6, 5, 8, 9]
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_permutation_rejects_positions_out_of_range_and_bad_arguments(
-    compiled: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if not compiled:
-        monkeypatch.setattr(stoker.order, "permute", lambda *args: None)
+@pytest.mark.usefixtures("permutation_code")
+def test_permutation_rejects_positions_out_of_range_and_bad_arguments() -> None:
     perm = index_permutation(10, 0, 0)
     with pytest.raises(SpecError, match=r"\[0, 10\)"):
         perm(np.array([3, 10]))

@@ -7,7 +7,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +213,16 @@ def _cached(fd: int, offset: int) -> bool:
         return False
 
 
+def _wait_cached(cached: Callable[[int, int], bool], fd: int, offset: int, length: int) -> None:
+    """Poll until ``cached`` sees both ends of the record at ``offset`` of ``fd`` (advice is
+    asynchronous), for up to 5 s."""
+    for _ in range(500):
+        if cached(fd, offset) and cached(fd, offset + length - 1):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"record at {offset} of descriptor {fd} never reached the page cache")
+
+
 def test_willneed_records_asks_the_disk_for_those_records_alone(tmp_path: Path) -> None:
     """Records 1 MiB apart, two of them following one another: each comes into the page cache
     (the reads are asynchronous: polled), and a record between them does not."""
@@ -226,12 +236,7 @@ def test_willneed_records_asks_the_disk_for_those_records_alone(tmp_path: Path) 
         asked = np.array([1 << 20, (1 << 20) + record, 3 << 20, 5 << 20])
         kernels.willneed_records(fd, asked, record)
         for off in asked.tolist():
-            for _ in range(500):
-                if _cached(fd, off) and _cached(fd, off + record - 1):
-                    break
-                time.sleep(0.01)
-            else:
-                raise AssertionError(f"record at {off} never reached the page cache")
+            _wait_cached(_cached, fd, off, record)
         assert not _cached(fd, 4 << 20)  # not asked for (probed once: a miss starts a readahead)
     finally:
         os.close(fd)
@@ -273,12 +278,7 @@ def test_willneed_records_of_several_files_in_one_call_asks_each_its_own(tmp_pat
         asked = np.array([1 << 20, (1 << 20) + record, 3 << 20])
         kernels.willneed_records(asked_fds, asked, record)
         for fd, off in zip(asked_fds.tolist(), asked.tolist(), strict=True):
-            for _ in range(500):
-                if _in_cache(fd, off) and _in_cache(fd, off + record - 1):
-                    break
-                time.sleep(0.01)
-            else:
-                raise AssertionError(f"record at {off} of descriptor {fd} never reached the page cache")
+            _wait_cached(_in_cache, fd, off, record)
         assert not _in_cache(a, (1 << 20) + record) and not _in_cache(a, 3 << 20)  # asked of b only
         assert not _in_cache(b, 1 << 20)
         with pytest.raises(ValueError, match="2 descriptors for 3 records"):
