@@ -225,7 +225,7 @@ def batches(kind: str, workload: str, data: Path) -> Iterator[Any]:
         from stoker.tf import native_dataset
 
         ds = dataset_from_fields(stoker_fields(workload, data))
-        return iter(native_dataset(ds, BATCH, cast={"image": dtype}).repeat())
+        return iter(native_dataset(ds, BATCH, cast={"image": dtype}, epochs=None))
     if kind.startswith("stoker to_"):
         from stoker.cli import dataset_from_fields
 

@@ -122,7 +122,7 @@ def _batches(kind: str, data: Path) -> Iterator[Any]:
     if kind == "native":
         from stoker.tf import native_dataset
 
-        return iter(native_dataset(ds, BATCH, cast={"image": "float32"}).repeat())
+        return iter(native_dataset(ds, BATCH, cast={"image": "float32"}, epochs=None))
     loader = ds.loader(BATCH, cast={"image": "float32"}, epochs=None)
     return iter(loader.to_tf()) if kind == "to_tf" else iter(loader)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import gzip
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -208,6 +209,11 @@ def test_keras_fit_runs_as_a_script_with_one_inter_op_thread(tmp_path: Path) -> 
         (24, None, None, False, {"image": "float32"}),
         (7, 2, 5, True, {"image": "float32"}),
         (24, None, None, False, "bfloat16"),
+        # Blocks that are the batches (64 records a group): no rebatch, the cast in the decode.
+        (16, 2, 16, False, {"image": "float32"}),
+        (16, None, 16, True, "float16"),
+        # Labels read in chunks of 4 records (gcd of block 12 and 64), 3 to a block, 1 to the tail.
+        (10, 3, 12, False, {"image": "float32"}),
     ],
 )
 def test_native_dataset_equals_the_loader(
@@ -225,6 +231,27 @@ def test_native_dataset_equals_the_loader(
         for name in ("image", "label"):
             assert g[name].dtype == e[name].dtype
             np.testing.assert_array_equal(g[name].view(f"u{g[name].itemsize}"), e[name].view(f"u{e[name].itemsize}"))
+
+
+@pytest.mark.parametrize("batch", [16, 20])  # each block a batch; rebatched, 9.6 batches an epoch
+def test_native_dataset_repeats_epochs_as_the_loader(sample: stoker.Dataset, batch: int) -> None:
+    """Batches never span two epochs, and epochs=None repeats forever."""
+    kw = {"cycle_length": 2, "block_length": 16, "cast": {"image": "float32"}}
+    expected = _numpy_batches(sample.loader(batch, epochs=3, **kw))  # type: ignore[arg-type]
+    assert len(expected) == 3 * math.ceil(3 * 64 / batch)
+    got = list(native_dataset(sample, batch, epochs=3, **kw).as_numpy_iterator())  # type: ignore[arg-type]
+    forever = list(native_dataset(sample, batch, epochs=None, **kw).take(len(expected)).as_numpy_iterator())  # type: ignore[arg-type]
+    for run in (got, forever):
+        assert len(run) == len(expected)
+        for g, e in zip(run, expected, strict=True):
+            for name in ("image", "label"):
+                np.testing.assert_array_equal(g[name], e[name])
+
+
+@pytest.mark.parametrize("epochs", [0, -1, 1.5, True])
+def test_native_dataset_refuses_bad_epochs(sample: stoker.Dataset, epochs: object) -> None:
+    with pytest.raises(stoker.SpecError, match="epochs"):
+        native_dataset(sample, 16, epochs=epochs)  # type: ignore[arg-type]
 
 
 def test_native_dataset_checks_counts_before_building(tmp_path: Path) -> None:
@@ -256,7 +283,17 @@ def _write_kind(tmp: Path, kind: str, counts: list[int], record: int) -> list[st
 
 
 @pytest.mark.parametrize("kind", ["raw", "gzip", "zlib"])
-def test_records_equal_fixed_length_record_dataset_byte_for_byte(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(
+    ("batch", "block"),
+    [
+        (4, 3),  # compressed streams read a record at a time in groups of 7, 1 and 5; 3 in 12
+        (4, 2),  # chunks of 2 records in the group of 12, of 1 elsewhere
+        (1, 1),  # each block a batch: no rebatch
+    ],
+)
+def test_records_equal_fixed_length_record_dataset_byte_for_byte(
+    tmp_path: Path, kind: str, batch: int, block: int
+) -> None:
     counts, record = [7, 0, 12, 1, 5], 6
     paths = _write_kind(tmp_path, kind, counts, record)
     tf_kind = {"raw": "", "gzip": "GZIP", "zlib": "ZLIB"}[kind]
@@ -273,7 +310,7 @@ def test_records_equal_fixed_length_record_dataset_byte_for_byte(tmp_path: Path,
     ds = stoker.Dataset(x=field)
     got = [r.astype(">u2").tobytes() for b in ds.loader(4, cycle_length=1) for r in b["x"]]
     assert got == expected
-    native = native_dataset(ds, 4, cycle_length=1, block_length=3)
+    native = native_dataset(ds, batch, cycle_length=1, block_length=block)
     got_native = [r.astype(">u2").tobytes() for b in native.as_numpy_iterator() for r in b["x"]]
     assert got_native == expected
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import itertools
+import math
 import os
 import shlex
 import subprocess
@@ -546,8 +547,9 @@ def _check_positive(name: str, value: object) -> int | None:
     return int(value)
 
 
-def _decode(strings: tf.Tensor, stored: np.dtype, shape: tuple[int, ...], out: np.dtype) -> tf.Tensor:
-    """A block of raw bytes (scalar string) -> ``(k, *shape)`` tensor of ``out``."""
+def _decode(strings: tf.Tensor, stored: np.dtype, shape: tuple[int, ...], out: np.dtype, rows: int = -1) -> tf.Tensor:
+    """A block of raw bytes (scalar string) -> ``(k, *shape)`` tensor of ``out`` (``k`` static
+    where ``rows`` is given)."""
     native = stored.newbyteorder("=")
     little = stored.byteorder == "<" or (stored.byteorder in "=|" and np.little_endian)
     if native in _DECODE_RAW:
@@ -557,7 +559,7 @@ def _decode(strings: tf.Tensor, stored: np.dtype, shape: tuple[int, ...], out: n
         if little != np.little_endian:
             raw = tf.reverse(raw, axis=[1])
         flat = tf.bitcast(raw, tf.as_dtype(native))
-    values = tf.reshape(flat, (-1, *shape))
+    values = tf.reshape(flat, (rows, *shape))
     return values if out == native else tf.cast(values, tf.as_dtype(out))
 
 
@@ -569,18 +571,23 @@ def native_dataset(
     block_length: int | None = None,
     cast: Any = None,
     drop_remainder: bool = False,
+    epochs: int | None = 1,
     num_parallel_calls: int | None = tf.data.AUTOTUNE,
     deterministic: bool = True,
 ) -> tf.data.Dataset:
     """``ds``'s records as a pure tf.data graph, in the order of ``ds.loader(batch_size)``.
 
-    One epoch, ``shuffle=False`` order: tf.data's interleave over the groups with the same
-    ``cycle_length`` and ``block_length`` defaults as the loader. Per group, each field's
-    ``FixedLengthRecordDataset`` is read a whole block per element and zipped with the
-    other fields, so images and labels stay together inside the group; one decode per
-    block (``decode_raw`` + byte order + reshape + cast) runs in parallel; ``rebatch``
-    cuts the blocks into batches with a single copy. Serializable: works with
-    ``tf.data.experimental.service`` (``processing_mode="distributed_epoch"`` hands out
+    ``epochs`` passes (None: forever), each in ``shuffle=False`` order, batches never
+    spanning two, as the loader's. They repeat inside the graph, ahead of its prefetch, so
+    the next epoch's first blocks are read while the last batches are taken; a ``.repeat()``
+    after the graph drains it at every epoch's end. The order: tf.data's interleave over the
+    groups with the same ``cycle_length`` and ``block_length`` defaults as the loader. Per
+    group, each field's ``FixedLengthRecordDataset`` is read a whole block per element (a
+    compressed stream in chunks of records that tile the group's blocks) and zipped with the
+    other fields, so images and labels stay together inside the group; one decode per block
+    (``decode_raw`` + byte order + reshape + cast) runs in parallel; ``rebatch`` cuts the
+    blocks into batches with a single copy, or is left out where each block is a batch.
+    Serializable: works with ``tf.data.experimental.service`` (``processing_mode="distributed_epoch"`` hands out
     whole groups to workers; order across workers is then not defined) and TPUs.
 
     Every group's record counts are checked before the graph is built (this may
@@ -595,6 +602,7 @@ def native_dataset(
         raise SpecError(f"{batch_size=} must be a positive integer")
     if not isinstance(drop_remainder, bool):
         raise SpecError(f"drop_remainder={drop_remainder!r} must be True or False")
+    passes = _check_positive("epochs", epochs)
     fields = ds.fields
     cycle = _check_positive("cycle_length", cycle_length) or default_cycle_length(ds.num_groups)
     block = _check_positive("block_length", block_length) or default_block_length(
@@ -602,13 +610,20 @@ def native_dataset(
     )
     out_dtypes = resolve_cast(fields, cast)
     counts = [ds.records_in(g) for g in range(ds.num_groups)]  # raises PairingError
-    # Per field, statically: a field with any compressed file streams records and batches
-    # them (tf.data cannot seek in a compressed stream); raw fields read whole blocks as
-    # one record each, the group's short last block by a header offset (a free seek).
+    # Per field, statically: a field with any compressed file streams its records (tf.data
+    # cannot seek in a compressed stream); raw fields read whole blocks as one record each,
+    # the group's short last block by a header offset (a free seek).
     compressed = {n: any(infos[n].compression is not None for infos in ds.files) for n in fields}
+    # A compressed stream is read in chunks of records that tile both the group's blocks and
+    # its short last block (gcd of block and count), one element each. One element per record
+    # (W1's labels: 4 bytes each) cost 4-7% of the pipeline's records/s (2 alternated rounds).
+    chunks = [math.gcd(block, n) for n in counts]
+    whole_chunks = all(c == block for c in chunks)  # every chunk a block: no batch + join
+    short_blocks = any(n % block for n in counts)  # a group ends in a short block
     columns: dict[str, Any] = {
         "full": np.array([n // block for n in counts], np.int64),
         "tail": np.array([n % block for n in counts], np.int64),
+        "chunks_per_block": np.array([block // c for c in chunks], np.int64),
     }
     for name in fields:
         columns[f"path/{name}"] = np.array([infos[name].path for infos in ds.files], dtype=object)
@@ -622,16 +637,20 @@ def native_dataset(
             path, kind = row[f"path/{name}"], row[f"compression/{name}"]
             rb = spec.record_bytes
             if compressed[name]:
+                per_block = row["chunks_per_block"]
                 records = tf.data.FixedLengthRecordDataset(
-                    path, rb, header_bytes=spec.header_bytes, footer_bytes=spec.footer_bytes,
+                    path, (block // per_block) * rb, header_bytes=spec.header_bytes, footer_bytes=spec.footer_bytes,
                     compression_type=kind, buffer_size=1 << 20,
                 )  # fmt: skip
-                parts[name] = records.batch(block).map(tf.strings.reduce_join)
+                parts[name] = records if whole_chunks else records.batch(per_block).map(tf.strings.reduce_join)
             else:
                 whole = tf.data.FixedLengthRecordDataset(
                     path, block * rb, header_bytes=spec.header_bytes,
                     footer_bytes=spec.footer_bytes + row["tail"] * rb, buffer_size=block * rb,
                 )  # fmt: skip
+                if not short_blocks:
+                    parts[name] = whole
+                    continue
                 # tail == 0 leaves an empty body: no record.
                 short = tf.data.FixedLengthRecordDataset(
                     path, tf.maximum(row["tail"], 1) * rb,
@@ -640,13 +659,17 @@ def native_dataset(
                 parts[name] = whole.concatenate(short)
         return tf.data.Dataset.zip(parts)
 
-    # Cast on whichever side of rebatch holds the narrower dtype, so rebatch's one copy
-    # moves the fewest bytes (int8 -> float32 images: 4x fewer).
-    late = {n for n, f in fields.items() if out_dtypes[n].itemsize > f.dtype.itemsize}
+    # Each block a batch (batch_size == block, every group a whole number of blocks, W1's
+    # layout): the blocks are the batches, so no rebatch, and the cast is in the decode.
+    # Otherwise cast on whichever side of rebatch holds the narrower dtype, so rebatch's one
+    # copy moves the fewest bytes (int8 -> float32 images: 4x fewer).
+    exact = batch_size == block and not short_blocks
+    late = set() if exact else {n for n, f in fields.items() if out_dtypes[n].itemsize > f.dtype.itemsize}
+    rows = block if exact and drop_remainder else -1  # a static batch dimension where promised
 
     def decode(blocks: Mapping[str, tf.Tensor]) -> dict[str, tf.Tensor]:
         return {
-            n: _decode(blocks[n], f.dtype, f.shape, f.native_dtype if n in late else out_dtypes[n])
+            n: _decode(blocks[n], f.dtype, f.shape, f.native_dtype if n in late else out_dtypes[n], rows)
             for n, f in fields.items()
         }
 
@@ -661,7 +684,9 @@ def native_dataset(
         group, cycle_length=cycle, block_length=1, num_parallel_calls=num_parallel_calls, deterministic=deterministic
     )
     decoded = blocks.map(decode, num_parallel_calls=num_parallel_calls, deterministic=deterministic)
-    batches = decoded.rebatch(batch_size, drop_remainder=drop_remainder)
+    batches = decoded if exact else decoded.rebatch(batch_size, drop_remainder=drop_remainder)
     if late:
         batches = batches.map(widen, num_parallel_calls=num_parallel_calls, deterministic=deterministic)
+    if passes != 1:
+        batches = batches.repeat(passes)
     return batches.prefetch(tf.data.AUTOTUNE)
