@@ -233,12 +233,16 @@ def test_native_dataset_equals_the_loader(
             np.testing.assert_array_equal(g[name].view(f"u{g[name].itemsize}"), e[name].view(f"u{e[name].itemsize}"))
 
 
-@pytest.mark.parametrize("batch", [16, 20])  # each block a batch; rebatched, 9.6 batches an epoch
-def test_native_dataset_repeats_epochs_as_the_loader(sample: stoker.Dataset, batch: int) -> None:
+@pytest.mark.parametrize(
+    ("batch", "drop"),
+    [(16, False), (20, False), (20, True)],  # each block a batch; rebatched, 9.6 batches an epoch
+)
+def test_native_dataset_repeats_epochs_as_the_loader(sample: stoker.Dataset, batch: int, drop: bool) -> None:
     """Batches never span two epochs, and epochs=None repeats forever."""
-    kw = {"cycle_length": 2, "block_length": 16, "cast": {"image": "float32"}}
+    kw = {"cycle_length": 2, "block_length": 16, "cast": {"image": "float32"}, "drop_remainder": drop}
     expected = _numpy_batches(sample.loader(batch, epochs=3, **kw))  # type: ignore[arg-type]
-    assert len(expected) == 3 * math.ceil(3 * 64 / batch)
+    per_epoch = 3 * 64 / batch
+    assert len(expected) == 3 * (math.floor(per_epoch) if drop else math.ceil(per_epoch))
     got = list(native_dataset(sample, batch, epochs=3, **kw).as_numpy_iterator())  # type: ignore[arg-type]
     forever = list(native_dataset(sample, batch, epochs=None, **kw).take(len(expected)).as_numpy_iterator())  # type: ignore[arg-type]
     for run in (got, forever):
