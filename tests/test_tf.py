@@ -258,6 +258,26 @@ def test_native_dataset_refuses_bad_epochs(sample: stoker.Dataset, epochs: objec
         native_dataset(sample, 16, epochs=epochs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("block", [1, None])  # the extra records as blocks of their own; in the group's one block
+def test_native_dataset_fails_on_a_stream_longer_than_its_trailer_says(tmp_path: Path, block: int | None) -> None:
+    """Two gzip members, the last one's trailer saying 1 record as the image file holds: the
+    loader trusts it and finds 2 more at the stream's end; so must native_dataset, not cut
+    the group at its shortest field (tf.data's zip) and yield the first record alone."""
+    np.arange(4, dtype=np.uint8).tofile(tmp_path / "img_0.bin")
+    (tmp_path / "out_0.bin.gz").write_bytes(
+        gzip.compress(np.float32([1, 2]).tobytes()) + gzip.compress(np.float32([3]).tobytes())
+    )
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "uint8", (4,)),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+    )
+    assert len(ds) == 1  # the trailer agrees with the images: trusted until the stream's end
+    with pytest.raises(stoker.CorruptDataError, match="out_0.bin.gz"):
+        list(ds.loader(8))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"field \\?'label\\?': file\] \[[^]]*out_0\.bin\.gz\]"):
+        list(native_dataset(ds, 8, block_length=block).as_numpy_iterator())
+
+
 def test_native_dataset_checks_counts_before_building(tmp_path: Path) -> None:
     (tmp_path / "a_0.bin").write_bytes(bytes(12))
     (tmp_path / "b_0.bin.gz").write_bytes(gzip.compress(bytes(8)))  # 2 records against 3
