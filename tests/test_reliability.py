@@ -7,6 +7,7 @@ section promises; these tests are what holds it to them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import gc
@@ -483,7 +484,12 @@ def test_a_global_shuffles_epochs_share_each_files_map_while_both_read_it(
     loader = ds.loader(4, epochs=8, shuffle="global", seed=3, cast="float32", threads=2, prefetch=4, with_index=True)
     with loader:
         got = list(loader)
-        assert sorted(made) == [str(tmp_path / f"img_{g:04d}.bin") for g in range(2)]
+        # Once per file, or once per worker where both opened it at the same moment in the
+        # first epoch (KeptMaps.lend keeps the first map and closes the other); a map per
+        # epoch would be 8 a file.
+        counts = collections.Counter(made)
+        assert sorted(counts) == [str(tmp_path / f"img_{g:04d}.bin") for g in range(2)]
+        assert max(counts.values()) <= 2, counts
         assert _mappings(tmp_path / "img_0000.bin") == 1  # kept for a next pass
     assert len(got) == 8 * 20
     _assert_rows(got, ref)
