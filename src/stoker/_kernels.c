@@ -647,11 +647,11 @@ typedef void (*bf16_loop_t)(const void *, uint16_t *, Py_ssize_t);
 static bf16_loop_t pick_bf16(int src);
 static void widen_bf16(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream);
 
-/* Record k (elems values of dtype src_code at address base + off[k]) cast or copied into row
- * row[k] of dst (dtype out_code): gathers, one pass per record, no staging array (called by
- * gather_records with base 0 and each record's own address). */
-static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int64_t *off, const int64_t *row,
-                           Py_ssize_t n, Py_ssize_t elems, uintptr_t dst, int stream) {
+/* Record k (elems values of dtype src_code at memory address addr[k]) cast or copied into row
+ * row[k] of dst (dtype out_code): gathers, one pass per record, no staging array (the body of
+ * gather_records). */
+static PyObject *gather_at(int src_code, int out_code, const int64_t *addr, const int64_t *row, Py_ssize_t n,
+                           Py_ssize_t elems, uintptr_t dst, int stream) {
     if (out_code == 'E') { /* ml_dtypes' bfloat16 (its type code; numpy has none of its own) */
         bf16_loop_t loop = pick_bf16(src_code);
         if (loop == NULL) {
@@ -660,7 +660,7 @@ static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int
         }
         RELEASE_GIL_IF_BIG((size_t)n * (size_t)elems * 2);
         for (Py_ssize_t k = 0; k < n; k++)
-            loop((const char *)(uintptr_t)base + off[k], (uint16_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems,
+            loop((const char *)(uintptr_t)addr[k], (uint16_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems,
                  elems);
         TAKE_GIL_BACK();
         Py_RETURN_NONE;
@@ -668,7 +668,7 @@ static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int
     if (src_code == 'E' && out_code == 'f') { /* bfloat16 records widened into float32 (see bf16_f32) */
         RELEASE_GIL_IF_BIG((size_t)n * (size_t)elems * 4);
         for (Py_ssize_t k = 0; k < n; k++)
-            widen_bf16((const uint16_t *)((const char *)(uintptr_t)base + off[k]),
+            widen_bf16((const uint16_t *)((const char *)(uintptr_t)addr[k]),
                        (uint32_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems, elems, stream);
         if (stream) stream_fence();
         TAKE_GIL_BACK();
@@ -683,7 +683,7 @@ static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int
         }
         RELEASE_GIL_IF_BIG((size_t)n * (size_t)elems * 2);
         for (Py_ssize_t k = 0; k < n; k++)
-            half((const char *)(uintptr_t)base + off[k], (uint16_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems,
+            half((const char *)(uintptr_t)addr[k], (uint16_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems,
                  elems, stream);
         if (stream) stream_fence();
         TAKE_GIL_BACK();
@@ -697,7 +697,7 @@ static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int
         RELEASE_GIL_IF_BIG((size_t)n * rec);
         for (Py_ssize_t k = 0; k < n; k++) {
             char *d = (char *)(uintptr_t)dst + (size_t)row[k] * rec;
-            const char *s = (const char *)(uintptr_t)base + off[k];
+            const char *s = (const char *)(uintptr_t)addr[k];
             if (stream)
                 stream_bytes(d, s, rec);
             else
@@ -719,16 +719,16 @@ static PyObject *gather_at(int src_code, int out_code, uintptr_t base, const int
     if (wide != NULL) {
         RELEASE_GIL_IF_BIG((size_t)n * (size_t)elems * 4);
         for (Py_ssize_t k = 0; k < n; k++)
-            wide((const char *)(uintptr_t)base + off[k], (float *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems, elems);
+            wide((const char *)(uintptr_t)addr[k], (float *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems, elems);
         stream_fence();
         TAKE_GIL_BACK();
         Py_RETURN_NONE;
     }
 #endif
     job_t j = {0};
-    j.src = (const char *)(uintptr_t)base;
+    j.src = NULL; /* each record's address is whole in j.extra */
     j.n = n, j.O = 1, j.M = elems, j.I = 1;
-    j.extra = off;
+    j.extra = addr;
     j.rows = row;
     j.dst = (char *)(uintptr_t)dst;
     j.stream = stream;
@@ -767,7 +767,7 @@ static PyObject *gather_records(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "gather_records: no output dtype %c, or rows of a partial value", out_code);
         goto done;
     }
-    result = gather_at(src_code, out_code, 0, (const int64_t *)addresses.buf, row, n,
+    result = gather_at(src_code, out_code, (const int64_t *)addresses.buf, row, n,
                        (Py_ssize_t)((size_t)(dst.len / nrows) / size), (uintptr_t)dst.buf, stream);
 done:
     PyBuffer_Release(&dst);
