@@ -762,14 +762,20 @@ class Assembler:
                 held = self._resident[key] = (arr, address(buf))
         return held
 
+    def _held_again(self, epoch: int, path: str) -> _RawFile | None:
+        """The pass's open file of ``path``, held once more (caller holds ``_lock``), or None."""
+        f = self._files.get((epoch, path))
+        if f is not None:
+            self._files.move_to_end((epoch, path))
+            f.refs += 1
+        return f
+
     def _acquire(self, epoch: int, name: str, info: FileInfo) -> _RawFile:
         key = (epoch, info.path)
         with self._lock:
-            f = self._files.get(key)
-            if f is not None:
-                self._files.move_to_end(key)
-                f.refs += 1
-                return f
+            f = self._held_again(epoch, info.path)
+        if f is not None:
+            return f
         fd = open_local(name, info.path)
         try:
             st = os.fstat(fd)
@@ -822,11 +828,7 @@ class Assembler:
         held: list[_RawFile | None] = [None] * len(infos)
         with self._lock:
             for k, info in enumerate(infos):
-                f = self._files.get((epoch, info.path))
-                if f is not None:
-                    self._files.move_to_end((epoch, info.path))
-                    f.refs += 1
-                    held[k] = f
+                held[k] = self._held_again(epoch, info.path)
         try:
             for k, f in enumerate(held):
                 if f is None:
