@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf  # make test installs TF; a missing TF fails loudly, never skips
+from tensorflow.python.eager import context
 
 import stoker
 import stoker.tf as stf
@@ -70,6 +71,43 @@ def test_native_and_numpy_function_bridges_deliver_the_same_batches(
             np.testing.assert_array_equal(a[k], e[k])
             np.testing.assert_array_equal(b[k], e[k])
         np.testing.assert_array_equal(a["label"], expected_label(a["image"].astype(np.int8)))
+
+
+def test_an_eager_loop_gets_stokers_iterator_and_a_graph_or_an_async_executor_tensorflows_own(
+    sample: stoker.Dataset,
+) -> None:
+    """Guard of the eager fast path (stoker.tf._BatchIterator: no executor made per batch, no
+    dict rebuilt by tf.data's structure code), and of where it must step aside."""
+    loader = sample.loader(20, cast={"image": "float32"}, with_index=True)
+    tfds = loader.to_tf()
+    spec = tfds.element_spec
+    assert list(spec) != tf.nest.flatten({k: k for k in spec})  # tf.nest's order is not the spec's
+    expected = [{k: v.copy() for k, v in b.items()} for b in loader]
+    assert len(expected) == 10  # 192 records in batches of 20
+
+    def check(got: list[dict[str, np.ndarray]]) -> None:
+        assert len(got) == len(expected)
+        for a, e in zip(got, expected, strict=True):
+            assert list(a) == list(spec)  # the spec's order, as TensorFlow's iterator gives it
+            for k in e:
+                np.testing.assert_array_equal(a[k], e[k])
+                assert a[k].dtype == spec[k].dtype.as_numpy_dtype
+
+    it = iter(tfds)
+    assert isinstance(it, stf._BatchIterator)
+    check([{k: v.numpy() for k, v in b.items()} for b in it])
+    with context.execution_mode(context.ASYNC):  # the end must raise at the call: TensorFlow's sync path
+        check(_values(tfds))
+    it = iter(tfds)  # made eagerly, used in a graph (as Keras does): TensorFlow's graph op
+
+    @tf.function
+    def step() -> dict[str, tf.Tensor]:
+        return next(it)
+
+    check([{k: v.numpy() for k, v in step().items()} for _ in expected])
+    with pytest.raises(tf.errors.OutOfRangeError):
+        step()
+    assert type(iter(tfds.map(lambda b: b))) is not stf._BatchIterator  # what the user builds is TensorFlow's
 
 
 def test_bfloat16_batches_pass_either_bridge_bit_for_bit_and_the_op_copies_nothing(
