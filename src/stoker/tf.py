@@ -249,9 +249,10 @@ if _Unchanged is not None:
 
     class _BatchIterator(_OwnedIterator):
         """TensorFlow's eager iterator less two costs of each ``next()`` that to_tf's batches do
-        not need, together ~80 us of the consuming thread's CPU a batch (W1, 2 cores: ~100 us
-        instead of ~180, and the to_tf loop's records/s from 0.79-0.84x to 0.90-0.95x of the
-        numpy loop's, 3 alternated scratch rounds).
+        not need, together ~80 us of the consuming thread's CPU a batch (W1, 2 cores: ~100-125
+        us instead of ~180; the to_tf loop's records/s 0.86-0.95x of the numpy loop's against
+        0.79-0.84x, 3 alternated scratch rounds each, and 0.89x against 0.80x in
+        benchmarks/tf_compare.py runs 20 minutes apart).
 
         - ``execution_mode(SYNC)`` around each ``IteratorGetNext``: it makes a new executor,
           swaps it in and waits on both, so that the end of the data raises at the call even
