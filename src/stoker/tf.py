@@ -734,8 +734,9 @@ def native_dataset(
     # its short last block (gcd of block and count), one element each. One element per record
     # (W1's labels: 4 bytes each) cost 4-7% of the pipeline's records/s (2 alternated rounds).
     chunks = [math.gcd(block, n) for n in counts]
-    whole_chunks = all(c == block for c in chunks)  # every chunk a block: no batch + join
-    short_blocks = any(n % block for n in counts)  # a group ends in a short block
+    # A group ends in a short block; where none does, every chunk is a whole block (the gcd
+    # of block and a multiple of it) and needs no batch + join.
+    short_blocks = any(n % block for n in counts)
     columns: dict[str, Any] = {
         "full": np.array([n // block for n in counts], np.int64),
         "tail": np.array([n % block for n in counts], np.int64),
@@ -758,7 +759,7 @@ def native_dataset(
                     path, (block // per_block) * rb, header_bytes=spec.header_bytes, footer_bytes=spec.footer_bytes,
                     compression_type=kind, buffer_size=1 << 20,
                 )  # fmt: skip
-                parts[name] = records if whole_chunks else records.batch(per_block).map(tf.strings.reduce_join)
+                parts[name] = records if not short_blocks else records.batch(per_block).map(tf.strings.reduce_join)
             else:
                 whole = tf.data.FixedLengthRecordDataset(
                     path, block * rb, header_bytes=spec.header_bytes,
