@@ -80,6 +80,79 @@ def test_to_jax_gives_bfloat16_arrays_bit_for_bit(sample: stoker.Dataset) -> Non
             np.testing.assert_array_equal(np.asarray(b[name]).view(np.uint16), want)
 
 
+def assert_as_device_put_puts(got: list[dict[str, jax.Array]], numpy_batches: list[dict[str, np.ndarray]]) -> None:
+    """Each array is what ``jax.device_put`` makes of the loader's numpy batch, keys in its order."""
+    assert len(got) == len(numpy_batches)
+    for g, e in zip(got, numpy_batches, strict=True):
+        assert list(g) == list(e)
+        for name, ref in jax.device_put(e).items():
+            a = g[name]
+            assert type(a) is type(ref) and a.aval == ref.aval, name
+            assert a.sharding == ref.sharding and a.committed == ref.committed is False, name
+            assert np.array_equal(np.asarray(a), np.asarray(ref)), name
+
+
+def test_to_jax_places_batches_by_jaxs_own_call_as_device_put_would(sample: stoker.Dataset) -> None:
+    # stoker.jax._DirectPut: int64 fields (__group__, __index__) and the rest through device_put
+    kw = {"epochs": 2, "cast": {"image": "bfloat16"}, "with_index": True}
+    with sample.loader(24, **kw) as loader:  # type: ignore[arg-type]
+        expected = [dict(b) for b in loader]
+    with sample.loader(24, **kw).to_jax() as batches:  # type: ignore[arg-type]
+        got = list(batches)
+        assert batches._direct is not None and batches._direct.usable  # checked on the first batch, kept
+    assert got[0]["__index__"].dtype == np.int32  # narrowed, as device_put narrows it without x64
+    assert got[0]["image"].dtype == jax.numpy.bfloat16
+    assert_as_device_put_puts(got, expected)
+
+
+@pytest.mark.parametrize("how", ["committed", "raises", "absent"])
+def test_to_jax_falls_back_to_device_put_where_jaxs_call_differs(
+    sample: stoker.Dataset, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # A JAX whose internal call places arrays otherwise, takes other arguments, or is gone.
+    real = stoker.jax._batched_device_put
+
+    def committed(aval: object, sharding: object, xs: list[object], devices: list[object], _: bool) -> object:
+        return real(aval, sharding, xs, devices, True)
+
+    def raises(*args: object) -> object:
+        raise TypeError("batched_device_put(): incompatible function arguments")
+
+    monkeypatch.setattr(
+        stoker.jax, "_batched_device_put", {"committed": committed, "raises": raises, "absent": None}[how]
+    )
+    with sample.loader(16, epochs=2) as loader:
+        expected = [dict(b) for b in loader]
+    with sample.loader(16, epochs=2).to_jax() as batches:
+        got = list(batches)
+        assert batches._direct is None if how == "absent" else not batches._direct.usable  # type: ignore[union-attr]
+    assert_as_device_put_puts(got, expected)
+
+
+def test_to_jax_puts_on_the_default_device_jax_is_told(sample: stoker.Dataset, tmp_path: Path) -> None:
+    # jax.default_device(...) moves device_put's placement; stoker's call follows it.
+    script = textwrap.dedent(f"""
+        import jax, numpy as np, stoker
+        ds = stoker.Dataset(image=stoker.Field({str(tmp_path / "img_*.bin")!r}, "int8", ({RES}, {RES}, 1)),
+                            label=stoker.Field({str(tmp_path / "out_*.bin.gz")!r}, "float32"))
+        second = jax.devices()[1]
+        with ds.loader(16) as plain:
+            expected = [dict(b) for b in plain]
+        with jax.default_device(second), ds.loader(16).to_jax() as batches:
+            got = list(batches)
+            assert batches._direct.usable
+        assert len(got) == len(expected) > 1
+        for e, g in zip(expected, got):
+            for name in e:
+                assert g[name].devices() == {{second}} and not g[name].committed, name
+                assert np.array_equal(np.asarray(g[name]), e[name]), name
+        print("ok")
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 def test_held_jax_arrays_never_change_while_the_loader_goes_on(sample: stoker.Dataset) -> None:
     # JAX's CPU backend may alias stoker's buffers: held arrays must keep them from reuse.
     loader = sample.loader(8, epochs=4, shuffle="global", seed=1, memory_budget=8 * 300 * 4, prefetch=2, threads=2)
