@@ -80,29 +80,37 @@ def test_to_jax_gives_bfloat16_arrays_bit_for_bit(sample: stoker.Dataset) -> Non
             np.testing.assert_array_equal(np.asarray(b[name]).view(np.uint16), want)
 
 
-def assert_as_device_put_puts(got: list[dict[str, jax.Array]], numpy_batches: list[dict[str, np.ndarray]]) -> None:
+def assert_as_device_put_puts(
+    got: list[dict[str, jax.Array]], numpy_batches: list[dict[str, np.ndarray]], sharding: object = None
+) -> None:
     """Each array is what ``jax.device_put`` makes of the loader's numpy batch, keys in its order."""
     assert len(got) == len(numpy_batches)
     for g, e in zip(got, numpy_batches, strict=True):
         assert list(g) == list(e)
-        for name, ref in jax.device_put(e).items():
-            a = g[name]
+        for name, x in e.items():
+            a, ref = g[name], jax.device_put(x, sharding)
             assert type(a) is type(ref) and a.aval == ref.aval, name
-            assert a.sharding == ref.sharding and a.committed == ref.committed is False, name
+            assert a.sharding == ref.sharding and a.committed == ref.committed == (sharding is not None), name
             assert np.array_equal(np.asarray(a), np.asarray(ref)), name
 
 
-def test_to_jax_places_batches_by_jaxs_own_call_as_device_put_would(sample: stoker.Dataset) -> None:
+@pytest.mark.parametrize("sharding", ["none", "single", "named"])
+def test_to_jax_places_batches_by_jaxs_own_call_as_device_put_would(sample: stoker.Dataset, sharding: str) -> None:
     # stoker.jax._DirectPut: int64 fields (__group__, __index__) and the rest through device_put
+    chosen = {
+        "none": None,
+        "single": SingleDeviceSharding(jax.devices()[0]),
+        "named": NamedSharding(jax.make_mesh((1,), ("batch",)), PartitionSpec("batch")),
+    }[sharding]
     kw = {"epochs": 2, "cast": {"image": "bfloat16"}, "with_index": True}
     with sample.loader(24, **kw) as loader:  # type: ignore[arg-type]
         expected = [dict(b) for b in loader]
-    with sample.loader(24, **kw).to_jax() as batches:  # type: ignore[arg-type]
+    with sample.loader(24, **kw).to_jax(sharding=chosen) as batches:  # type: ignore[arg-type]
         got = list(batches)
         assert batches._direct is not None and batches._direct.usable  # checked on the first batch, kept
     assert got[0]["__index__"].dtype == np.int32  # narrowed, as device_put narrows it without x64
     assert got[0]["image"].dtype == jax.numpy.bfloat16
-    assert_as_device_put_puts(got, expected)
+    assert_as_device_put_puts(got, expected, chosen)
 
 
 @pytest.mark.parametrize("how", ["committed", "raises", "absent"])
@@ -230,13 +238,19 @@ def test_named_sharding_splits_the_batch_over_devices(sample: stoker.Dataset, tm
         data = NamedSharding(mesh, PartitionSpec("batch"))
         with ds.loader(16, drop_remainder=True) as plain:
             expected = [dict(b) for b in plain]
-        with ds.loader(16, drop_remainder=True).to_jax(sharding=data) as batches:
+        whole = NamedSharding(mesh, PartitionSpec())  # the labels replicated on both devices
+        with ds.loader(16, drop_remainder=True).to_jax(sharding={{"image": data, "label": whole}}) as batches:
             got = list(batches)
+            assert batches._direct.usable  # placed by JAX's C++ call, as device_put places them
         assert len(got) == len(expected)
         for e, g in zip(expected, got):
-            assert g["image"].sharding == data
+            assert g["image"].sharding == data and g["label"].sharding == whole
             assert [s.data.shape[0] for s in g["image"].addressable_shards] == [8, 8]
-            assert np.array_equal(np.asarray(g["image"]), e["image"])
+            assert [s.data.shape[0] for s in g["label"].addressable_shards] == [16, 16]
+            for name, s in (("image", data), ("label", whole)):
+                ref = jax.device_put(e[name], s)
+                assert g[name].aval == ref.aval and g[name].committed and ref.committed
+                assert np.array_equal(np.asarray(g[name]), e[name])
         print("ok")
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}

@@ -19,7 +19,7 @@ JAX is imported here only: ``import stoker`` needs numpy alone.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import jax
@@ -116,15 +116,19 @@ class JaxLoader(UserPosition):
         self.prefetch_to_device = prefetch_to_device
         self._multiprocess = jax.process_count() > 1
         self._position = loader.position
-        self._direct = _DirectPut() if _batched_device_put is not None else None
+        self._direct = _DirectPut(self.sharding, self._multiprocess) if _batched_device_put is not None else None
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def _put(self, batch: Mapping[str, np.ndarray]) -> JaxBatch:
-        if all(s is None for s in self.sharding.values()):  # the per-field test below, for every field
-            if self._direct is not None and self._direct.usable:
-                return self._direct(batch)
+        if self._direct is not None and self._direct.usable:
+            return self._direct(batch, self._put_by_jax)
+        return self._put_by_jax(batch)
+
+    def _put_by_jax(self, batch: Mapping[str, np.ndarray]) -> JaxBatch:
+        """The batch placed by JAX's public calls: what ``_DirectPut`` does faster and is checked against."""
+        if all(self.sharding.get(name) is None for name in batch):  # the per-field test below, for every field
             # One call for the whole batch: device_put's Python costs ~50 us a call, per call
             # rather than per array (W1's two fields: ~57-95 us a batch by field, ~51 in one).
             return cast(JaxBatch, jax.device_put(dict(batch)))
@@ -187,72 +191,90 @@ _X64_DEPENDENT = frozenset(np.dtype(t) for t in (np.int64, np.uint64, np.float64
 
 
 class _DirectPut:
-    """A batch on JAX's default device as ``jax.device_put(batch)`` puts it, by JAX's C++ call.
+    """A batch placed as ``jax.device_put`` places it, by the C++ call device_put ends in.
 
     ``jax.device_put`` spends ~50 us of Python an array (pytree flattening, resolving the
     sharding, layout and copy semantics, dispatch) before the C++ call that places it, and all
     of it holds the GIL that stoker's workers need between their copies. On W1 (float32, batch
     256, 2 cores; scratch, 3 alternated rounds) to_jax ran at 0.69-0.79x of numpy's records/s
     with the process using 1.64 of its 2 cores: the consumer thread spent ~200 us of CPU a batch,
-    ~170 of them in device_put. This makes that call itself (~7 us for W1's two fields), with
-    the array's abstract value and the default device's sharding computed as device_put computes
-    them (the values cached per shape and dtype): 0.94-1.11x of numpy, 1.92 cores busy.
+    ~170 of them in device_put. This makes that call itself, with what device_put computes first
+    computed the same way and kept per shape, dtype and sharding: the array's abstract value, the
+    devices and the slice of the array each gets. W1's two fields: ~7 us on JAX's default device;
+    ~60 us against ~158 with a NamedSharding over 2 CPU devices (that figure with the slices
+    computed at every call, not kept). W1: 0.94-1.11x of numpy, 1.92 cores busy.
 
-    The first batch is also put by ``jax.device_put`` and every array compared (type, abstract
-    value, sharding, committed, bytes); on any difference, or any error, the loader uses
-    ``jax.device_put`` from then on and that batch is the one device_put made. Arrays of the
-    dtypes JAX narrows without x64 (int64, float64, ...: ``__group__`` and ``__index__``) and
-    anything not a numpy array always go through ``jax.device_put``.
+    A field without a sharding goes to JAX's default device, uncommitted (as ``device_put(x)``);
+    one with a sharding is committed to it. The first batch is also placed by JAX's public calls
+    and every array compared (type, abstract value, sharding, committed, bytes); on any
+    difference, or any error, the loader uses those calls from then on and that batch is the one
+    they made. Left to them always: across processes (``make_array_from_process_local_data``),
+    the dtypes JAX narrows without x64 (int64, float64, ...: ``__group__`` and ``__index__``),
+    and anything not a numpy array.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shardings: Mapping[str, Any], multiprocess: bool) -> None:
         self.usable = True
+        self._shardings = shardings
+        self._multiprocess = multiprocess
         self._checked = False
-        self._avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}
-        self._shardings: dict[Any, jax.sharding.Sharding] = {}
+        # (shape, dtype, sharding or default device) -> what the call needs, or None: by JAX's calls
+        self._plans: dict[tuple[Any, ...], tuple[Any, Any, list[Any], list[Any] | None, bool] | None] = {}
 
-    def __call__(self, batch: Mapping[str, np.ndarray]) -> JaxBatch:
-        device = _default_device()
-        sharding = self._shardings.get(device)
-        if sharding is None:
-            sharding = self._shardings[device] = jax.sharding.SingleDeviceSharding(device)
+    def __call__(
+        self, batch: Mapping[str, np.ndarray], by_jax: Callable[[Mapping[str, np.ndarray]], JaxBatch]
+    ) -> JaxBatch:
         out: JaxBatch = {}
         rest: dict[str, Any] = {}
         try:
             for name, x in batch.items():
-                aval = self._aval(x)
-                if aval is None:
+                plan = self._plan(name, x)
+                if plan is None:
                     rest[name] = x
-                else:  # uncommitted, as device_put leaves an array put on the default device
-                    out[name] = _batched_device_put(aval, sharding, [x], [device], False)
+                    continue
+                aval, sharding, devices, index, committed = plan
+                shards = [x] * len(devices) if index is None else [x[i] for i in index]
+                out[name] = _batched_device_put(aval, sharding, shards, devices, committed)
         except Exception:
             if self._checked:
                 raise
-            self.usable = False  # this JAX's call differs from what we know: device_put's way
-            return cast(JaxBatch, jax.device_put(dict(batch)))
+            self.usable = False  # this JAX's call differs from what we know: JAX's public calls
+            return by_jax(batch)
         if rest:
-            out.update(jax.device_put(rest))
+            out.update(by_jax(rest))
         if not self._checked:
             self._checked = True
-            expected = jax.device_put({name: batch[name] for name in out if name not in rest})
+            expected = by_jax({name: batch[name] for name in out if name not in rest})
             if not all(_same(out[name], a) for name, a in expected.items()):
                 self.usable = False
                 out.update(expected)
         return {name: out[name] for name in batch}
 
-    def _aval(self, x: Any) -> Any:
-        """``x``'s abstract value as device_put makes it, or None where device_put should place it."""
-        if type(x) is not np.ndarray:
+    def _plan(self, name: str, x: Any) -> tuple[Any, Any, list[Any], list[Any] | None, bool] | None:
+        if type(x) is not np.ndarray or x.dtype in _X64_DEPENDENT:
             return None
-        key = (x.shape, x.dtype)
-        if key not in self._avals:
-            aval = None
-            if x.dtype not in _X64_DEPENDENT:
-                aval = _update_dp_aval(_typeof(x), None)
-                if aval.dtype != x.dtype or aval.shape != x.shape:
-                    aval = None
-            self._avals[key] = aval
-        return self._avals[key]
+        given = self._shardings.get(name)
+        if given is not None and self._multiprocess:
+            return None
+        key = (x.shape, x.dtype, _default_device() if given is None else given)
+        if key not in self._plans:
+            self._plans[key] = self._make_plan(x, given, key[2])
+        return self._plans[key]
+
+    @staticmethod
+    def _make_plan(x: np.ndarray, given: Any, where: Any) -> tuple[Any, Any, list[Any], list[Any] | None, bool] | None:
+        """What ``device_put(x, given)`` computes before its C++ call (``where``: the default device
+        when ``given`` is None), or None where the array should take device_put's own way."""
+        aval = _update_dp_aval(_typeof(x), given)
+        if aval.dtype != x.dtype or aval.shape != x.shape:
+            return None
+        if given is None:
+            return aval, jax.sharding.SingleDeviceSharding(where), [where], None, False
+        if not given.is_fully_addressable:
+            return None
+        placed = given.addressable_devices_indices_map(x.shape)
+        index = None if given.is_fully_replicated else list(placed.values())
+        return aval, given, list(placed), index, True
 
 
 def _same(got: jax.Array, expected: jax.Array) -> bool:
