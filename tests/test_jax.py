@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -113,25 +114,26 @@ def test_to_jax_places_batches_by_jaxs_own_call_as_device_put_would(sample: stok
     assert_as_device_put_puts(got, expected, chosen)
 
 
-@pytest.mark.parametrize("how", ["committed", "raises", "absent"])
+@pytest.mark.parametrize("how", ["committed", "short batch committed", "raises", "absent"])
 def test_to_jax_falls_back_to_device_put_where_jaxs_call_differs(
     sample: stoker.Dataset, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    # A JAX whose internal call places arrays otherwise, takes other arguments, or is gone.
+    # A JAX whose internal call places arrays otherwise (for every array, or only for the pass's
+    # shorter last batch, which comes after the first batch was checked), takes other arguments,
+    # or is gone.
     real = stoker.jax._batched_device_put
 
-    def committed(aval: object, sharding: object, xs: list[object], devices: list[object], _: bool) -> object:
-        return real(aval, sharding, xs, devices, True)
+    def committed(aval: Any, sharding: object, xs: list[Any], devices: list[object], flag: bool) -> object:
+        return real(aval, sharding, xs, devices, True if how == "committed" or aval.shape[0] < 24 else flag)
 
     def raises(*args: object) -> object:
         raise TypeError("batched_device_put(): incompatible function arguments")
 
-    monkeypatch.setattr(
-        stoker.jax, "_batched_device_put", {"committed": committed, "raises": raises, "absent": None}[how]
-    )
-    with sample.loader(16, epochs=2) as loader:
+    fake = {"committed": committed, "short batch committed": committed, "raises": raises, "absent": None}[how]
+    monkeypatch.setattr(stoker.jax, "_batched_device_put", fake)
+    with sample.loader(24, epochs=2) as loader:  # 128 records: 5 batches of 24 and one of 8 a pass
         expected = [dict(b) for b in loader]
-    with sample.loader(16, epochs=2).to_jax() as batches:
+    with sample.loader(24, epochs=2).to_jax() as batches:
         got = list(batches)
         assert batches._direct is None if how == "absent" else not batches._direct.usable  # type: ignore[union-attr]
     assert_as_device_put_puts(got, expected)
@@ -251,6 +253,20 @@ def test_named_sharding_splits_the_batch_over_devices(sample: stoker.Dataset, tm
                 ref = jax.device_put(e[name], s)
                 assert g[name].aval == ref.aval and g[name].committed and ref.committed
                 assert np.array_equal(np.asarray(g[name]), e[name])
+        # 129 records: a last batch of 1 that the batch axis cannot split over 2 devices. Its new
+        # shape is checked against device_put, which raises; so does to_jax, at that batch.
+        stoker.write_sample({str(tmp_path / "odd")!r}, pairs=3, records=43, inrez={RES})
+        odd = stoker.Dataset(image=stoker.Field({str(tmp_path / "odd" / "img_*.bin")!r}, "int8", ({RES}, {RES}, 1)),
+                             label=stoker.Field({str(tmp_path / "odd" / "out_*.bin.gz")!r}, "float32"))
+        with odd.loader(16).to_jax(sharding=data, prefetch_to_device=0) as batches:
+            it = iter(batches)
+            assert [next(it)["image"].shape[0] for _ in range(8)] == [16] * 8
+            try:
+                next(it)
+            except ValueError as e:
+                assert "does not evenly divide the dimension size 1" in str(e), e
+            else:
+                raise AssertionError("a batch of 1 was split over 2 devices")
         print("ok")
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}

@@ -1,9 +1,9 @@
 """JAX adapter: a loader's batches as jax arrays, placed on devices ahead of the training step.
 
 :func:`to_jax` (``loader.to_jax()``) puts each batch on the device as ``jax.device_put``
-does (on JAX's default device by the C++ call under it, see ``_DirectPut``; with a sharding,
-by ``jax.device_put`` itself, or across processes ``jax.make_array_from_process_local_data``)
-and keeps ``prefetch_to_device`` batches in flight beyond the one the user holds: the put
+does (in one process by the C++ call under it, see ``_DirectPut``; with a sharding over
+several processes by ``jax.make_array_from_process_local_data``) and keeps
+``prefetch_to_device`` batches in flight beyond the one the user holds: the put
 returns at once and copies asynchronously, so the next batches travel while the step
 runs. On the CPU backend JAX may alias stoker's page-aligned buffers instead of copying;
 that is safe, since JAX keeps the numpy array alive and stoker never rewrites a buffer
@@ -205,10 +205,12 @@ class _DirectPut:
     computed at every call, not kept). W1: 0.94-1.11x of numpy, 1.92 cores busy.
 
     A field without a sharding goes to JAX's default device, uncommitted (as ``device_put(x)``);
-    one with a sharding is committed to it. The first batch is also placed by JAX's public calls
-    and every array compared (type, abstract value, sharding, committed, bytes); on any
-    difference, or any error, the loader uses those calls from then on and that batch is the one
-    they made. Left to them always: across processes (``make_array_from_process_local_data``),
+    one with a sharding is committed to it. The first array of each shape, dtype and sharding
+    (a pass's first batch, its shorter last one) is also placed by JAX's public calls and
+    compared (type, abstract value, sharding, committed, bytes); on any difference, or any error
+    before that, the loader uses those calls from then on and that batch is the one they made
+    (where they raise, as for a batch a sharding cannot split evenly, that error is raised).
+    Left to them always: across processes (``make_array_from_process_local_data``),
     the dtypes JAX narrows without x64 (int64, float64, ...: ``__group__`` and ``__index__``),
     and anything not a numpy array.
     """
@@ -217,49 +219,55 @@ class _DirectPut:
         self.usable = True
         self._shardings = shardings
         self._multiprocess = multiprocess
-        self._checked = False
         # (shape, dtype, sharding or default device) -> what the call needs, or None: by JAX's calls
         self._plans: dict[tuple[Any, ...], tuple[Any, Any, list[Any], list[Any] | None, bool] | None] = {}
+        self._checked: set[tuple[Any, ...]] = set()  # plans whose first arrays matched JAX's
 
     def __call__(
         self, batch: Mapping[str, np.ndarray], by_jax: Callable[[Mapping[str, np.ndarray]], JaxBatch]
     ) -> JaxBatch:
         out: JaxBatch = {}
         rest: dict[str, Any] = {}
+        fresh: dict[str, tuple[Any, ...]] = {}  # fields placed by a plan not checked yet
         try:
             for name, x in batch.items():
-                plan = self._plan(name, x)
+                key, plan = self._plan(name, x)
                 if plan is None:
                     rest[name] = x
                     continue
+                if key not in self._checked:
+                    fresh[name] = key
                 aval, sharding, devices, index, committed = plan
                 shards = [x] * len(devices) if index is None else [x[i] for i in index]
                 out[name] = _batched_device_put(aval, sharding, shards, devices, committed)
         except Exception:
-            if self._checked:
+            if not fresh:
                 raise
             self.usable = False  # this JAX's call differs from what we know: JAX's public calls
             return by_jax(batch)
         if rest:
             out.update(by_jax(rest))
-        if not self._checked:
-            self._checked = True
-            expected = by_jax({name: batch[name] for name in out if name not in rest})
-            if not all(_same(out[name], a) for name, a in expected.items()):
+        if fresh:
+            expected = by_jax({name: batch[name] for name in fresh})
+            if all(_same(out[name], a) for name, a in expected.items()):
+                self._checked.update(fresh.values())
+            else:
                 self.usable = False
                 out.update(expected)
         return {name: out[name] for name in batch}
 
-    def _plan(self, name: str, x: Any) -> tuple[Any, Any, list[Any], list[Any] | None, bool] | None:
+    def _plan(
+        self, name: str, x: Any
+    ) -> tuple[tuple[Any, ...], tuple[Any, Any, list[Any], list[Any] | None, bool] | None]:
         if type(x) is not np.ndarray or x.dtype in _X64_DEPENDENT:
-            return None
+            return (), None
         given = self._shardings.get(name)
         if given is not None and self._multiprocess:
-            return None
+            return (), None
         key = (x.shape, x.dtype, _default_device() if given is None else given)
         if key not in self._plans:
             self._plans[key] = self._make_plan(x, given, key[2])
-        return self._plans[key]
+        return key, self._plans[key]
 
     @staticmethod
     def _make_plan(x: np.ndarray, given: Any, where: Any) -> tuple[Any, Any, list[Any], list[Any] | None, bool] | None:
