@@ -229,9 +229,13 @@ class _DirectPut:
         out: JaxBatch = {}
         rest: dict[str, Any] = {}
         fresh: dict[str, tuple[Any, ...]] = {}  # fields placed by a plan not checked yet
+        default: Any = None  # JAX's default device, looked up once a batch where a field needs it
         try:
             for name, x in batch.items():
-                key, plan = self._plan(name, x)
+                given = self._shardings.get(name)
+                if given is None and default is None:
+                    default = _default_device()
+                key, plan = self._plan(x, given, default)
                 if plan is None:
                     rest[name] = x
                     continue
@@ -257,14 +261,13 @@ class _DirectPut:
         return {name: out[name] for name in batch}
 
     def _plan(
-        self, name: str, x: Any
+        self, x: Any, given: Any, default: Any
     ) -> tuple[tuple[Any, ...], tuple[Any, Any, list[Any], list[Any] | None, bool] | None]:
         if type(x) is not np.ndarray or x.dtype in _X64_DEPENDENT:
             return (), None
-        given = self._shardings.get(name)
         if given is not None and self._multiprocess:
             return (), None
-        key = (x.shape, x.dtype, _default_device() if given is None else given)
+        key = (x.shape, x.dtype, default if given is None else given)
         if key not in self._plans:
             self._plans[key] = self._make_plan(x, given, key[2])
         return key, self._plans[key]
