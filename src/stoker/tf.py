@@ -666,7 +666,8 @@ def _counted(
             asserts.append(tf.debugging.Assert(
                 tf.equal(size, records * rb),
                 [f"stoker: field {name!r}: file", row[f"path/{name}"], "holds a different number of records than "
-                 "its gzip/zlib trailer and the other fields' files say (the loader raises CorruptDataError on it): "
+                 "the group's count (its gzip trailer, or its zlib stream counted before the pipeline was built, and "
+                 "the other fields' files) says (the loader raises CorruptDataError on it): "
                  "block", tf.strings.as_string(i), "(from 0) of the group's", tf.strings.as_string(blocks)],
             ))  # fmt: skip
         with tf.control_dependencies(asserts):
