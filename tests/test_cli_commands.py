@@ -86,7 +86,9 @@ def test_bench_refuses_numbers_it_cannot_measure_with_before_starting_anything(
      (["--memory-budget", "1KiB"], "SpecError: memory_budget='1KiB' (1024 bytes) holds less than one batch"),
      (["--prefetch", "0"], "SpecError: prefetch=0 must be a positive integer"),
      (["--threads", "-2"], "SpecError: threads=-2 must be a positive integer"),
-     (["--prefetch", "900", "--memory-budget", "1MiB"], "SpecError: prefetch=900 batches of 65536 bytes exceed")],
+     (["--prefetch", "900", "--memory-budget", "1MiB"], "SpecError: prefetch=900 batches of 65536 bytes exceed"),
+     (["--block-length", "0"], "SpecError: block_length=0 must be a positive integer or None"),
+     (["--cycle-length", "-1"], "SpecError: cycle_length=-1 must be a positive integer or None")],
 )  # fmt: skip
 def test_bench_refuses_loader_settings_the_loader_refuses_before_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
@@ -103,11 +105,13 @@ def test_bench_refuses_loader_settings_the_loader_refuses_before_starting_anythi
 
 def test_bench_compare_refuses_loader_settings_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
     started = time.perf_counter()
-    code = main(["bench", "--compare", "--memory-budget", "1GiB", "--threads", "2"])
+    code = main(["bench", "--compare", "--memory-budget", "1GiB", "--threads", "2", "--block-length", "8"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
-    assert err.startswith("SpecError: stoker bench --compare runs every contender in its own best configuration; "
-                          "--threads, --memory-budget set stoker's loader for a run without --compare")  # fmt: skip
+    assert err.startswith(
+        "SpecError: stoker bench --compare runs every contender in its own best configuration; "
+        "--threads, --memory-budget, --block-length set stoker's loader for a run without --compare"
+    )
     assert time.perf_counter() - started < 1.0  # nothing started
 
 
@@ -147,6 +151,19 @@ def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytes
     code, out = _bench_a_sample(tmp_path, capsys)
     assert code == 0
     assert "records/s" in out and "ceiling:mmap_stream" in out and "stoker / ceiling: median" in out
+    # The interleave stoker read with (the default: ~4 MiB of 256-byte images a block); an epoch
+    # of 128 records is one batch of 256, from the two files: two runs.
+    assert "cycle_length=2 block_length=16384, 2.0 runs per assembly" in out
+
+
+def test_bench_reads_with_the_interleave_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--cycle-length/--block-length: the loader's, so the verdict's block_length advice can be tried."""
+    code, out = _bench_a_sample(tmp_path, capsys, "--cycle-length", "2", "--block-length", "24", "--batch-size", "16")
+    assert code == 0
+    # Blocks of 24 records from 2 files of 64: each file in blocks of 24, 24 and 16, taken in
+    # turns: an epoch is 6 runs, and its 8 batches of 16 are assembled as one.
+    line = next(x for x in out.splitlines() if x.startswith("stoker (median round)"))
+    assert "(assembled 64 at a time) cycle_length=2 block_length=24, 6.0 runs per assembly" in line
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

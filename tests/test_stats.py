@@ -874,6 +874,7 @@ def test_below_the_ceiling_the_copy_verdict_names_per_batch_work_as_the_gap(tmp_
         assemble_seconds=copy * 0.25,
         memory_budget=0,
         buffers_made=0,
+        runs_per_assembly=1.0,  # one run an assembly: the block advice is another test's
     )
     below = verdict(s, 0.7)
     assert below.startswith("the copy of field 'wide' with its cast to float32 limits you (80% of worker time at 70%")
@@ -884,6 +885,62 @@ def test_below_the_ceiling_the_copy_verdict_names_per_batch_work_as_the_gap(tmp_
     assert "gap to the ceiling" not in verdict(s)  # no ceiling measured: no gap to name
     lean = dataclasses.replace(s, busy_seconds=copy * 1.05, busy_cpu_seconds=copy * 1.05, assemble_seconds=copy * 0.05)
     assert "gap to the ceiling" not in verdict(lean, 0.7)
+
+
+def _runs_of(ds: stoker.Dataset, **kw: object) -> LoaderStats:
+    """Stats of one epoch in batches of 4, one at a time (prefetch given: no batches assembled together)."""
+    with ds.loader(4, cycle_length=2, prefetch=2, threads=1, **kw) as loader:  # type: ignore[arg-type]
+        list(loader)
+        return loader.stats()
+
+
+def test_runs_per_assembly_count_the_stretches_of_files_each_batch_is_read_from(tmp_path: Path) -> None:
+    ds = build(tmp_path, [8, 8], {"wide": WIDE_RAW})
+    # Blocks of 3 taken in turns, g0[0:3] g1[0:3] g0[3:6] g1[3:6] g0[6:8] g1[6:8]: every batch
+    # of 4 straddles a block end, 8 runs for 4 batches.
+    s = _runs_of(ds, block_length=3)
+    assert (s.coalesced, s.cycle_length, s.block_length, s.runs_per_assembly) == (1, 2, 3, 2.0)
+    assert "threads=1 prefetch=2 cycle_length=2 block_length=3, 2.0 runs per assembly" in s.settings
+    assert LoaderStats.from_dict(json.loads(json.dumps(s.to_dict()))).runs_per_assembly == 2.0
+    # Blocks of 4: each batch is one block.
+    assert _runs_of(ds, block_length=4).runs_per_assembly == 1.0
+    # A global shuffle gathers its records: no runs to count, none said.
+    g = _runs_of(ds, block_length=3, shuffle="global", seed=1)
+    assert g.runs_per_assembly == 0.0 and "runs per assembly" not in g.settings
+
+
+def test_below_the_ceiling_blocks_shorter_than_an_assembly_are_named_with_a_longer_block_length(
+    tmp_path: Path,
+) -> None:
+    ds = build(tmp_path, [8, 8], {"wide": WIDE_RAW})
+
+    def copy_on_top(s: LoaderStats) -> LoaderStats:
+        copy = sum(s.field_stage_seconds["wide"].values())
+        return dataclasses.replace(
+            s, field_stage_seconds={"wide": {"read": copy}}, busy_seconds=copy * 1.02,
+            busy_cpu_seconds=copy * 1.02, busy_runnable_seconds=0.0, cpu_seconds=s.wall_seconds * s.cores,
+            assemble_seconds=copy * 0.02, memory_budget=0, buffers_made=0, threads=s.cores,
+        )  # fmt: skip
+
+    short = copy_on_top(_runs_of(ds, block_length=3))
+    said = verdict(short, 0.7)
+    assert said.startswith("the copy of field 'wide' limits you (98% of worker time at 70% of the ceiling")
+    assert said.endswith(
+        "; each assembly of 4 records is read in 2.0 runs per field, since interleave blocks hold 3 records: "
+        "block_length=16 reads most of them in one run (it changes the order of the records)"
+    )
+    assert "block_length" not in verdict(short)  # no ceiling measured: no gap to name
+    assert "block_length" not in verdict(short, 0.95)  # at the ceiling
+    assert "block_length" not in verdict(copy_on_top(_runs_of(ds, block_length=4)), 0.7)  # one run a batch
+    # Blocks already four assemblies long: the runs come from the files' ends, not the blocks.
+    assert "block_length" not in verdict(dataclasses.replace(short, block_length=16), 0.7)
+    # Batches assembled together: the advice counts in assemblies.
+    together = dataclasses.replace(short, coalesced=8, runs_per_assembly=3.5)
+    assert verdict(together, 0.7).endswith(
+        "; each assembly of 32 records (8 batches assembled as one) is read in 3.5 runs per field, since "
+        "interleave blocks hold 3 records: block_length=128 reads most of them in one run (it changes the "
+        "order of the records)"
+    )
 
 
 def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it_drops() -> None:

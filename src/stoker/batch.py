@@ -568,14 +568,16 @@ class Assembler:
                     stream.abandon(ticket)
             raise
         ended = time.perf_counter()
+        runs = len(plan.runs) if plan.gather is None else 0
         if began_clock is None:
-            self.counters.batch_done(ended - began)
+            self.counters.batch_done(ended - began, runs=runs)
         else:
             cpu, runnable = thread_clock()
             self.counters.batch_done(
                 ended - began,
                 cpu - began_clock[0],
                 None if runnable is None or began_clock[1] is None else runnable - began_clock[1],
+                runs=runs,
             )
             local.cpu_due = ended + CPU_SAMPLE_SECONDS
         return out, plan

@@ -327,6 +327,8 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         cast=cfg["cast"] or None,
         threads=cfg.get("threads"),
         prefetch=cfg.get("prefetch"),
+        cycle_length=cfg.get("cycle_length"),
+        block_length=cfg.get("block_length"),
         shuffle=shuffle,
         seed=0 if shuffle else None,
         **({"memory_budget": cfg["memory_budget"]} if cfg.get("memory_budget") else {}),  # else the loader's default

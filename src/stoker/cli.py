@@ -235,7 +235,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _check_bench_numbers(args)
     if args.compare:
         given = [f for f, v in (("--threads", args.threads), ("--prefetch", args.prefetch),
-                                ("--memory-budget", args.memory_budget)) if v is not None]  # fmt: skip
+                                ("--memory-budget", args.memory_budget), ("--cycle-length", args.cycle_length),
+                                ("--block-length", args.block_length)) if v is not None]  # fmt: skip
         if given:
             raise SpecError(
                 f"stoker bench --compare runs every contender in its own best configuration; {', '.join(given)} "
@@ -257,8 +258,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         specs = _sample_fields(directory, args.inrez)
     ds = dataset_from_fields(specs)
     cast = _parse_cast(args.cast)
-    settings = {"threads": args.threads, "prefetch": args.prefetch, "memory_budget": args.memory_budget}
-    # Its argument checks (cast, threads, prefetch, memory_budget) here, not in a child's traceback.
+    settings = {"threads": args.threads, "prefetch": args.prefetch, "memory_budget": args.memory_budget,
+                "cycle_length": args.cycle_length, "block_length": args.block_length}  # fmt: skip
+    # Its argument checks (cast, threads, prefetch, memory_budget, interleave) here, not in a
+    # child's traceback.
     ds.loader(args.batch_size, cast=cast, **{k: v for k, v in settings.items() if v is not None}).close()
     contenders: dict[str, dict[str, Any]] = {
         "stoker": {
@@ -384,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="stoker's worker threads (default: autotuned)")
     p.add_argument("--prefetch", type=int, default=None, help="batches in flight (default: from memory_budget)")
     p.add_argument("--memory-budget", default=None, help="the loader's memory_budget, e.g. 1GiB (default 512MiB)")
+    p.add_argument("--cycle-length", type=int, default=None, help="files read side by side (default: min(files, 4))")
+    p.add_argument("--block-length", type=int, default=None,
+                   help="records read from a file before the next (default: ~4 MiB of the widest field)")  # fmt: skip
     p.add_argument("--no-ceiling", action="store_true")
     p.add_argument("--compare", action="store_true",
                    help="run benchmarks/compare.py: tf.data, DataLoader, Grain and stoker per workload")  # fmt: skip

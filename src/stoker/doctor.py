@@ -44,6 +44,17 @@ BLOCKED = 0.6
 # named as the gap (W1 at batch 256: ~6%, at 0.90 of the ceiling; 64x64 records at batch 256:
 # 12% at 0.71, and 0.87 at batch 1024 with 6%).
 ASSEMBLE_GAP = 0.08
+# Below the ceiling with the copy on top, assemblies read in this many runs or more on average
+# (their records from two or more stretches of files: interleave blocks not much longer than an
+# assembly) are named, with a block_length of BLOCK_ASSEMBLIES assemblies, at which at most one in
+# that many straddles two blocks. Each run costs its own per-field work (W1's layout, one thread:
+# ~20 us against ~75 us per batch). Measured (2 cores, 3 alternated rounds of 5 s per point):
+# 64x64x3 uint8 cast to float16 with zlib int32 labels, batch 256 assembled 2 at a time, default
+# blocks of 342 records (2.5 runs per assembly): block_length=1024 1.09x, 2048 1.10x records/s
+# (stoker bench: 0.79 and 0.74 of the ceiling, 0.88 and 0.82 at 2048); W1 at batch 200 (blocks of
+# 256, 1.8 runs): block_length=800 1.03x.
+RUNS_GAP = 1.5
+BLOCK_ASSEMBLIES = 4
 
 
 def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: str = BACKEND) -> str:
@@ -152,6 +163,7 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
             if ceiling_ratio is not None and assemble >= ASSEMBLE_GAP
             else ""
         )
+        gap += _runs_gap(stats) if ceiling_ratio is not None else ""
         if stage == "read+cast":
             return (
                 f"the copy of field {name!r} with its cast to {stats.dtypes.get(name, '?')} limits you "
@@ -171,6 +183,20 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
     return (
         f"per-batch overhead (buffers, files, bookkeeping) limits you ({share:.0%} of worker time{where}): "
         f"raise batch_size (now {stats.batch_size})"
+    )
+
+
+def _runs_gap(stats: LoaderStats) -> str:
+    """``; ...`` naming blocks too short for the assemblies (see RUNS_GAP), or ""."""
+    runs, block = stats.runs_per_assembly, stats.block_length
+    unit = stats.batch_size * max(1, stats.coalesced)
+    if runs < RUNS_GAP or block <= 0 or unit <= 0 or block >= BLOCK_ASSEMBLIES * unit:
+        return ""
+    together = f" ({stats.coalesced} batches assembled as one)" if stats.coalesced > 1 else ""
+    return (
+        f"; each assembly of {unit} records{together} is read in {runs:.1f} runs per field, since "
+        f"interleave blocks hold {block} records: block_length={BLOCK_ASSEMBLIES * unit} reads most of "
+        "them in one run (it changes the order of the records)"
     )
 
 

@@ -448,6 +448,8 @@ class Loader:
             memory_budget=self.memory_budget,
             batch_bytes=self.batch_bytes,
             coalesced=self._parts,
+            cycle_length=self.cycle_length,
+            block_length=self.block_length,
             prefetch_limited=self._tune_prefetch
             and self.prefetch < self._parts * wanted_prefetch(self.threads, self._parts * self.batch_bytes),
             buffers_made=getattr(self._pool, "allocated", 0),

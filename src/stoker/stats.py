@@ -53,6 +53,10 @@ class Counters:
         self.busy_sampled = 0.0  # worker-seconds of those batches
         self.busy_runnable = 0.0  # seconds those batches' workers were runnable but off a CPU (schedstat)
         self.runnable_sampled = 0.0  # worker-seconds of the sampled batches that had schedstat
+        # Assemblies read by runs (not gathers), and their runs: how often a batch's records come
+        # from more than one stretch of a file (interleave blocks shorter than an assembly).
+        self.run_assemblies = 0
+        self.runs = 0
         self.batches = 0
         self.records = 0
         self.out_bytes: dict[str, int] = {}
@@ -72,9 +76,15 @@ class Counters:
             self.stage[key] = self.stage.get(key, 0.0) + seconds
 
     def batch_done(
-        self, seconds: float, cpu_seconds: float | None = None, runnable_seconds: float | None = None
+        self,
+        seconds: float,
+        cpu_seconds: float | None = None,
+        runnable_seconds: float | None = None,
+        *,
+        runs: int = 0,
     ) -> None:
-        """A worker assembled a batch in ``seconds``; ``cpu_seconds`` of its CPU where sampled.
+        """A worker assembled a batch in ``seconds``, from ``runs`` runs (0: a gather); ``cpu_seconds``
+        of its CPU where sampled.
 
         A worker reads its CPU clock (a system call, not a vDSO read) on one batch in every
         CPU_SAMPLE_SECONDS, not on each: two reads per batch were 10% of the GIL-held time on
@@ -85,6 +95,9 @@ class Counters:
         """
         with self._lock:
             self.busy += seconds
+            if runs:
+                self.run_assemblies += 1
+                self.runs += runs
             if cpu_seconds is not None:
                 self.busy_cpu += cpu_seconds
                 self.busy_sampled += seconds
@@ -129,6 +142,7 @@ class Counters:
             out = dict(
                 batches=self.batches, records=self.records, bytes=dict(self.out_bytes),
                 wait_seconds=self.wait, consumer_seconds=self.consumer,
+                runs_per_assembly=self.runs / self.run_assemblies if self.run_assemblies else 0.0,
             )  # fmt: skip
         by_field: dict[str, dict[str, float]] = {}
         for (st, name), s in stage.items():
@@ -248,6 +262,12 @@ class LoaderStats:
     prefetch_limited: bool = False  # stoker chose prefetch, and memory_budget held it below its default
     # Batches assembled together, as one, and delivered one by one (stoker.loader.COALESCE_BYTES).
     coalesced: int = 1
+    # Runs (stretches of one group's records) per assembly read by runs, and the loader's
+    # interleave: each run costs its own per-field work, so blocks shorter than an assembly
+    # cost time (0.0 where no assembly was read by runs, e.g. a global shuffle's gathers).
+    runs_per_assembly: float = 0.0
+    cycle_length: int = 0
+    block_length: int = 0
     # Worker-seconds of busy time runnable but off a CPU (other threads or processes had it), from
     # the kernel's scheduler statistics; None where unknown. busy - cpu - this: blocked (a lock,
     # the GIL, a read).
@@ -348,7 +368,11 @@ class LoaderStats:
                 f"of {self.batch_bytes / 2**20:,.1f} MiB)"
             )
         together = f" (assembled {self.coalesced} at a time)" if self.coalesced > 1 else ""
-        return f"threads={self.threads} prefetch={self.prefetch}{together}{bound}" + "".join(
+        interleave = ""
+        if self.block_length:
+            runs = f", {self.runs_per_assembly:.1f} runs per assembly" if self.runs_per_assembly else ""
+            interleave = f" cycle_length={self.cycle_length} block_length={self.block_length}{runs}"
+        return f"threads={self.threads} prefetch={self.prefetch}{together}{bound}{interleave}" + "".join(
             f" ({k}: {v})" for k, v in self.tuning.items()
         )
 
