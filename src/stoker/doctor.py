@@ -47,8 +47,8 @@ ASSEMBLE_GAP = 0.08
 # Below the ceiling with the copy on top, assemblies read in this many runs or more on average
 # (their records from two or more stretches of files: interleave blocks not much longer than an
 # assembly) are named, with a block_length of BLOCK_ASSEMBLIES assemblies, at which at most one in
-# that many straddles two blocks. Each run costs its own per-field work (W1's layout, one thread:
-# ~20 us against ~75 us per batch). Measured (2 cores, 3 alternated rounds of 5 s per point):
+# that many straddles two blocks. Each run costs its own per-field work (the layout below, one
+# thread: ~20 us a run against ~75 us a batch). Measured (2 cores, 3 alternated rounds of 5 s per point):
 # 64x64x3 uint8 cast to float16 with zlib int32 labels, batch 256 assembled 2 at a time, default
 # blocks of 342 records (2.5 runs per assembly): block_length=1024 1.09x, 2048 1.10x records/s
 # (stoker bench: 0.79 and 0.74 of the ceiling, 0.88 and 0.82 at 2048); W1 at batch 200 (blocks of
