@@ -900,6 +900,8 @@ def test_runs_per_assembly_count_the_stretches_of_files_each_batch_is_read_from(
     # of 4 straddles a block end, 8 runs for 4 batches.
     s = _runs_of(ds, block_length=3)
     assert (s.coalesced, s.cycle_length, s.block_length, s.runs_per_assembly) == (1, 2, 3, 2.0)
+    # Three of those batches' first runs end a block, the last batch's ends g0's file.
+    assert s.block_cuts_per_assembly == 0.75
     assert "threads=1 prefetch=2 cycle_length=2 block_length=3, 2.0 runs per assembly" in s.settings
     assert LoaderStats.from_dict(json.loads(json.dumps(s.to_dict()))).runs_per_assembly == 2.0
     # Blocks of 4: each batch is one block.
@@ -907,9 +909,13 @@ def test_runs_per_assembly_count_the_stretches_of_files_each_batch_is_read_from(
     # A global shuffle gathers its records: no runs to count, none said.
     g = _runs_of(ds, block_length=3, shuffle="global", seed=1)
     assert g.runs_per_assembly == 0.0 and "runs per assembly" not in g.settings
+    # Files of 3 records, blocks of 8: g0..g7 in turn, each batch of 4 from two files, every
+    # run but the last ending a file.
+    small = _runs_of(build(tmp_path / "small", [3] * 8, {"wide": WIDE_RAW}), block_length=8)
+    assert (small.runs_per_assembly, small.block_cuts_per_assembly) == (2.0, 0.0)
 
 
-def test_below_the_ceiling_blocks_shorter_than_an_assembly_are_named_with_a_longer_block_length(
+def test_below_the_ceiling_what_cuts_assemblies_into_many_runs_is_named(
     tmp_path: Path,
 ) -> None:
     ds = build(tmp_path, [8, 8], {"wide": WIDE_RAW})
@@ -932,8 +938,14 @@ def test_below_the_ceiling_blocks_shorter_than_an_assembly_are_named_with_a_long
     assert "block_length" not in verdict(short)  # no ceiling measured: no gap to name
     assert "block_length" not in verdict(short, 0.95)  # at the ceiling
     assert "block_length" not in verdict(copy_on_top(_runs_of(ds, block_length=4)), 0.7)  # one run a batch
-    # Blocks already four assemblies long: the runs come from the files' ends, not the blocks.
+    # Blocks already four assemblies long: no block_length to name.
     assert "block_length" not in verdict(dataclasses.replace(short, block_length=16), 0.7)
+    # Runs cut at the ends of files of 3 records: no block_length helps; the files are named.
+    small = copy_on_top(_runs_of(build(tmp_path / "small", [3] * 8, {"wide": WIDE_RAW}), block_length=8))
+    assert verdict(small, 0.7).endswith(
+        "; each assembly of 4 records is read in 2.0 runs per field, 2 records a run, most cut at the end "
+        "of a file: fewer, larger files would make fewer runs"
+    )
     # Batches assembled together: the advice counts in assemblies.
     together = dataclasses.replace(short, coalesced=8, runs_per_assembly=3.5)
     assert verdict(together, 0.7).endswith(

@@ -568,7 +568,7 @@ class Assembler:
                     stream.abandon(ticket)
             raise
         ended = time.perf_counter()
-        runs = len(plan.runs) if plan.gather is None else 0
+        runs = plan.runs if plan.gather is None else ()
         if began_clock is None:
             self.counters.batch_done(ended - began, runs=runs)
         else:

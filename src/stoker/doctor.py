@@ -45,14 +45,16 @@ BLOCKED = 0.6
 # 12% at 0.71, and 0.87 at batch 1024 with 6%).
 ASSEMBLE_GAP = 0.08
 # Below the ceiling with the copy on top, assemblies read in this many runs or more on average
-# (their records from two or more stretches of files: interleave blocks not much longer than an
-# assembly) are named, with a block_length of BLOCK_ASSEMBLIES assemblies, at which at most one in
-# that many straddles two blocks. Each run costs its own per-field work (the layout below, one
+# (their records from two or more stretches of files) are named: where interleave blocks cut them
+# (blocks not much longer than an assembly), with a block_length of BLOCK_ASSEMBLIES assemblies,
+# at which at most one in that many straddles two blocks; where the ends of files do (files of a
+# few records), the files. Each run costs its own per-field work (the layout below, one
 # thread: ~20 us a run against ~75 us a batch). Measured (2 cores, 3 alternated rounds of 5 s per point):
 # 64x64x3 uint8 cast to float16 with zlib int32 labels, batch 256 assembled 2 at a time, default
 # blocks of 342 records (2.5 runs per assembly): block_length=1024 1.09x, 2048 1.10x records/s
 # (stoker bench: 0.79 and 0.74 of the ceiling, 0.88 and 0.82 at 2048); W1 at batch 200 (blocks of
-# 256, 1.8 runs): block_length=800 1.03x.
+# 256, 1.8 runs): block_length=800 1.03x. Files of 40-46 96x96x3 frames (6.8 runs per batch of
+# 256): 0.61-0.64 of the ceiling; the same records in 20x longer files 0.77-0.79 (stoker bench).
 RUNS_GAP = 1.5
 BLOCK_ASSEMBLIES = 4
 
@@ -187,17 +189,31 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
 
 
 def _runs_gap(stats: LoaderStats) -> str:
-    """``; ...`` naming blocks too short for the assemblies (see RUNS_GAP), or ""."""
-    runs, block = stats.runs_per_assembly, stats.block_length
+    """``; ...`` naming what cuts assemblies into many runs (see RUNS_GAP), or "".
+
+    Interleave blocks shorter than an assembly: a longer ``block_length``. Files shorter than
+    one: nothing stoker can set (a run never spans two files), so the files are named.
+    """
+    runs, block, cuts = stats.runs_per_assembly, stats.block_length, stats.block_cuts_per_assembly
     unit = stats.batch_size * max(1, stats.coalesced)
-    if runs < RUNS_GAP or block <= 0 or unit <= 0 or block >= BLOCK_ASSEMBLIES * unit:
+    if runs < RUNS_GAP or unit <= 0:
         return ""
-    together = f" ({stats.coalesced} batches assembled as one)" if stats.coalesced > 1 else ""
-    return (
-        f"; each assembly of {unit} records{together} is read in {runs:.1f} runs per field, since "
-        f"interleave blocks hold {block} records: block_length={BLOCK_ASSEMBLIES * unit} reads most of "
-        "them in one run (it changes the order of the records)"
+    said = (
+        f"; each assembly of {unit} records"
+        + (f" ({stats.coalesced} batches assembled as one)" if stats.coalesced > 1 else "")
+        + f" is read in {runs:.1f} runs per field"
     )
+    if cuts >= RUNS_GAP - 1 and 0 < block < BLOCK_ASSEMBLIES * unit:
+        return (
+            f"{said}, since interleave blocks hold {block} records: block_length={BLOCK_ASSEMBLIES * unit} "
+            "reads most of them in one run (it changes the order of the records)"
+        )
+    if runs - 1 - cuts >= RUNS_GAP - 1:
+        return (
+            f"{said}, {unit / runs:,.0f} records a run, most cut at the end of a file: "
+            "fewer, larger files would make fewer runs"
+        )
+    return ""
 
 
 def _memory_verdict(stats: LoaderStats, where: str) -> str | None:

@@ -24,11 +24,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .plan import Run
 
 __all__ = ["CPU_SAMPLE_SECONDS", "STAGES", "Counters", "LoaderStats"]
 
@@ -53,10 +56,12 @@ class Counters:
         self.busy_sampled = 0.0  # worker-seconds of those batches
         self.busy_runnable = 0.0  # seconds those batches' workers were runnable but off a CPU (schedstat)
         self.runnable_sampled = 0.0  # worker-seconds of the sampled batches that had schedstat
-        # Assemblies read by runs (not gathers), and their runs: how often a batch's records come
-        # from more than one stretch of a file (interleave blocks shorter than an assembly).
+        # Assemblies read by runs (not gathers), their runs, and how many of those runs ended
+        # before the assembly did at the end of an interleave block rather than of a group's
+        # files: how often a batch's records come from more than one stretch of files, and why.
         self.run_assemblies = 0
         self.runs = 0
+        self.block_cuts = 0
         self.batches = 0
         self.records = 0
         self.out_bytes: dict[str, int] = {}
@@ -81,9 +86,9 @@ class Counters:
         cpu_seconds: float | None = None,
         runnable_seconds: float | None = None,
         *,
-        runs: int = 0,
+        runs: Sequence[Run] = (),
     ) -> None:
-        """A worker assembled a batch in ``seconds``, from ``runs`` runs (0: a gather); ``cpu_seconds``
+        """A worker assembled a batch in ``seconds`` from ``runs`` (none: a gather); ``cpu_seconds``
         of its CPU where sampled.
 
         A worker reads its CPU clock (a system call, not a vDSO read) on one batch in every
@@ -97,7 +102,9 @@ class Counters:
             self.busy += seconds
             if runs:
                 self.run_assemblies += 1
-                self.runs += runs
+                self.runs += len(runs)
+                if len(runs) > 1:  # a run not the last that is not a group's final one ends a block
+                    self.block_cuts += sum(1 for r in runs[:-1] if not r.final)
             if cpu_seconds is not None:
                 self.busy_cpu += cpu_seconds
                 self.busy_sampled += seconds
@@ -143,6 +150,7 @@ class Counters:
                 batches=self.batches, records=self.records, bytes=dict(self.out_bytes),
                 wait_seconds=self.wait, consumer_seconds=self.consumer,
                 runs_per_assembly=self.runs / self.run_assemblies if self.run_assemblies else 0.0,
+                block_cuts_per_assembly=self.block_cuts / self.run_assemblies if self.run_assemblies else 0.0,
             )  # fmt: skip
         by_field: dict[str, dict[str, float]] = {}
         for (st, name), s in stage.items():
@@ -266,6 +274,9 @@ class LoaderStats:
     # interleave: each run costs its own per-field work, so blocks shorter than an assembly
     # cost time (0.0 where no assembly was read by runs, e.g. a global shuffle's gathers).
     runs_per_assembly: float = 0.0
+    # Of those runs, per assembly, the ones that ended at the end of an interleave block before
+    # the assembly did (the rest of the extra runs ended at the end of a group's files).
+    block_cuts_per_assembly: float = 0.0
     cycle_length: int = 0
     block_length: int = 0
     # Worker-seconds of busy time runnable but off a CPU (other threads or processes had it), from
