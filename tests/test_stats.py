@@ -857,25 +857,25 @@ def test_workers_blocked_at_low_cpu_are_per_batch_bound_and_runnable_ones_cpu_st
     assert unknown.blocked_share is None and not verdict(unknown).startswith("per-batch")
 
 
+def _copy_on_top(s: LoaderStats, stage: str, per_batch: float) -> LoaderStats:
+    """``s`` with field 'wide''s copy (``stage``) its workers' only stage, per-batch work ``per_batch``
+    times the copy's time beside it, the workers on a CPU throughout, one per core, memory no limit."""
+    copy = sum(s.field_stage_seconds["wide"].values())
+    return dataclasses.replace(
+        s, field_stage_seconds={"wide": {stage: copy}}, busy_seconds=copy * (1 + per_batch),
+        busy_cpu_seconds=copy * (1 + per_batch), busy_runnable_seconds=0.0, cpu_seconds=s.wall_seconds * s.cores,
+        assemble_seconds=copy * per_batch, memory_budget=0, buffers_made=0, threads=s.cores,
+    )  # fmt: skip
+
+
 def test_below_the_ceiling_the_copy_verdict_names_per_batch_work_as_the_gap(tmp_path: Path) -> None:
     ds = build(tmp_path, [300] * 2, {"wide": WIDE_RAW})
     with ds.loader(64, cast="float32", threads=2) as loader:
         list(loader)
         s = loader.stats()
-    copy = sum(s.field_stage_seconds["wide"].values())
-    # The copy on top, the workers on a CPU, per-batch work a fifth of worker time.
-    s = dataclasses.replace(
-        s,
-        field_stage_seconds={"wide": {"read+cast": copy}},
-        busy_seconds=copy * 1.25,
-        busy_cpu_seconds=copy * 1.25,
-        busy_runnable_seconds=0.0,
-        cpu_seconds=s.wall_seconds * s.cores,
-        assemble_seconds=copy * 0.25,
-        memory_budget=0,
-        buffers_made=0,
-        runs_per_assembly=1.0,  # one run an assembly: the block advice is another test's
-    )
+    # The copy on top, the workers on a CPU, per-batch work a fifth of worker time; one run an
+    # assembly (the block advice is another test's).
+    s = dataclasses.replace(_copy_on_top(s, "read+cast", 0.25), runs_per_assembly=1.0)
     below = verdict(s, 0.7)
     assert below.startswith("the copy of field 'wide' with its cast to float32 limits you (80% of worker time at 70%")
     assert below.endswith(
@@ -883,8 +883,7 @@ def test_below_the_ceiling_the_copy_verdict_names_per_batch_work_as_the_gap(tmp_
         "a larger batch_size (now 64) spreads it over more records"
     )
     assert "gap to the ceiling" not in verdict(s)  # no ceiling measured: no gap to name
-    lean = dataclasses.replace(s, busy_seconds=copy * 1.05, busy_cpu_seconds=copy * 1.05, assemble_seconds=copy * 0.05)
-    assert "gap to the ceiling" not in verdict(lean, 0.7)
+    assert "gap to the ceiling" not in verdict(_copy_on_top(s, "read+cast", 0.05), 0.7)
 
 
 def _runs_of(ds: stoker.Dataset, **kw: object) -> LoaderStats:
@@ -920,15 +919,7 @@ def test_below_the_ceiling_what_cuts_assemblies_into_many_runs_is_named(
 ) -> None:
     ds = build(tmp_path, [8, 8], {"wide": WIDE_RAW})
 
-    def copy_on_top(s: LoaderStats) -> LoaderStats:
-        copy = sum(s.field_stage_seconds["wide"].values())
-        return dataclasses.replace(
-            s, field_stage_seconds={"wide": {"read": copy}}, busy_seconds=copy * 1.02,
-            busy_cpu_seconds=copy * 1.02, busy_runnable_seconds=0.0, cpu_seconds=s.wall_seconds * s.cores,
-            assemble_seconds=copy * 0.02, memory_budget=0, buffers_made=0, threads=s.cores,
-        )  # fmt: skip
-
-    short = copy_on_top(_runs_of(ds, block_length=3))
+    short = _copy_on_top(_runs_of(ds, block_length=3), "read", 0.02)
     said = verdict(short, 0.7)
     assert said.startswith("the copy of field 'wide' limits you (98% of worker time at 70% of the ceiling")
     assert said.endswith(
@@ -937,11 +928,13 @@ def test_below_the_ceiling_what_cuts_assemblies_into_many_runs_is_named(
     )
     assert "block_length" not in verdict(short)  # no ceiling measured: no gap to name
     assert "block_length" not in verdict(short, 0.95)  # at the ceiling
-    assert "block_length" not in verdict(copy_on_top(_runs_of(ds, block_length=4)), 0.7)  # one run a batch
+    one_run = _copy_on_top(_runs_of(ds, block_length=4), "read", 0.02)
+    assert "block_length" not in verdict(one_run, 0.7)  # one run a batch
     # Blocks already four assemblies long: no block_length to name.
     assert "block_length" not in verdict(dataclasses.replace(short, block_length=16), 0.7)
     # Runs cut at the ends of files of 3 records: no block_length helps; the files are named.
-    small = copy_on_top(_runs_of(build(tmp_path / "small", [3] * 8, {"wide": WIDE_RAW}), block_length=8))
+    files = build(tmp_path / "small", [3] * 8, {"wide": WIDE_RAW})
+    small = _copy_on_top(_runs_of(files, block_length=8), "read", 0.02)
     assert verdict(small, 0.7).endswith(
         "; each assembly of 4 records is read in 2.0 runs per field, 2 records a run, most cut at the end "
         "of a file: fewer, larger files would make fewer runs"
