@@ -442,25 +442,59 @@ def test_maps_of_finished_files_are_kept_for_the_next_epoch_only_while_the_datas
     assert _fd_count() == fds
 
 
-def test_kept_maps_are_bounded_and_the_oldest_goes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stoker.batch, "_max_kept_maps", lambda: 1)  # as under a low descriptor limit
+def _map_ranges(path: Path) -> list[str]:
+    """The address range of each memory map of ``path`` in this process (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return [line.split()[0] for line in f if line.rstrip("\n").endswith(" " + str(path))]
+
+
+def test_kept_maps_are_bounded_and_the_first_kept_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond the limit the map given back last is closed, not the oldest: epochs visit the
+    files in the same order, so keeping the first maps finds them again on every epoch (closing
+    the oldest would close each map just before its next visit)."""
+    monkeypatch.setattr(stoker.batch, "_max_kept_maps", lambda: 1)  # as under a low mapping limit
     write_dataset(tmp_path, [40, 40, 40], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
     fds = _fd_count()
+    first, second = tmp_path / "img_0000.bin", tmp_path / "img_0001.bin"
     loader = ds.loader(10, epochs=2, cycle_length=1, cast="float32", threads=1, prefetch=1, with_index=True)
     got = []
+    kept_at = []
     with loader:
         for batch in loader:
             got.append(batch)
             if len(got) == 10:  # group 2's second batch: groups 0 and 1 of this epoch are done
                 assert set(batch["__group__"].tolist()) == {2}
-                assert _mappings(tmp_path / "img_0000.bin") == 0
-                assert _mappings(tmp_path / "img_0001.bin") == 1
+                kept_at = _map_ranges(first)
+                assert len(kept_at) == 1  # the first map kept ...
+                assert _mappings(second) == 0  # ... the second closed when given back
+            if len(got) == 14:  # the second epoch's group 0 read through the map kept
+                assert set(batch["__group__"].tolist()) == {0}
+                assert _map_ranges(first) == kept_at
+            if len(got) == 22:  # its group 2: group 1's new map was closed again, group 0's stays
+                assert set(batch["__group__"].tolist()) == {2}
+                assert _map_ranges(first) == kept_at and _mappings(second) == 0
     _assert_rows(got, ref)
     assert len(got) == 24
     assert all(_mappings(tmp_path / f"img_{g:04d}.bin") == 0 for g in range(3))
     assert _fd_count() == fds
+
+
+def test_kept_maps_are_bounded_by_the_mapping_limit_not_the_descriptor_limit() -> None:
+    """The kernels' maps hold no descriptor, so a low descriptor limit (1024 on most Linux
+    systems) bounds only the files held open, not the maps kept (a quarter of vm.max_map_count,
+    at most 16384)."""
+    script = (
+        "import resource, stoker.batch, stoker.kernels\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "assert not stoker.kernels.maps_hold_descriptors()\n"
+        "print(stoker.batch._max_open_files(), stoker.batch._max_kept_maps())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    with open("/proc/sys/vm/max_map_count") as f:
+        mappings = int(f.read())
+    assert done.stdout.split() == ["16", str(min(16384, mappings // 4))]
 
 
 def test_a_global_shuffles_epochs_share_each_files_map_while_both_read_it(

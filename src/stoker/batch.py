@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import os
 import stat
 import threading
@@ -51,16 +52,21 @@ GROUP_KEY = "__group__"
 INDEX_KEY = "__index__"
 VALID_KEY = "__valid__"  # pad_last: True on real rows, False on padding
 # Open raw files kept across runs; a group's files close after its last run, this bounds
-# what early breaks and dropped remainders leave open. At least this many, and as many as maps
-# are kept (_max_kept_maps): a global shuffle's batch reads from most of the dataset's files,
-# and with 64 open W1-big's 415 files were opened, mapped and unmapped again batch after batch.
+# what early breaks and dropped remainders leave open. At least this many, and as many as the
+# descriptor limit allows (_max_open_files): a global shuffle's batch reads from most of the
+# dataset's files, and with 64 open W1-big's 415 files were opened, mapped and unmapped again
+# batch after batch.
 _MAX_OPEN = 64
+# Kept maps where they hold no descriptor (_max_kept_maps): at most this many, and a quarter of
+# the process's memory mappings (vm.max_map_count, 65530 by default; TensorFlow, PyTorch and
+# JAX imported together hold ~1,600).
+_MAX_KEPT_MAPS = 16384
+_DEFAULT_MAX_MAP_COUNT = 65530
 
 
-def _max_kept_maps() -> int:
-    """Memory maps kept for later epochs: a quarter of the descriptor limit, at most 1024 (a map
-    made by ``mmap.mmap`` holds a descriptor; the kernels' ``FileMap`` does not, but each map is
-    still one of the process's limited memory mappings)."""
+def _max_open_files() -> int:
+    """Descriptors a loader may keep open for maps or files: a quarter of the soft descriptor
+    limit, at most 1024."""
     try:
         import resource
 
@@ -70,6 +76,25 @@ def _max_kept_maps() -> int:
     except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
         soft = 1024
     return max(0, min(1024, soft // 4))
+
+
+def _max_kept_maps() -> int:
+    """Memory maps kept for later epochs (KeptMaps).
+
+    A map made by ``mmap.mmap`` (no compiled kernels) holds a descriptor: as many as
+    ``_max_open_files``. The kernels' ``FileMap`` holds none, so the descriptor limit does not
+    bound it (1024 by default on most Linux systems, so 256 maps: with 400 small files the
+    maps were made again on every visit, 0.27 of the ceiling against 0.52 with all kept); it is
+    still one of the process's limited memory mappings, a quarter of which are kept at most.
+    """
+    if maps_hold_descriptors():
+        return _max_open_files()
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            mappings = int(f.read().strip() or _DEFAULT_MAX_MAP_COUNT)
+    except (OSError, ValueError):  # not Linux, or /proc not mounted
+        mappings = _DEFAULT_MAX_MAP_COUNT
+    return max(0, min(_MAX_KEPT_MAPS, mappings // 4))
 
 
 # A map kept for the next epoch, valid while the file is still this one: (st_dev, st_ino,
@@ -119,7 +144,11 @@ class KeptMaps:
     epoch: W1 at batch 256 took 110k page faults in 4 s (none in sequential order).
 
     A map is used only for the same file, unchanged (device, inode, mtime and size); at most
-    ``limit`` are kept once nobody holds them, the least recently given back closed first.
+    ``limit`` are kept once nobody holds them (_max_kept_maps). Beyond it the map given back
+    last is closed, not the oldest: epochs visit the same files, in the same order unless
+    shuffled, so the least recently used map is the one needed soonest, and evicting it would
+    close every map before its next visit; keeping the first ``limit`` finds them on every
+    epoch whatever the order.
     Thread-safe: a pass's last worker may still be giving maps back while the next pass takes
     them.
     """
@@ -197,8 +226,9 @@ class KeptMaps:
                 self._maps.move_to_end(path)
                 self._idle += 1
             limit = 0 if self._closed else self.limit
-            if self._idle > limit:
-                for key in [k for k, v in self._maps.items() if v.users == 0][: self._idle - limit]:
+            if self._idle > limit:  # the latest given back go first (see the class)
+                idle = (k for k, v in reversed(self._maps.items()) if v.users == 0)
+                for key in list(itertools.islice(idle, self._idle - limit)):
                     closing.append(self._maps.pop(key).map)
                     self._idle -= 1
         for m in closing:
@@ -461,7 +491,7 @@ class Assembler:
         self._compressed = {n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)}
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
-        self._max_open = max(_MAX_OPEN, _max_kept_maps())  # see _MAX_OPEN
+        self._max_open = max(_MAX_OPEN, _max_open_files())  # see _MAX_OPEN
         # Memory maps of finished files kept for the next epoch (see _close_file): this pass's
         # own, closed with it, unless the loader shares its own (see share_kept).
         self.kept_maps = KeptMaps()
