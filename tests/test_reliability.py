@@ -14,6 +14,7 @@ import gc
 import gzip
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -495,6 +496,86 @@ def test_kept_maps_are_bounded_by_the_mapping_limit_not_the_descriptor_limit() -
     with open("/proc/sys/vm/max_map_count") as f:
         mappings = int(f.read())
     assert done.stdout.split() == ["16", str(min(16384, mappings // 4))]
+
+
+# Run in a child process with a given descriptor limit: a global shuffle over the raw files of
+# sys.argv[1], one epoch; prints what the limit became, the loader's note on open files, the
+# most times one image file was opened, and whether every record came once, intact.
+_OPEN_FILES_SCRIPT = """
+import collections, json, resource, sys
+import numpy as np, stoker, stoker.batch
+root, soft, hard, shuffle = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+opens = collections.Counter()
+real_open = stoker.batch.open_local
+def counted(name, path):
+    opens[path] += 1
+    return real_open(name, path)
+stoker.batch.open_local = counted
+ds = stoker.Dataset(image=stoker.Field(root + "/img_*.bin", "int8", (6, 6, 1)),
+                    label=stoker.Field(root + "/out_*.bin.gz", "float32"))
+kw = dict(shuffle="global", seed=3) if shuffle == "global" else {}
+seen = set()
+intact = True
+with ds.loader(8, threads=1, with_index=True, **kw) as loader:  # one thread: no two open one file
+    for batch in loader:
+        for img, g, i in zip(batch["image"], batch["__group__"], batch["__index__"]):
+            seen.add((int(g), int(i)))
+            path = root + "/img_%04d.bin" % g
+            want = np.fromfile(path, np.int8, count=36, offset=int(i) * 36).reshape(6, 6, 1)
+            intact = intact and bool((img == want).all())
+    note = loader.stats().tuning.get("open files")
+print(json.dumps({"soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "note": note,
+                  "opens": max(opens.values()), "records": len(seen), "intact": intact}))
+"""
+
+
+def _global_shuffle_under(root: Path, soft: int, hard: int, shuffle: str = "global") -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", _OPEN_FILES_SCRIPT, str(root), str(soft), str(hard), shuffle],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+def _hard_descriptor_limit() -> int:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1 << 16 if hard == resource.RLIM_INFINITY else hard
+
+
+def test_a_global_shuffle_raises_the_soft_descriptor_limit_to_keep_every_file_open(tmp_path: Path) -> None:
+    """80 raw files, soft limit 64: a pass would keep 64 open and reopen the others batch after
+    batch; the soft limit is raised (within the hard one) to four times the files, so each file
+    is opened once in the epoch, and the loader says so."""
+    write_dataset(tmp_path, [6] * 80, PAIR)
+    hard = min(512, _hard_descriptor_limit())
+    assert hard >= 320, f"this test needs a hard descriptor limit of at least 320 (have {hard})"
+    got = _global_shuffle_under(tmp_path, 64, hard)
+    assert got["soft"] == 320
+    assert got["note"] == "descriptor soft limit raised from 64 to 320 to keep 80 open"
+    assert got["opens"] == 1
+    assert got["records"] == 480 and got["intact"]
+
+
+def test_a_global_shuffle_under_a_hard_limit_it_cannot_pass_says_how_many_files_stay_open(tmp_path: Path) -> None:
+    write_dataset(tmp_path, [6] * 80, PAIR)
+    got = _global_shuffle_under(tmp_path, 64, 64)
+    assert got["soft"] == 64
+    assert got["note"] == (
+        "64 of 80 open at once, the others reopened as batches need them "
+        "(at most a quarter of the descriptor limit, and 1024)"
+    )
+    assert got["opens"] > 1  # what the raise saves where it can
+    assert got["records"] == 480 and got["intact"]
+
+
+def test_a_sequential_pass_leaves_the_descriptor_limit_alone(tmp_path: Path) -> None:
+    """In order, a pass holds a few files at a time: nothing to raise, nothing said."""
+    write_dataset(tmp_path, [6] * 80, PAIR)
+    got = _global_shuffle_under(tmp_path, 64, min(512, _hard_descriptor_limit()), shuffle="none")
+    assert got["soft"] == 64 and got["note"] is None and got["opens"] == 1
+    assert got["records"] == 480 and got["intact"]
 
 
 def test_a_global_shuffles_epochs_share_each_files_map_while_both_read_it(

@@ -53,10 +53,11 @@ INDEX_KEY = "__index__"
 VALID_KEY = "__valid__"  # pad_last: True on real rows, False on padding
 # Open raw files kept across runs; a group's files close after its last run, this bounds
 # what early breaks and dropped remainders leave open. At least this many, and as many as the
-# descriptor limit allows (_max_open_files): a global shuffle's batch reads from most of the
-# dataset's files, and with 64 open W1-big's 415 files were opened, mapped and unmapped again
-# batch after batch.
+# descriptor limit allows (_max_open_files, at most _MAX_OPEN_FILES): a global shuffle's batch
+# reads from most of the dataset's files, and with 64 open W1-big's 415 files were opened,
+# mapped and unmapped again batch after batch (see raise_open_files).
 _MAX_OPEN = 64
+_MAX_OPEN_FILES = 1024
 # Kept maps where they hold no descriptor (_max_kept_maps): at most this many, and a quarter of
 # the process's memory mappings (vm.max_map_count, 65530 by default; TensorFlow, PyTorch and
 # JAX imported together hold ~1,600).
@@ -64,18 +65,56 @@ _MAX_KEPT_MAPS = 16384
 _DEFAULT_MAX_MAP_COUNT = 65530
 
 
-def _max_open_files() -> int:
-    """Descriptors a loader may keep open for maps or files: a quarter of the soft descriptor
-    limit, at most 1024."""
+def _descriptor_limits() -> tuple[int, int]:
+    """The process's (soft, hard) descriptor limits; an unlimited one as 65536."""
     try:
         import resource
 
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY or soft < 0:
-            soft = 1 << 16
+        limits = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
-        soft = 1024
-    return max(0, min(1024, soft // 4))
+        return 1024, 1024
+    soft, hard = (1 << 16 if x == resource.RLIM_INFINITY or x < 0 else x for x in limits)
+    return soft, hard
+
+
+def _max_open_files() -> int:
+    """Descriptors a loader may keep open for maps or files: a quarter of the soft descriptor
+    limit, at most _MAX_OPEN_FILES."""
+    return max(0, min(_MAX_OPEN_FILES, _descriptor_limits()[0] // 4))
+
+
+def pass_open_files() -> int:
+    """Raw files a pass keeps open at most (see _MAX_OPEN)."""
+    return max(_MAX_OPEN, _max_open_files())
+
+
+def raise_open_files(wanted: int) -> tuple[int, int] | None:
+    """Raise the soft descriptor limit, within the hard one, until ``_max_open_files()`` covers
+    ``wanted`` files (at most _MAX_OPEN_FILES); (old soft limit, new) where it was raised.
+
+    A global shuffle's batch reads from most of the dataset's files, and a pass keeps at most
+    ``_max_open_files()`` of them open: under the usual soft limit of 1024, 256 of W1-big's 415,
+    so every batch opened, mapped and unmapped again the files that had been closed (W1-big
+    cold under ``ulimit -Sn 1024``: 11-14k records/s, 27-29k with the limit raised, 2
+    alternated rounds). The soft limit is there
+    for programs that use ``select()``, which cannot watch a descriptor numbered 1024 or more;
+    only the files stoker opens beyond that get such numbers, and a quarter of the limit is
+    still all a pass keeps.
+    """
+    wanted = min(wanted, _MAX_OPEN_FILES)
+    soft, hard = _descriptor_limits()
+    if soft // 4 >= wanted:
+        return None
+    new = min(hard, 4 * wanted)
+    if new <= soft:
+        return None
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - refused by the system
+        return None
+    return soft, new
 
 
 def _max_kept_maps() -> int:
@@ -491,7 +530,7 @@ class Assembler:
         self._compressed = {n for n in self.fields if any(infos[n].compression is not None for infos in catalog.files)}
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[int, str], _RawFile] = OrderedDict()
-        self._max_open = max(_MAX_OPEN, _max_open_files())  # see _MAX_OPEN
+        self._max_open = pass_open_files()
         # Memory maps of finished files kept for the next epoch (see _close_file): this pass's
         # own, closed with it, unless the loader shares its own (see share_kept).
         self.kept_maps = KeptMaps()

@@ -24,6 +24,8 @@ from .batch import (
     KeptDecoded,
     Task,
     loader_kept_maps,
+    pass_open_files,
+    raise_open_files,
 )
 from .dataset import resolve_cast
 from .engine import ALIGNMENT, AlignedPool, Allocator, Executor, OrderedMap, Stopped, ThreadExecutor, run_finalizer
@@ -31,6 +33,7 @@ from .errors import SpecError, StateError
 from .order import even_length, fingerprint, shard_length, validate_shard
 from .plan import BatchPlan, Plan, PlanConfig, Shuffle, coalesce, default_block_length, default_cycle_length
 from .readahead import AHEAD_BYTES, Readahead, drop_behind_for
+from .remote import is_remote
 from .spec import parse_bytes
 from .stats import Counters, LoaderStats
 from .transforms import Stage
@@ -227,6 +230,7 @@ class Loader:
         # once the loader and its passes are gone. W1 float32, five passes of one epoch, with the
         # buffer pool and autotune also kept: 1.61x the code that remade them per pass.
         self._kept_maps = loader_kept_maps()
+        self._open_files: str | None = None  # what a global shuffle did about open files (_keep_files_open)
         # Compressed files decoded whole (labels), kept from one epoch and pass to the next
         # (stoker.batch.KeptDecoded), within an eighth of what the batches in flight leave of
         # the memory budget; the buffer pool keeps the rest (see _Pass).
@@ -443,6 +447,7 @@ class Loader:
             dtypes={n: self.dtypes[n].name for n in self.dataset.fields},
             tuning={
                 "readahead": self._readahead_said(),
+                **({"open files": self._open_files} if self._open_files else {}),
                 **({"autotune": self.tuning} if self.tuning else {}),
             },
             memory_budget=self.memory_budget,
@@ -454,6 +459,27 @@ class Loader:
             and self.prefetch < self._parts * wanted_prefetch(self.threads, self._parts * self.batch_bytes),
             buffers_made=getattr(self._pool, "allocated", 0),
         )
+
+    def _keep_files_open(self) -> None:
+        """A global shuffle reads from most of the dataset's raw files in every batch: raise the
+        soft descriptor limit so a pass keeps them all open (stoker.batch.raise_open_files),
+        once per loader; what was done, or why not, shows in stats' ``tuning``."""
+        if self.shuffle != "global" or self._open_files is not None:
+            return
+        wanted = sum(
+            1 for infos in self.dataset.files for i in infos.values() if i.compression is None and not is_remote(i.path)
+        )
+        raised = raise_open_files(wanted)
+        kept = pass_open_files()
+        if raised is not None:
+            self._open_files = f"descriptor soft limit raised from {raised[0]} to {raised[1]} to keep {wanted} open"
+        elif kept < wanted:
+            self._open_files = (
+                f"{kept} of {wanted} open at once, the others reopened as batches need them "
+                "(at most a quarter of the descriptor limit, and 1024)"
+            )
+        else:
+            self._open_files = ""
 
     def _readahead_said(self) -> str:
         """What stoker.readahead does for this loader, in a few words (stats' ``tuning``)."""
@@ -665,6 +691,7 @@ class _Pass:
         pooled = loader._spare_bytes - loader._kept_decoded.limit
         self._pool, own_pool = loader._pass_pool(pooled)
         ds = loader.dataset
+        loader._keep_files_open()  # before the assembler reads the descriptor limit
         self._assembler = ds._assembler(
             {n: loader._assembly_dtypes[n] for n in ds.fields},
             self._pool,
