@@ -19,7 +19,8 @@ from stoker import kernels
 from stoker.autotune import ThreadTuner
 from stoker.doctor import verdict
 from stoker.files import open_local
-from stoker.readahead import Readahead, drop_behind_for, physical_memory
+from stoker.machine import physical_memory
+from stoker.readahead import Readahead, drop_behind_for
 from stoker.stats import CPU_SAMPLE_SECONDS, LoaderStats
 from stoker.testing import assert_same_batches
 

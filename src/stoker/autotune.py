@@ -41,12 +41,12 @@ next pass, which goes on from the worker count it stood at.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Protocol
 
 from .engine import MAX_PER_WAKE
+from .machine import available_cores
 
 __all__ = [
     "CLEAR_LOSS",
@@ -382,11 +382,3 @@ class ThreadTuner:
     def summary(self) -> str:
         steps = ", ".join(f"{t}: {r:,.0f}/s" for t, r in self.history)
         return f"threads={self.threads} measured ({steps or 'not yet'}){'; ' + self.reason if self.reason else ''}"
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not on Linux
-        return max(1, os.cpu_count() or 1)

@@ -15,6 +15,7 @@ import numpy as np
 
 from .dataset import Dataset, resolve_cast
 from .errors import PairingError, SpecError, StokerError
+from .machine import available_cores
 from .sample import CONFIG_NAME, cached_sample, write_sample
 from .spec import Field
 
@@ -279,7 +280,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out = resolve_cast(ds.fields, cast)[widest]
         out_dtype = _dtype_arg(out)
         paths = [i[widest].path for i in ds.files]
-        threads = len(os.sched_getaffinity(0))
+        threads = available_cores()
         # The widest field bounds the copy; compressed, its decompression bounds it instead.
         compressed = any(i[widest].compression is not None for i in ds.files)
         for loop in ("inflate_cast",) if compressed else ("mmap_kept", "mmap_stream", "preadv_cast"):

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from .kernels import willneed_records
+from .machine import physical_memory
 
 __all__ = ["AHEAD_BYTES", "Readahead", "drop_behind_for"]
 
@@ -50,13 +51,6 @@ _PAGE = mmap.PAGESIZE
 # Bound at import: the probe is advice about the cache, not a read of the data, so it keeps
 # the real call even where a test wraps ``os.preadv`` to inject faults into the data reads.
 _preadv = getattr(os, "preadv", None)
-
-
-def physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):  # pragma: no cover - not on Linux
-        return 0
 
 
 def drop_behind_for(raw_bytes: int) -> bool:

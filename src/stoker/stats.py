@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .machine import available_cores
+
 if TYPE_CHECKING:
     from .plan import Run
 
@@ -170,7 +172,7 @@ class Counters:
             assemble_seconds=max(0.0, busy - known),
             wall_seconds=wall,
             cpu_seconds=cpu,
-            cores=_cores(),
+            cores=available_cores(),
             disk_read_bytes=None if disk_now is None or disk_first is None else disk_now - disk_first,
             machine_busy=machine_busy,
             machine_cpus=os.cpu_count() or 1,
@@ -226,13 +228,6 @@ def disk_read_bytes() -> int | None:
     except (OSError, ValueError):
         pass
     return None
-
-
-def _cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

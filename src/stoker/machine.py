@@ -1,0 +1,150 @@
+"""What this process may use of the machine: cores and memory, container limits included.
+
+A container's CPU quota (``docker run --cpus``, a Kubernetes CPU limit) and memory limit are
+cgroup settings: ``os.sched_getaffinity`` still lists every core of the host and ``sysconf``
+all of its RAM. A loader sized by those on a 64-core node with a 4-CPU limit would start 64
+workers that the quota throttles in turn, report "CPU 6% of 64 cores" to a user who asked
+why their CPUs look idle, and take a 100 GiB dataset for one that fits in the page cache of an
+8 GiB container (no drop-behind: stoker.readahead). So both are bounded by the limits of the
+process's cgroup and of every cgroup above it, cgroup v2 (``cpu.max``, ``memory.max``) or v1
+(``cpu.cfs_quota_us``/``cpu.cfs_period_us``, ``memory.limit_in_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+__all__ = ["available_cores", "cgroup_cpu_limit", "cgroup_memory_limit", "physical_memory"]
+
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+# cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value.
+_V1_UNLIMITED = 1 << 62
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity, and no more than its cgroup's CPU
+    quota, rounded up (a limit of 2.5 CPUs gives 3)."""
+    try:
+        cores = max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        cores = max(1, os.cpu_count() or 1)
+    quota = cgroup_cpu_limit()
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def physical_memory() -> int:
+    """Bytes of memory this process may use: the RAM, and no more than its cgroup's memory
+    limit; 0 where unknown."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # pragma: no cover - not on Linux
+        ram = 0
+    limit = cgroup_memory_limit()
+    if limit is None:
+        return ram
+    return min(ram, limit) if ram else limit
+
+
+def cgroup_cpu_limit(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> float | None:
+    """The CPUs this process's cgroups allow (quota / period, the smallest on the way up to the
+    root), or None where none is set or the files cannot be read."""
+    limits = [_cpu_max(d / "cpu.max") for d in _dirs(proc_cgroup, root, None)]
+    limits += [_cfs(d) for d in _dirs(proc_cgroup, root, "cpu")]
+    found = [x for x in limits if x is not None]
+    return min(found) if found else None
+
+
+def cgroup_memory_limit(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> int | None:
+    """The bytes this process's cgroups allow (the smallest on the way up to the root), or None
+    where none is set or the files cannot be read."""
+    limits = [_bytes(d / "memory.max") for d in _dirs(proc_cgroup, root, None)]
+    limits += [_bytes(d / "memory.limit_in_bytes") for d in _dirs(proc_cgroup, root, "memory")]
+    found = [x for x in limits if x is not None]
+    return min(found) if found else None
+
+
+def _dirs(proc_cgroup: str, root: str, controller: str | None) -> list[Path]:
+    """The directories of this process's cgroup and of those above it: of the v2 hierarchy
+    (``controller`` None) or of v1's hierarchy holding ``controller``.
+
+    In a container with its own cgroup namespace, /proc/self/cgroup says "/" and the
+    container's cgroup is what is mounted; without one it names the host's path, which may not
+    be mounted inside: then the mount's own directory is the container's cgroup.
+    """
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return []
+    out: list[Path] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controller is None:
+            if parts[0] != "0" or controllers:
+                continue
+            # Mounted alone, or beside v1's hierarchies (hybrid); v2 has cgroup.controllers.
+            mounts = [m for m in (Path(root), Path(root) / "unified") if (m / "cgroup.controllers").is_file()]
+        else:
+            if controller not in controllers.split(","):
+                continue
+            mounts = [m for m in (Path(root) / controllers, Path(root) / controller) if m.is_dir()]
+        for mount in mounts:
+            d = mount / path.lstrip("/")
+            if not d.is_dir():
+                d = mount
+            while True:
+                out.append(d)
+                if d == mount:
+                    break
+                d = d.parent
+            break
+    return out
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _cpu_max(path: Path) -> float | None:
+    """cgroup v2's ``cpu.max``: "QUOTA PERIOD" or "max PERIOD"."""
+    text = _read(path)
+    if not text:
+        return None
+    fields = text.split()
+    try:
+        if fields[0] == "max":
+            return None
+        period = int(fields[1]) if len(fields) > 1 else 100_000
+        return int(fields[0]) / period if period > 0 else None
+    except ValueError:
+        return None
+
+
+def _cfs(d: Path) -> float | None:
+    """cgroup v1's CFS quota in CPUs (a quota of -1: none)."""
+    quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+    try:
+        q, p = int(quota or "-1"), int(period or "0")
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _bytes(path: Path) -> int | None:
+    """A memory limit in bytes ("max", or v1's near-2**63 value: none)."""
+    text = _read(path)
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if 0 < value < _V1_UNLIMITED else None

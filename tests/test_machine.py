@@ -1,0 +1,141 @@
+"""stoker.machine: cores and memory bounded by the process's cgroups, read from real files laid
+out as /proc/self/cgroup and /sys/fs/cgroup are in containers (v2, v1, hybrid, with and
+without a cgroup namespace)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stoker.machine import available_cores, cgroup_cpu_limit, cgroup_memory_limit, physical_memory
+
+
+def _tree(tmp: Path, proc: str, files: dict[str, str]) -> tuple[str, str]:
+    """A /proc/self/cgroup holding ``proc`` and a cgroup mount holding ``files`` (path -> text)."""
+    root = tmp / "cgroup"
+    root.mkdir()
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    proc_file = tmp / "proc-self-cgroup"
+    proc_file.write_text(proc)
+    return str(proc_file), str(root)
+
+
+def test_v2_in_its_own_namespace_reads_the_mounted_cgroup(tmp_path: Path) -> None:
+    """docker --cpus=2.5 --memory=8g: /proc/self/cgroup says "/", the container's cgroup is mounted."""
+    proc, root = _tree(
+        tmp_path,
+        "0::/\n",
+        {"cgroup.controllers": "cpu memory", "cpu.max": "250000 100000\n", "memory.max": "8589934592\n"},
+    )
+    assert cgroup_cpu_limit(proc, root) == 2.5
+    assert cgroup_memory_limit(proc, root) == 8 << 30
+
+
+def test_v2_takes_the_tightest_limit_on_the_way_up(tmp_path: Path) -> None:
+    """A Kubernetes pod's limit sits on the pod's cgroup, above the container's own."""
+    proc, root = _tree(
+        tmp_path,
+        "0::/kubepods/pod1/ctr\n",
+        {
+            "cgroup.controllers": "cpu memory",
+            "kubepods/cpu.max": "max 100000",
+            "kubepods/pod1/cpu.max": "400000 100000",
+            "kubepods/pod1/ctr/cpu.max": "max 100000",
+            "kubepods/memory.max": "max",
+            "kubepods/pod1/memory.max": "1073741824",
+            "kubepods/pod1/ctr/memory.max": "4294967296",
+        },
+    )
+    assert cgroup_cpu_limit(proc, root) == 4.0
+    assert cgroup_memory_limit(proc, root) == 1 << 30
+
+
+def test_v2_without_limits_is_none(tmp_path: Path) -> None:
+    proc, root = _tree(
+        tmp_path,
+        "0::/user.slice\n",
+        {"cgroup.controllers": "", "user.slice/cpu.max": "max 100000", "user.slice/memory.max": "max"},
+    )
+    assert cgroup_cpu_limit(proc, root) is None
+    assert cgroup_memory_limit(proc, root) is None
+
+
+def test_v1_quota_and_memory_limit(tmp_path: Path) -> None:
+    proc, root = _tree(
+        tmp_path,
+        "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
+        {
+            "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000",
+            "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+            "cpu,cpuacct/cpu.cfs_quota_us": "-1",
+            "cpu,cpuacct/cpu.cfs_period_us": "100000",
+            "memory/docker/abc/memory.limit_in_bytes": "2147483648",
+            "memory/memory.limit_in_bytes": "9223372036854771712",  # v1's "no limit"
+        },
+    )
+    assert cgroup_cpu_limit(proc, root) == 2.0
+    assert cgroup_memory_limit(proc, root) == 2 << 30
+
+
+def test_v1_host_path_not_mounted_inside_reads_the_mount_itself(tmp_path: Path) -> None:
+    """Without a cgroup namespace /proc/self/cgroup names the host's path, which the container's
+    mount does not hold: the mount is the container's cgroup."""
+    proc, root = _tree(
+        tmp_path,
+        "4:cpu:/docker/abc\n3:memory:/docker/abc\n",
+        {
+            "cpu/cpu.cfs_quota_us": "150000",
+            "cpu/cpu.cfs_period_us": "100000",
+            "memory/memory.limit_in_bytes": "9223372036854771712",
+        },
+    )
+    assert cgroup_cpu_limit(proc, root) == 1.5
+    assert cgroup_memory_limit(proc, root) is None
+
+
+def test_hybrid_reads_v2_under_unified(tmp_path: Path) -> None:
+    """v1 hierarchies mounted beside a v2 one at unified/: the tmpfs above holds no v2 files."""
+    files = {
+        "cpu/cpu.cfs_quota_us": "-1",
+        "cpu/cpu.cfs_period_us": "100000",
+        "unified/cgroup.controllers": "",
+        "unified/cpu.max": "100000 100000",
+    }
+    proc, root = _tree(tmp_path, "1:cpu:/\n0::/\n", files)
+    assert cgroup_cpu_limit(proc, root) == 1.0
+
+
+@pytest.mark.parametrize("text", ["", "garbage", "1:cpu\n"])
+def test_unreadable_or_odd_cgroup_files_mean_no_limit(tmp_path: Path, text: str) -> None:
+    proc, root = _tree(tmp_path, text, {"cgroup.controllers": "", "cpu.max": "not numbers", "memory.max": "lots"})
+    assert cgroup_cpu_limit(proc, root) is None
+    assert cgroup_memory_limit(proc, root) is None
+    assert cgroup_cpu_limit(str(tmp_path / "missing"), root) is None
+    assert cgroup_memory_limit(str(tmp_path / "missing"), root) is None
+
+
+def test_this_process_gets_at_least_one_core_and_no_more_than_its_affinity() -> None:
+    affinity = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    assert available_cores() == (affinity if limit is None else max(1, min(affinity, math.ceil(limit))))
+    assert 0 < physical_memory() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_process_pinned_to_one_core_sizes_its_loader_for_one() -> None:
+    """Affinity set by taskset (or a container's cpuset) bounds the cores, the default threads
+    and what stats report."""
+    script = (
+        "import os, stoker.machine, stoker.loader\n"
+        "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+        "print(stoker.machine.available_cores(), stoker.loader.default_threads())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["1", "1"]
