@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from stoker.machine import available_cores, cgroup_cpu_limit, cgroup_memory_limit, physical_memory
+from stoker.machine import (
+    available_cores,
+    cgroup_cpu_limit,
+    cgroup_memory_limit,
+    max_map_count,
+    physical_memory,
+)
 
 
 def _tree(tmp: Path, proc: str, files: dict[str, str]) -> tuple[str, str]:
@@ -139,3 +145,21 @@ def test_a_process_pinned_to_one_core_sizes_its_loader_for_one() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.split() == ["1", "1"]
+
+
+def test_the_mapping_limit_is_the_kernels() -> None:
+    with open("/proc/sys/vm/max_map_count") as f:
+        assert max_map_count() == int(f.read())
+
+
+def test_the_soft_descriptor_limit_is_set_within_the_hard_one() -> None:
+    """In a child: lowered, raised back, and refused above the hard limit (left as it was)."""
+    script = (
+        "import resource, stoker.machine as m\n"
+        "soft, hard = m.descriptor_limits()\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (200, 300))\n"
+        "print(m.descriptor_limits(), m.set_soft_descriptor_limit(250), m.descriptor_limits(),\n"
+        "      m.set_soft_descriptor_limit(301), m.descriptor_limits())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "(200, 300) True (250, 300) False (250, 300)"

@@ -39,6 +39,7 @@ from .kernels import (
     map_file,
     maps_hold_descriptors,
 )
+from .machine import descriptor_limits, max_map_count, set_soft_descriptor_limit
 from .plan import BatchPlan, Gather, Run
 from .readahead import Readahead
 from .remote import is_remote
@@ -62,25 +63,12 @@ _MAX_OPEN_FILES = 1024
 # the process's memory mappings (vm.max_map_count, 65530 by default; TensorFlow, PyTorch and
 # JAX imported together hold ~1,600).
 _MAX_KEPT_MAPS = 16384
-_DEFAULT_MAX_MAP_COUNT = 65530
-
-
-def _descriptor_limits() -> tuple[int, int]:
-    """The process's (soft, hard) descriptor limits; an unlimited one as 65536."""
-    try:
-        import resource
-
-        limits = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
-        return 1024, 1024
-    soft, hard = (1 << 16 if x == resource.RLIM_INFINITY or x < 0 else x for x in limits)
-    return soft, hard
 
 
 def _max_open_files() -> int:
     """Descriptors a loader may keep open for maps or files: a quarter of the soft descriptor
     limit, at most _MAX_OPEN_FILES."""
-    return max(0, min(_MAX_OPEN_FILES, _descriptor_limits()[0] // 4))
+    return max(0, min(_MAX_OPEN_FILES, descriptor_limits()[0] // 4))
 
 
 def pass_open_files() -> int:
@@ -96,23 +84,14 @@ def raise_open_files(wanted: int) -> tuple[int, int] | None:
     ``_max_open_files()`` of them open: under the usual soft limit of 1024, 256 of W1-big's 415,
     so every batch opened, mapped and unmapped again the files that had been closed (W1-big
     cold under ``ulimit -Sn 1024``: 11-14k records/s, 27-29k with the limit raised, 2
-    alternated rounds). The soft limit is there
-    for programs that use ``select()``, which cannot watch a descriptor numbered 1024 or more;
-    only the files stoker opens beyond that get such numbers, and a quarter of the limit is
-    still all a pass keeps.
+    alternated rounds). The soft limit is there for programs that use ``select()``, which
+    cannot watch a descriptor numbered 1024 or more; only the files stoker opens beyond that
+    get such numbers, and a quarter of the limit is still all a pass keeps.
     """
     wanted = min(wanted, _MAX_OPEN_FILES)
-    soft, hard = _descriptor_limits()
-    if soft // 4 >= wanted:
-        return None
+    soft, hard = descriptor_limits()
     new = min(hard, 4 * wanted)
-    if new <= soft:
-        return None
-    try:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    except (ImportError, OSError, ValueError):  # pragma: no cover - refused by the system
+    if soft // 4 >= wanted or new <= soft or not set_soft_descriptor_limit(new):
         return None
     return soft, new
 
@@ -128,12 +107,7 @@ def _max_kept_maps() -> int:
     """
     if maps_hold_descriptors():
         return _max_open_files()
-    try:
-        with open("/proc/sys/vm/max_map_count", "rb") as f:
-            mappings = int(f.read().strip() or _DEFAULT_MAX_MAP_COUNT)
-    except (OSError, ValueError):  # not Linux, or /proc not mounted
-        mappings = _DEFAULT_MAX_MAP_COUNT
-    return max(0, min(_MAX_KEPT_MAPS, mappings // 4))
+    return max(0, min(_MAX_KEPT_MAPS, max_map_count() // 4))
 
 
 # A map kept for the next epoch, valid while the file is still this one: (st_dev, st_ino,

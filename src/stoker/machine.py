@@ -1,4 +1,5 @@
-"""What this process may use of the machine: cores and memory, container limits included.
+"""What this process may use of the machine: cores and memory, container limits included, and
+its limits on open descriptors and memory mappings.
 
 A container's CPU quota (``docker run --cpus``, a Kubernetes CPU limit) and memory limit are
 cgroup settings: ``os.sched_getaffinity`` still lists every core of the host and ``sysconf``
@@ -16,12 +17,22 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["available_cores", "cgroup_cpu_limit", "cgroup_memory_limit", "physical_memory"]
+__all__ = [
+    "available_cores",
+    "cgroup_cpu_limit",
+    "cgroup_memory_limit",
+    "descriptor_limits",
+    "max_map_count",
+    "physical_memory",
+    "set_soft_descriptor_limit",
+]
 
 PROC_CGROUP = "/proc/self/cgroup"
 CGROUP_ROOT = "/sys/fs/cgroup"
 # cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value.
 _V1_UNLIMITED = 1 << 62
+# Linux's default vm.max_map_count: memory mappings a process may hold.
+DEFAULT_MAX_MAP_COUNT = 65530
 
 
 def available_cores() -> int:
@@ -46,6 +57,38 @@ def physical_memory() -> int:
     if limit is None:
         return ram
     return min(ram, limit) if ram else limit
+
+
+def descriptor_limits() -> tuple[int, int]:
+    """The process's (soft, hard) limits on open descriptors; an unlimited one as 65536."""
+    try:
+        import resource
+
+        limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
+        return 1024, 1024
+    soft, hard = (1 << 16 if x == resource.RLIM_INFINITY or x < 0 else x for x in limits)
+    return soft, hard
+
+
+def set_soft_descriptor_limit(soft: int) -> bool:
+    """Set the soft limit on open descriptors (the hard one unchanged); False where refused."""
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    except (ImportError, OSError, ValueError):
+        return False
+    return True
+
+
+def max_map_count() -> int:
+    """Memory mappings this process may hold (Linux's ``vm.max_map_count``; its default where unknown)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            return int(f.read().strip() or DEFAULT_MAX_MAP_COUNT)
+    except (OSError, ValueError):  # not Linux, or /proc not mounted
+        return DEFAULT_MAX_MAP_COUNT
 
 
 def cgroup_cpu_limit(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> float | None:
