@@ -72,8 +72,9 @@ def _max_open_files() -> int:
 
 
 def pass_open_files() -> int:
-    """Raw files a pass keeps open at most (see _MAX_OPEN)."""
-    return max(_MAX_OPEN, _max_open_files())
+    """Raw files a pass keeps open at most (see _MAX_OPEN): never more than half the soft
+    descriptor limit (under a limit of 64, 64 open files left the process no descriptor)."""
+    return max(min(_MAX_OPEN, descriptor_limits()[0] // 2), _max_open_files())
 
 
 def raise_open_files(wanted: int) -> tuple[int, int] | None:
