@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker
+import stoker.access
 from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, open_paths, reference
 from stoker.access import RecordReader
 from stoker.plan import BatchPlan, Plan, PlanConfig
@@ -252,6 +253,27 @@ def test_loader_features_work_on_subsets(ds: stoker.Dataset, kind: str, shuffle:
         seqs.extend(check_batches(ds, loader, complete=False))
     assert sorted(seqs) == expected
     assert_resumable(lambda: sub.loader(3, epochs=2, shuffle=shuffle, seed=seed, with_index=True), steps=4)
+
+
+def test_a_record_subsets_global_shuffle_keeps_its_files_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its batches read from most of its 80 files: the reader keeps as many mapped as a pass
+    keeps open (more than its least, 64), so each file is opened once in the epoch."""
+    root = build(tmp_path, [6] * 80, {"image": IMG, "label": LAB_GZ})
+    sub = root.split({"a": 0.9, "b": 0.1}, seed=0, by="record")["a"]
+    opened: dict[str, int] = {}
+    real_open = stoker.access.open_local
+
+    def counted(name: str, path: str) -> int:
+        opened[path] = opened.get(path, 0) + 1
+        return real_open(name, path)
+
+    monkeypatch.setattr(stoker.access, "open_local", counted)
+    loader = sub.loader(8, with_index=True, shuffle="global", seed=4, threads=1)
+    seq = check_batches(root, loader, complete=False)
+    assert sorted(seq) == sorted(zip(*(a.tolist() for a in _root_pairs(sub)), strict=True))
+    assert len(opened) == 80 and max(opened.values()) == 1
 
 
 def _root_pairs(sub: stoker.Subset) -> tuple[np.ndarray, np.ndarray]:
