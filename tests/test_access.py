@@ -255,11 +255,13 @@ def test_loader_features_work_on_subsets(ds: stoker.Dataset, kind: str, shuffle:
     assert_resumable(lambda: sub.loader(3, epochs=2, shuffle=shuffle, seed=seed, with_index=True), steps=4)
 
 
+@pytest.mark.parametrize("cast", [None, "float32"])
 def test_a_record_subsets_global_shuffle_keeps_its_files_mapped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cast: str | None
 ) -> None:
     """Its batches read from most of its 80 files: the reader keeps as many mapped as a pass
-    keeps open (more than its least, 64), so each file is opened once in the epoch."""
+    keeps open (more than its least, 64), so each file is opened once in the epoch; the records
+    of all of a batch's files are copied (and cast) by one gather per field."""
     root = build(tmp_path, [6] * 80, {"image": IMG, "label": LAB_GZ})
     sub = root.split({"a": 0.9, "b": 0.1}, seed=0, by="record")["a"]
     opened: dict[str, int] = {}
@@ -270,8 +272,8 @@ def test_a_record_subsets_global_shuffle_keeps_its_files_mapped(
         return real_open(name, path)
 
     monkeypatch.setattr(stoker.access, "open_local", counted)
-    loader = sub.loader(8, with_index=True, shuffle="global", seed=4, threads=1)
-    seq = check_batches(root, loader, complete=False)
+    loader = sub.loader(8, with_index=True, shuffle="global", seed=4, threads=1, cast=cast)
+    seq = check_batches(root, loader, complete=False, cast=None if cast is None else {"image": cast, "label": cast})
     assert sorted(seq) == sorted(zip(*(a.tolist() for a in _root_pairs(sub)), strict=True))
     assert len(opened) == 80 and max(opened.values()) == 1
 

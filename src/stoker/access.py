@@ -44,6 +44,7 @@ from .dataset import Dataset, resolve_cast
 from .errors import CorruptDataError, RecordIndexError, SpecError
 from .files import Catalog, FileInfo, Group, open_local
 from .inflate import Inflater
+from .kernels import address, gather_records, gathers
 from .order import Permutation
 from .remote import is_remote
 from .seekpoints import SeekPoint
@@ -72,10 +73,19 @@ STREAM_SPLIT = 3
 class _Mapped:
     """One raw file kept open and mapped; ``refs`` counts reads using it right now."""
 
-    __slots__ = ("fd", "map", "refs")
+    __slots__ = ("_address", "fd", "map", "refs")
 
     def __init__(self, fd: int, mapped: mmap.mmap) -> None:
         self.fd, self.map, self.refs = fd, mapped, 0
+        self._address = 0
+
+    def address(self) -> int:
+        """Where the map's first byte lies in memory (the map is open)."""
+        if not self._address:
+            view = np.frombuffer(self.map, np.uint8, count=1)
+            self._address = address(view)
+            del view  # no buffer of the map outlives this call: close() must be able to unmap it
+        return self._address
 
     def close(self) -> None:
         self.map.close()
@@ -186,15 +196,37 @@ class RecordReader:
         else:
             order = np.lexsort((records, groups))
             parts = np.split(order, np.flatnonzero(np.diff(groups[order])) + 1)
-        for part in parts:
-            g = int(groups[part[0]])
-            local, dst_rows = records[part], rows[part]
-            for name, spec in self.catalog.fields.items():
-                info = self.catalog.files[g][name]
-                if info.compression is None:
-                    self._raw(name, spec, info, local, out[name], dst_rows)
-                else:
-                    self._compressed(name, spec, info, g, local, out[name], dst_rows)
+        # Local raw files' records are copied by one kernel call per field over their addresses
+        # (stoker.kernels.gather_records), after every file is held and its size checked in
+        # the order the files come; a record subset's global shuffle reads from most of its
+        # files in every batch, and a copy per file and field was most of its time.
+        fields = self.catalog.fields
+        direct = {n: gathers(out[n], spec.dtype) for n, spec in fields.items()}
+        held: list[tuple[FileInfo, _Mapped]] = []
+        gathered: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {n: ([], []) for n in fields}
+        try:
+            for part in parts:
+                g = int(groups[part[0]])
+                local, dst_rows = records[part], rows[part]
+                for name, spec in fields.items():
+                    info = self.catalog.files[g][name]
+                    if info.compression is not None:
+                        self._compressed(name, spec, info, g, local, out[name], dst_rows)
+                    elif direct[name] and not is_remote(info.path):
+                        m = self._acquire(name, spec, info, local)
+                        held.append((info, m))
+                        to, at = gathered[name]
+                        to.append(dst_rows)
+                        at.append(local * spec.record_bytes + (m.address() + spec.header_bytes))
+                    else:
+                        self._raw(name, spec, info, local, out[name], dst_rows)
+            for name, (to, at) in gathered.items():
+                if to:
+                    done = gather_records(out[name], np.concatenate(to), np.concatenate(at), fields[name].dtype)
+                    assert done, "gathers() said the kernel applies"
+        finally:
+            for info, m in held:
+                self._release(info, m)
 
     def _raw(
         self, name: str, spec: Field, info: FileInfo, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
