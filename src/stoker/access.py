@@ -44,7 +44,7 @@ from .dataset import Dataset, resolve_cast
 from .errors import CorruptDataError, RecordIndexError, SpecError
 from .files import Catalog, FileInfo, Group, open_local
 from .inflate import Inflater
-from .kernels import address, gather_records, gathers
+from .kernels import gather_records, gathers, map_address
 from .order import Permutation
 from .remote import is_remote
 from .seekpoints import SeekPoint
@@ -82,9 +82,7 @@ class _Mapped:
     def address(self) -> int:
         """Where the map's first byte lies in memory (the map is open)."""
         if not self._address:
-            view = np.frombuffer(self.map, np.uint8, count=1)
-            self._address = address(view)
-            del view  # no buffer of the map outlives this call: close() must be able to unmap it
+            self._address = map_address(self.map)
         return self._address
 
     def close(self) -> None:

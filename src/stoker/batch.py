@@ -36,6 +36,7 @@ from .kernels import (
     gather_into,
     gather_records,
     gathers,
+    map_address,
     map_file,
     maps_hold_descriptors,
 )
@@ -370,9 +371,7 @@ class _RawFile:
     def address(self) -> int:
         """Where the map's first byte lies in memory (the map is open)."""
         if not self._address:
-            view = np.frombuffer(self.map, np.uint8, count=1)
-            self._address = address(view)
-            del view  # no buffer of the map outlives this call: close() must be able to unmap it
+            self._address = map_address(self.map)
         return self._address
 
     def close(self) -> None:

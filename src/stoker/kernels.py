@@ -153,6 +153,16 @@ def address(x: np.ndarray) -> int:
     return int(x.__array_interface__["data"][0])
 
 
+def map_address(mapped: Any) -> int:
+    """Where memory map ``mapped`` (open) begins in memory; no buffer of it outlives the call,
+    so it can still be closed (unmapped)."""
+    view = np.frombuffer(mapped, np.uint8, count=1)
+    try:
+        return address(view)
+    finally:
+        del view
+
+
 def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
     """The gather kernel's (source, output) dtype codes for a copy of ``src`` into ``dst``, or
     None where the kernel does not apply (no build, a dtype or cast it lacks, a strided or
