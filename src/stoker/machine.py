@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = [
     "available_cores",
@@ -29,6 +31,8 @@ __all__ = [
 
 PROC_CGROUP = "/proc/self/cgroup"
 CGROUP_ROOT = "/sys/fs/cgroup"
+T = TypeVar("T", int, float)
+
 # cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value.
 _V1_UNLIMITED = 1 << 62
 # Linux's default vm.max_map_count: memory mappings a process may hold.
@@ -94,33 +98,39 @@ def max_map_count() -> int:
 def cgroup_cpu_limit(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> float | None:
     """The CPUs this process's cgroups allow (quota / period, the smallest on the way up to the
     root), or None where none is set or the files cannot be read."""
-    limits = [_cpu_max(d / "cpu.max") for d in _dirs(proc_cgroup, root, None)]
-    limits += [_cfs(d) for d in _dirs(proc_cgroup, root, "cpu")]
-    found = [x for x in limits if x is not None]
-    return min(found) if found else None
+    return _tightest(proc_cgroup, root, lambda d: _cpu_max(d / "cpu.max"), "cpu", _cfs)
 
 
 def cgroup_memory_limit(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT) -> int | None:
     """The bytes this process's cgroups allow (the smallest on the way up to the root), or None
     where none is set or the files cannot be read."""
-    limits = [_bytes(d / "memory.max") for d in _dirs(proc_cgroup, root, None)]
-    limits += [_bytes(d / "memory.limit_in_bytes") for d in _dirs(proc_cgroup, root, "memory")]
-    found = [x for x in limits if x is not None]
+    return _tightest(
+        proc_cgroup, root, lambda d: _bytes(d / "memory.max"), "memory", lambda d: _bytes(d / "memory.limit_in_bytes")
+    )
+
+
+def _tightest(
+    proc_cgroup: str, root: str, v2: Callable[[Path], T | None], controller: str, v1: Callable[[Path], T | None]
+) -> T | None:
+    """The smallest limit ``v2`` reads in a directory of the v2 hierarchy, or ``v1`` in one of
+    v1's hierarchy holding ``controller``, over the process's cgroup and those above it."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    found = [x for x in map(v2, _dirs(lines, root, None)) if x is not None]
+    found += [x for x in map(v1, _dirs(lines, root, controller)) if x is not None]
     return min(found) if found else None
 
 
-def _dirs(proc_cgroup: str, root: str, controller: str | None) -> list[Path]:
-    """The directories of this process's cgroup and of those above it: of the v2 hierarchy
-    (``controller`` None) or of v1's hierarchy holding ``controller``.
+def _dirs(lines: list[str], root: str, controller: str | None) -> list[Path]:
+    """The directories of the cgroup named in ``lines`` (/proc/self/cgroup's) and of those above
+    it: of the v2 hierarchy (``controller`` None) or of v1's hierarchy holding ``controller``.
 
     In a container with its own cgroup namespace, /proc/self/cgroup says "/" and the
     container's cgroup is what is mounted; without one it names the host's path, which may not
     be mounted inside: then the mount's own directory is the container's cgroup.
     """
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return []
     out: list[Path] = []
     for line in lines:
         parts = line.split(":", 2)
