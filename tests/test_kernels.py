@@ -378,6 +378,55 @@ def test_gather_records_into_and_from_bfloat16_takes_the_array_itself(src: str) 
     assert np.array_equal(got.astype(np.float32), want.astype(np.float32))  # exact: no NaNs here
 
 
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("out", ["int8", "float16", "float32", "bfloat16"])
+@pytest.mark.parametrize("record", [(3,), (64, 64, 17)])
+def test_gather_runs_equals_the_runs_copied_one_by_one(src: str, out: str, record: tuple[int, ...]) -> None:
+    """Runs of three arrays (a batch's files), some every other record (a shard's), into rows in
+    any order, one run empty: the same as copying each run's records by numpy."""
+    import ml_dtypes
+
+    dt = np.dtype(ml_dtypes.bfloat16) if out == "bfloat16" else np.dtype(out)
+    rng = np.random.default_rng(len(src) * 5 + len(out) + len(record))
+    arrays = [_values(src, k * int(np.prod(record)), rng).reshape(k, *record) for k in (11, 1, 23)]
+    # (array, first record, count, step, first row)
+    runs = [(0, 2, 4, 2, 7), (1, 0, 1, 1, 0), (2, 5, 6, 1, 1), (0, 9, 0, 1, 11), (2, 0, 8, 3, 11)]
+    flat: list[int] = []
+    want = np.full((20, *record), 9, dt)
+    for a, first, count, step, row in runs:
+        rec = arrays[a][0].nbytes
+        flat += (row, kernels.address(arrays[a]) + first * rec, count, step * rec)
+        with np.errstate(invalid="ignore", over="ignore"):
+            want[row : row + count] = arrays[a][first : first + count * step : step].astype(dt)
+    got = np.full((20, *record), 9, dt)
+    copies = kernels.gathers(got, np.dtype(src))
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert kernels.gather_runs(got, flat, np.dtype(src)) == copies
+    if copies:
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    else:  # nothing done: the callers fall back to numpy
+        assert np.array_equal(got.view(np.uint8), np.full((20, *record), 9, dt).view(np.uint8))
+
+
+def test_gather_runs_checks_rows_and_declines_what_it_cannot_copy() -> None:
+    x = np.arange(16, dtype=np.int8).reshape(2, 8)
+    dst = np.zeros((3, 8), np.float32)
+    at = kernels.address(x)
+    with pytest.raises(IndexError, match=r"rows 2\.\.3 outside the 3 rows"):
+        kernels.gather_runs(dst, [0, at, 1, 8, 2, at, 2, 8], x.dtype)
+    with pytest.raises(IndexError, match=r"rows -1\.\.0 outside the 3 rows"):
+        kernels.gather_runs(dst, [-1, at, 2, 8], x.dtype)
+    with pytest.raises(ValueError, match="not .row, address, count, stride. runs"):
+        kernels.gather_runs(dst, [0, at, 1], x.dtype)
+    assert not dst.any()  # nothing copied before a run was found out of range
+    assert kernels.gather_runs(dst, [], x.dtype) and not dst.any()
+    read_only = np.zeros((3, 8), np.float32)
+    read_only.flags.writeable = False
+    for target, dtype in [(dst, np.dtype(">i2")), (dst[:, ::2], x.dtype), (read_only, x.dtype)]:
+        assert not kernels.gather_runs(target, [0, at, 1, 8], dtype)
+    assert not dst.any()
+
+
 @pytest.mark.parametrize("files", [3, 40])  # 40: past the length that gives the GIL up
 def test_file_sizes_are_each_descriptors_size_now(tmp_path: Path, files: int) -> None:
     assert kernels.file_sizes([]) == []

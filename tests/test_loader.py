@@ -533,6 +533,47 @@ def test_bit_flip_in_gzip_yields_nothing_wrong_and_names_the_file(tmp_path: Path
     assert wrong == [], f"batches {wrong} were yielded with labels that are not in the file"
 
 
+SHORT = [3, 9, 5, 7, 4, 8, 6, 3, 9, 5, 7, 4] * 3  # groups of a few records: batches of many runs
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cast", [None, {"image": "float32"}, "float32", "float16"])
+@pytest.mark.parametrize("shard", [(0, 1), (1, 2)])
+def test_batches_of_many_short_runs_hold_every_record_of_every_field(tmp_path: Path, threads, cast, shard) -> None:
+    # Each batch reads each raw field of ~6 files in one kernel call (see Assembler._read_raws):
+    # uncast runs by preadv on a file's first visit and from its kept map in later epochs,
+    # cast runs from the map; a second shard's runs take every other record (step 2).
+    ds = build(tmp_path, SHORT, {"image": IMG, "wide": FieldPlan("wide", "int16", (8, 8)), "label": LAB_GZ})
+    loader = ds.loader(32, epochs=3, cast=cast, shard=shard, with_index=True, threads=threads, cycle_length=1)
+    batches = list(loader)
+    assert max(len(np.unique(b["__group__"])) for b in batches) >= 5
+    seq = check_batches(ds, batches, cast={n: cast for n in ds.fields} if isinstance(cast, str) else cast,
+                        complete=False)  # fmt: skip
+    records = [(g, i) for g, n in enumerate(SHORT) for i in range(n)]
+    assert sorted(seq) == sorted(records[shard[0] :: shard[1]] * 3)  # the shard's records, each once an epoch
+    assert wait_no_stoker_threads() == []
+    assert open_paths(tmp_path) == []
+    # A file is closed once its last run is read: with the pass still open, none is left.
+    with ds.loader(32, cast=cast, shard=shard, threads=threads, cycle_length=1) as one:
+        it = iter(one)
+        assert len([next(it) for _ in range(len(one))]) == len(one)
+        assert open_paths(tmp_path) == []
+
+
+def test_a_file_cut_short_among_many_short_runs_fails_naming_it(tmp_path: Path) -> None:
+    write_dataset(tmp_path, SHORT, {"image": IMG, "label": LAB_GZ})
+    ds = stoker.Dataset(image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (6, 6, 1)),
+                        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"))  # fmt: skip
+    bad = tmp_path / "img_0005.bin"
+    os.truncate(bad, 36 * 6)  # 2 of its 8 records gone
+    for cast in (None, "float32"):
+        got, err = _deliver(ds.loader(32, epochs=2, cast=cast, with_index=True, cycle_length=1, threads=2))
+        assert isinstance(err, stoker.CorruptDataError)
+        assert str(bad) in str(err) and err.path == str(bad) and err.index == 6
+        assert len(got) == (sum(SHORT[:5]) + 6) // 32  # every batch before the one holding record 6
+        check_batches(ds, got, cast={"image": cast, "label": cast} if cast else None, complete=False)
+
+
 @pytest.mark.parametrize("cast", [None, "float32"])
 def test_raw_file_truncated_after_dataset_fails_naming_the_file(tmp_path: Path, cast) -> None:
     write_dataset(tmp_path, COUNTS_E, {"image": IMG, "label": LAB_GZ})

@@ -776,6 +776,60 @@ done:
     return result;
 }
 
+/* gather_runs(src, out, dst, nrows, runs, stream): runs an int64 buffer of (row, address,
+ * count, stride) per run: count records, the first at memory address address and each stride
+ * bytes after the one before, cast or copied into rows row.. of dst (as gather_records does
+ * record by record). A batch of many short runs (small files) is one call, with no per-record
+ * arrays to build in Python; every run's rows are checked against dst here. */
+static PyObject *gather_runs(PyObject *self, PyObject *args) {
+    (void)self;
+    int src_code, out_code, stream;
+    Py_ssize_t nrows;
+    Py_buffer dst, runs;
+    if (!PyArg_ParseTuple(args, "CCw*ny*p", &src_code, &out_code, &dst, &nrows, &runs, &stream)) return NULL;
+    PyObject *result = NULL;
+    int64_t *addr = NULL, *row = NULL;
+    const int64_t *run = (const int64_t *)runs.buf;
+    const Py_ssize_t nruns = runs.len / 32;
+    const size_t size = value_bytes(out_code);
+    if (nrows <= 0 || dst.len % nrows || runs.len % 32 || size == 0 || (size_t)(dst.len / nrows) % size) {
+        PyErr_Format(PyExc_ValueError, "gather_runs: runs not (row, address, count, stride) int64s, dst without "
+                     "rows, or no output dtype %c", out_code);
+        goto done;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t k = 0; k < nruns; k++) {
+        const int64_t r = run[4 * k], c = run[4 * k + 2];
+        if (c < 0 || r < 0 || r > (int64_t)nrows - c) {
+            PyErr_Format(PyExc_IndexError, "gather: rows %lld..%lld outside the %zd rows of the output", (long long)r,
+                         (long long)(r + c - 1), nrows);
+            goto done;
+        }
+        total += (Py_ssize_t)c;
+    }
+    addr = PyMem_Malloc(sizeof(int64_t) * (size_t)(total ? total : 1));
+    row = PyMem_Malloc(sizeof(int64_t) * (size_t)(total ? total : 1));
+    if (addr == NULL || row == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t at = 0;
+    for (Py_ssize_t k = 0; k < nruns; k++)
+        for (int64_t i = 0; i < run[4 * k + 2]; i++, at++) {
+            row[at] = run[4 * k] + i;
+            addr[at] = run[4 * k + 1] + i * run[4 * k + 3];
+        }
+    result = total ? gather_at(src_code, out_code, addr, row, total, (Py_ssize_t)((size_t)(dst.len / nrows) / size),
+                               (uintptr_t)dst.buf, stream)
+                   : (Py_INCREF(Py_None), Py_None);
+done:
+    PyMem_Free(addr);
+    PyMem_Free(row);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&runs);
+    return result;
+}
+
 /* The bfloat16 nearest a float32, ties to even; a NaN becomes the quiet NaN of its sign: as
  * ml_dtypes' cast gives, bit for bit, for every float32 (and so for every integer below 2^24). */
 static inline uint16_t bf16_of(float f) {
@@ -1563,6 +1617,7 @@ static PyMethodDef methods[] = {
     {"file_sizes", file_sizes, METH_O, "file_sizes(fds) -> list (fstat's st_size of each)"},
     {"permute", permute, METH_VARARGS, "permute(keys, half, n, positions, out) -> int (first bad position, or -1)"},
     {"gather_records", gather_records, METH_VARARGS, "gather_records(src, out, dst, nrows, rows, addresses, stream)"},
+    {"gather_runs", gather_runs, METH_VARARGS, "gather_runs(src, out, dst, nrows, runs, stream)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,10 +17,12 @@ Records stored as bfloat16 widen into float32 by a kernel loop too, in order and
 
 from __future__ import annotations
 
+import array
 import contextlib
 import importlib
 import mmap
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ __all__ = [
     "file_sizes",
     "gather_into",
     "gather_records",
+    "gather_runs",
     "gathers",
     "isa",
     "map_file",
@@ -290,6 +293,25 @@ def gather_records(dst: np.ndarray, rows: np.ndarray, addresses: np.ndarray, dty
             *codes, dst, len(dst), np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(addresses, np.int64),
             dst.nbytes >= STREAM_MIN_BYTES,
         )  # fmt: skip
+    return True
+
+
+def gather_runs(dst: np.ndarray, runs: Sequence[int], dtype: np.dtype) -> bool:
+    """:func:`gather_records` of whole runs: ``runs`` holds four ints per run, ``(row, address,
+    count, stride)``: ``count`` records of ``dtype`` (``dst.shape[1:]`` values each,
+    contiguous), the first at memory ``address`` and each ``stride`` bytes after the one before,
+    into rows ``row..row + count - 1`` of ``dst``. One call for a batch's runs, however many;
+    False, with nothing done, where the compiled kernel does not apply.
+
+    The addresses are not checked (see :func:`gather_records`); the rows are, against ``dst``.
+    """
+    codes = _dtype_codes(dst, dtype)
+    if codes is None:
+        return False
+    if len(runs) % 4:
+        raise ValueError(f"gather_runs: {len(runs)} ints are not (row, address, count, stride) runs")
+    if runs:
+        _kernels.gather_runs(*codes, dst, len(dst), array.array("q", runs), dst.nbytes >= STREAM_MIN_BYTES)
     return True
 
 
