@@ -16,6 +16,7 @@ from stoker.machine import (
     available_cores,
     cgroup_cpu_limit,
     cgroup_memory_limit,
+    cores_phrase,
     max_map_count,
     physical_memory,
 )
@@ -145,6 +146,26 @@ def test_a_process_pinned_to_one_core_sizes_its_loader_for_one() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.split() == ["1", "1"]
+
+
+def test_a_loader_on_one_core_says_one_core(tmp_path: Path) -> None:
+    """The figures and the autotune's reason name the count of cores in the singular for one."""
+    script = (
+        "import os, sys, stoker\n"
+        "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+        "d = stoker.write_sample(sys.argv[1], pairs=2, records=64, inrez=8)\n"
+        "ds = stoker.Dataset(image=stoker.Field(str(d / 'img_*.bin'), 'int8', (8, 8, 1)),\n"
+        "                    label=stoker.Field(str(d / 'out_*.bin.gz'), 'float32'))\n"
+        "with ds.loader(16, epochs=2) as loader:\n"
+        "    n = sum(1 for _ in loader)\n"
+        "    print(n, loader.stats())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.startswith("16 ")
+    assert " of 1 core; " in done.stdout and "1 cores" not in done.stdout
+    assert cores_phrase(1) == "1 core" and cores_phrase(2) == "2 cores" and cores_phrase(0) == "0 cores"
 
 
 def test_the_mapping_limit_is_the_kernels() -> None:

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .engine import MAX_PER_WAKE
-from .machine import available_cores
+from .machine import available_cores, cores_phrase
 
 __all__ = [
     "CLEAR_LOSS",
@@ -301,7 +301,7 @@ class ThreadTuner:
             self._base = rate
         if busy >= SATURATED * self.cores:
             self._finish(
-                f"CPU-bound: {busy:.2f} of {self.cores} cores busy at {self.threads} thread(s), "
+                f"CPU-bound: {busy:.2f} of {cores_phrase(self.cores)} busy at {self.threads} thread(s), "
                 "so no worker more was tried"
             )
             return

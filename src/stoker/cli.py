@@ -15,7 +15,7 @@ import numpy as np
 
 from .dataset import Dataset, resolve_cast
 from .errors import PairingError, SpecError, StokerError
-from .machine import available_cores
+from .machine import available_cores, cores_phrase
 from .sample import CONFIG_NAME, cached_sample, write_sample
 from .spec import Field
 
@@ -321,7 +321,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if median_run.stats:
         stats = LoaderStats.from_dict(median_run.stats)
         print(f"stoker (median round): {stats.records_per_s:,.0f} records/s, {stats.mb_per_s:,.0f} MB/s; "
-              f"CPU {stats.cpu_utilization:.0%} of {stats.cores} cores; {stats.settings}")  # fmt: skip
+              f"CPU {stats.cpu_utilization:.0%} of {cores_phrase(stats.cores)}; {stats.settings}")  # fmt: skip
         print(f"you waited on stoker {stats.wait_fraction:.0%} of the loop; stoker waited on you "
               f"{stats.consumer_fraction:.0%}")  # fmt: skip
         firsts = [m.first_batch_seconds for m in results["stoker"] if m.first_batch_seconds is not None]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from .batch import KEPT_DECODED_BYTES
 from .engine import MAX_PER_WAKE
 from .inflate import BACKEND
+from .machine import cores_phrase
 from .stats import LoaderStats
 
 __all__ = ["CONSUMER_BOUND", "AT_CEILING", "verdict"]
@@ -116,7 +117,7 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
             if waited >= STARVED and others is not None and others >= OTHERS * cores:
                 return (
                     f"CPU-starved: workers ({stage} of field {name!r}) waited for a CPU {waited:.0%} of their busy "
-                    f"time{where} while the process used {stats.cpu_utilization:.0%} of {cores} cores: other "
+                    f"time{where} while the process used {stats.cpu_utilization:.0%} of {cores_phrase(cores)}: other "
                     f"processes take the CPU ({others:.1f} CPUs' worth of it; the machine's load average is "
                     f"{stats.load_average:.1f})"
                 )
@@ -156,7 +157,7 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
                 f"random-access gathers of field {name!r} for shuffle='global' limit you ({share:.0%} of worker "
                 f"time{where}): shuffle='files' reads each file front to back"
             )
-        busy = f"CPU {stats.cpu_utilization:.0%} of {cores} cores"
+        busy = f"CPU {stats.cpu_utilization:.0%} of {cores_phrase(cores)}"
         # The ceiling makes the same copy: below it, stoker's own per-batch work is the gap.
         assemble = next((sh for st, _, _, sh in table if st == "assemble"), 0.0)
         gap = (

@@ -21,6 +21,7 @@ from typing import TypeVar
 
 __all__ = [
     "available_cores",
+    "cores_phrase",
     "cgroup_cpu_limit",
     "cgroup_memory_limit",
     "descriptor_limits",
@@ -48,6 +49,11 @@ def available_cores() -> int:
         cores = max(1, os.cpu_count() or 1)
     quota = cgroup_cpu_limit()
     return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def cores_phrase(n: int) -> str:
+    """``"1 core"``, ``"2 cores"``: how the figures and verdicts name a count of cores."""
+    return f"{n} core" if n == 1 else f"{n} cores"
 
 
 def physical_memory() -> int:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .machine import available_cores
+from .machine import available_cores, cores_phrase
 
 if TYPE_CHECKING:
     from .plan import Run
@@ -403,7 +403,7 @@ class LoaderStats:
             f"{self.records_per_s:,.0f} records/s, {self.mb_per_s:,.0f} MB/s read",
             f"consumer waited on the pipeline {self.wait_fraction:.0%} of the time; "
             f"the pipeline waited on the consumer {self.consumer_fraction:.0%}",
-            f"CPU {self.cpu_utilization:.0%} of {self.cores} cores; {self.settings}",
+            f"CPU {self.cpu_utilization:.0%} of {cores_phrase(self.cores)}; {self.settings}",
             self.stage_split,
         ]
         if self.busy_split:
