@@ -1100,7 +1100,7 @@ def test_batches_kept_from_assemblies_are_named_as_buffers_made_anew(
             pass
         dropped = loader.stats()
     k = dropped.coalesced
-    assert k == 7 and dropped.batches == 400  # 1 MiB holds 7 batches of 16 x 8 KiB (and 16 labels)
+    assert k == 8 and dropped.batches == 400  # 8 batches of 16 x 8 KiB (and 16 labels) come nearest 1 MiB
     assert not verdict(dropped).startswith("batch buffers made anew")
     with ds.loader(16, threads=2, epochs=8) as loader:
         held = [b for i, b in enumerate(loader) if i % k == 0]  # one batch of each assembly kept

@@ -52,9 +52,11 @@ DEFAULT_WINDOW = 16
 # parts are delivered one by one (views of it; see _Pass): the per-batch work (planning,
 # dispatch, buffers, file bookkeeping, a copy call per run and field) is paid once for all of
 # them, and a file's records for all of them are copied in one call. The batches, their order
-# and their contents are what they would be one at a time. 16 MiB is a W1 batch (256 records
-# of 128x128 float32), where that work is about a tenth of the time.
-COALESCE_BYTES = 16 << 20
+# and their contents are what they would be one at a time. A W1 batch (256 records of 128x128
+# float32) is 16 MiB, and that work was still ~10% of its time: assembled four at a time
+# (64 MiB), W1 float32 ran 0.96x of its ceiling loop against 0.88x one at a time, at the same
+# 12 batches in flight (3 alternated rounds, 2026-12-06).
+COALESCE_BYTES = 64 << 20
 MAX_COALESCE = 64
 
 
@@ -285,9 +287,13 @@ class Loader:
             return 1
         if any(self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize % ALIGNMENT for n in self.dtypes):
             return 1
-        parts = min(MAX_COALESCE, COALESCE_BYTES // self.batch_bytes)
-        parts = min(parts, self._fits // (2 * (self._max_threads + SPARE)))
-        return max(1, parts)
+        # About COALESCE_BYTES: a W1 batch is 16 MiB and its labels' 1 KiB, four of them one.
+        parts = max(1, min(MAX_COALESCE, round(COALESCE_BYTES / self.batch_bytes)))
+        # The budget must hold twice a look-ahead of one assembly per starting worker plus the
+        # consumer's spares (batches it takes per wake-up: an assembly holds ``parts`` of them).
+        while parts > 1 and self._fits // parts < 2 * (self.threads + -(-SPARE // parts)):
+            parts -= 1
+        return parts
 
     @property
     def _spare_bytes(self) -> int:
