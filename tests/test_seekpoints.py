@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from isal import isal_zlib
 
@@ -72,6 +72,10 @@ def indexed(tmp_path: Path, plans: dict[str, FieldPlan], counts: list[int] = COU
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Points 7 and 4 bits into a byte, then stored blocks (random bytes at level 9): a decoder fed
+# the bytes re-packed from the point's bit read each stored block's length from the wrong bytes.
+@example(seed=0, size=99_998, alphabet=256, how="members", level=9, spacing=20_000)
+@example(seed=0, size=99_998, alphabet=256, how="members", level=0, spacing=1)
 @given(
     seed=st.integers(0, 2**32 - 1),
     size=st.integers(1, 300_000),

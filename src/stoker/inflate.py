@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import CorruptDataError, ReadError
 from .remote import RemoteReader, is_remote
-from .seekpoints import SeekPoint, load_window, shift_bits
+from .seekpoints import PrimedInflate, SeekPoint, load_window
 
 _zlib: ModuleType
 try:  # pragma: no cover - which branch runs depends on the install
@@ -36,7 +36,6 @@ _WBITS = {"gzip": 31, "zlib": 15}
 # Input read per call: large enough that syscall and call overhead vanish, small enough
 # that a stream of a 4-byte-label file does not allocate much. measured: 256 KiB..1 MiB flat.
 _CHUNK = 512 * 1024
-_SHIFTED_CHUNK = 128 * 1024
 
 
 def gzip_trailer_size(fd: int, size: int) -> int | None:
@@ -78,9 +77,9 @@ class Inflater:
         self._close_lock = threading.Lock()
         self._in_offset = start[0]  # compressed bytes read so far
         point = start if isinstance(start, SeekPoint) else None
-        # A block boundary: raw deflate from bit ``_shift`` of byte ``_in_offset``, primed with
-        # the window, until its member ends (then on at ``_next_member``); -1 otherwise.
-        self._shift = -1
+        # Decoding from a block boundary: raw deflate primed with the window, until its member
+        # ends (then on at ``_next_member``).
+        self._raw = False
         self._next_member: tuple[int, int] | None = None
         self._d: Any
         if point is not None and point.window is not None:
@@ -89,9 +88,17 @@ class Inflater:
             except BaseException:
                 self.close()
                 raise
-            self._shift, self._next_member = point.bits, point.next_member
-            self._d = _zlib.decompressobj(wbits=-15, zdict=window)  # a raw stream's zdict is set at once
+            self._raw, self._next_member = True, point.next_member
             start = (point.compressed, point.decompressed)
+            if point.bits:  # the block starts inside byte ``compressed``: libz, primed with its bits
+                first = self._pread(1)
+                if not first:
+                    self.close()
+                    raise self._corrupt("truncated: the file ends at a seek point of its index")
+                self._in_offset += 1
+                self._d = PrimedInflate(point.bits, first[0], window)
+            else:
+                self._d = _zlib.decompressobj(wbits=-15, zdict=window)  # a raw stream's zdict is set at once
         else:
             self._d = _zlib.decompressobj(_WBITS[kind])
         self._tail = b""  # compressed input not yet consumed by the decompressor
@@ -132,13 +139,6 @@ class Inflater:
         return err
 
     def _read_input(self) -> bytes:
-        if self._shift > 0:  # a block point not on a byte boundary: read one byte more, re-pack
-            # Smaller reads: a seek-point read needs ~half a spacing of input, and re-packing
-            # bytes it does not use is wasted (measured: 1.5 ms per 512 KiB).
-            data = self._pread(_SHIFTED_CHUNK + 1)
-            last = len(data) <= _SHIFTED_CHUNK
-            self._in_offset += len(data) if last else _SHIFTED_CHUNK
-            return shift_bits(data, self._shift, last=last) if data else data
         data = self._pread(_CHUNK)
         self._in_offset += len(data)
         return data
@@ -159,7 +159,7 @@ class Inflater:
     def _refill(self, want: int) -> bool:
         """Decompress until at least some output is buffered; False at end of stream."""
         while not self._eof:
-            if self._d.eof and self._shift >= 0:
+            if self._d.eof and self._raw:
                 self._end_raw()
                 continue
             if self._d.eof:
@@ -204,7 +204,7 @@ class Inflater:
             return
         if self._decoded != end[1]:
             raise self._corrupt(f"the member ends at decompressed offset {self._decoded}, not {end[1]} as indexed")
-        self._shift, self._next_member, self._tail = -1, None, b""
+        self._raw, self._next_member, self._tail = False, None, b""
         self._in_offset = end[0]
         self.members.append(end)
         self._d = _zlib.decompressobj(_WBITS["gzip"])

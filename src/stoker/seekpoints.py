@@ -6,9 +6,15 @@ boundaries needs ``inflate(Z_BLOCK)``, which Python's ``zlib`` module does not o
 :func:`scan_file` drives the system's libz through ``ctypes`` (the library CPython's own
 ``zlib`` module links to) and records a point at the first block boundary after every
 ``spacing`` bytes of output: ``(byte, bit, decompressed offset, window)``. The same pass checks
-every member's CRC and length. Resuming needs nothing beyond the standard library: the
-compressed bytes from the point are shifted by its bit offset (numpy, in bulk) and fed to
-``zlib.decompressobj(wbits=-15, zdict=window)``; see :class:`stoker.inflate.Inflater`.
+every member's CRC and length. Resuming from a point on a byte boundary needs nothing beyond
+the standard library (or isal): ``decompressobj(wbits=-15, zdict=window)`` fed the file's bytes
+from the point. A point inside a byte is resumed by libz too (:class:`PrimedInflate`): its
+``inflatePrime`` takes the byte's remaining bits, and the file's own bytes follow, so a stored
+block's padding to a byte boundary falls where the encoder put it. (Until 2026-12-06 such a
+point's bytes were shifted into whole bytes and fed to ``decompressobj``: every stored block
+after the point then read its length from the wrong bytes, an "invalid stored block lengths"
+on incompressible data, found by tests/test_seekpoints.py's property test.) See
+:class:`stoker.inflate.Inflater`.
 
 Windows are stored zlib-compressed in a small sidecar file per data file
 (``.stoker-windows.NAME``) beside the index, and read only when a point is used, so opening
@@ -29,24 +35,23 @@ import functools
 import os
 import struct
 import tempfile
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
-
-import numpy as np
 
 from .errors import CorruptDataError, ReadError, StaleIndexError
 
 __all__ = [
     "SPACING",
     "WINDOW",
+    "PrimedInflate",
     "Scan",
     "SeekPoint",
     "WindowRef",
     "available",
     "load_window",
     "scan_file",
-    "shift_bits",
     "windows_path",
     "write_windows",
 ]
@@ -59,7 +64,7 @@ _CHUNK = 512 * 1024  # compressed input per read while scanning (as in stoker.in
 _OUT = 256 * 1024  # output buffer per inflate call while scanning (its contents are not kept)
 _MAGIC = b"STKWIN01"
 _HEADER = struct.Struct("<8sQQ")  # magic, data file size, data file mtime_ns
-_Z_OK, _Z_STREAM_END, _Z_BUF_ERROR, _Z_BLOCK = 0, 1, -5, 5
+_Z_OK, _Z_STREAM_END, _Z_BUF_ERROR, _Z_BLOCK, _Z_NO_FLUSH = 0, 1, -5, 5, 0
 
 
 class WindowRef(NamedTuple):
@@ -126,12 +131,17 @@ def _libz() -> Any:
         try:
             lib = ctypes.CDLL(name)
             lib.zlibVersion.restype = ctypes.c_char_p
-            for fn in (lib.inflateInit2_, lib.inflate, lib.inflateEnd, lib.inflateReset, lib.inflateGetDictionary):
+            for fn in (
+                lib.inflateInit2_, lib.inflate, lib.inflateEnd, lib.inflateReset, lib.inflateGetDictionary,
+                lib.inflatePrime, lib.inflateSetDictionary,
+            ):  # fmt: skip
                 fn.restype = ctypes.c_int
             lib.inflateInit2_.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
             lib.inflate.argtypes = [ctypes.c_void_p, ctypes.c_int]
             lib.inflateEnd.argtypes = lib.inflateReset.argtypes = [ctypes.c_void_p]
             lib.inflateGetDictionary.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            lib.inflatePrime.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            lib.inflateSetDictionary.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint]
             return lib
         except (OSError, AttributeError):
             continue
@@ -143,22 +153,50 @@ def available() -> bool:
     return _libz() is not None
 
 
-def shift_bits(data: bytes, shift: int, *, last: bool) -> bytes:
-    """``data`` read from bit ``shift`` of its first byte on, re-packed into whole bytes.
+class PrimedInflate:
+    """Raw deflate from a block boundary ``bits`` (1-7) into a byte whose value is ``first``:
+    libz's inflate primed with that byte's remaining bits and with ``window``, then fed the
+    file's bytes after it. As ``zlib.decompressobj``: ``decompress(data, max_length)``,
+    ``eof``, ``unused_data``, ``unconsumed_tail``; libz's errors raise ``zlib.error``."""
 
-    Returns ``len(data) - 1`` bytes, or ``len(data)`` when ``last`` (no byte follows the data).
-    """
-    n = len(data) if last else len(data) - 1
-    if not shift:
-        return data[:n]
-    # Deflate's bit order is little-endian across bytes, so 8 bytes at a time are one
-    # little-endian integer to shift (measured: ~6x faster than shifting byte by byte).
-    words = -(-len(data) // 8) + 1
-    buf = np.zeros(words * 8, np.uint8)
-    buf[: len(data)] = np.frombuffer(data, np.uint8)
-    w = buf.view("<u8")
-    out = (w[:-1] >> np.uint64(shift)) | (w[1:] << np.uint64(64 - shift))
-    return out.view(np.uint8)[:n].tobytes()
+    def __init__(self, bits: int, first: int, window: bytes) -> None:
+        lib = _libz()
+        if lib is None:
+            raise RuntimeError("libz is not available for seek points")  # an index with such points needs it
+        self._lib = lib
+        self._strm = _ZStream()
+        if lib.inflateInit2_(ctypes.byref(self._strm), -15, lib.zlibVersion(), ctypes.sizeof(self._strm)) != _Z_OK:
+            raise MemoryError("inflateInit2 failed")
+        self._end = weakref.finalize(self, lib.inflateEnd, ctypes.byref(self._strm))
+        if (
+            lib.inflatePrime(ctypes.byref(self._strm), 8 - bits, first >> bits) != _Z_OK
+            or lib.inflateSetDictionary(ctypes.byref(self._strm), window, len(window)) != _Z_OK
+        ):
+            self._end()
+            raise zlib.error("cannot prime the decoder at this seek point")
+        self.eof = False
+        self.unused_data = b""
+        self.unconsumed_tail = b""
+
+    def decompress(self, data: bytes, max_length: int) -> bytes:
+        if self.eof:
+            self.unused_data += data
+            return b""
+        strm = self._strm
+        inbuf = (ctypes.c_char * max(1, len(data))).from_buffer_copy(data or b"\0")
+        out = ctypes.create_string_buffer(max_length)
+        strm.next_in, strm.avail_in = ctypes.addressof(inbuf), len(data)
+        strm.next_out, strm.avail_out = ctypes.addressof(out), max_length
+        ret = self._lib.inflate(ctypes.byref(strm), _Z_NO_FLUSH)
+        rest = data[len(data) - strm.avail_in :]
+        if ret == _Z_STREAM_END:
+            self.eof, self.unused_data, self.unconsumed_tail = True, rest, b""
+            self._end()
+        elif ret in (_Z_OK, _Z_BUF_ERROR):
+            self.unconsumed_tail = rest
+        else:
+            raise zlib.error(strm.msg.decode(errors="replace") if strm.msg else f"inflate returned {ret}")
+        return out.raw[: max_length - strm.avail_out]
 
 
 def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None = None) -> Scan:
