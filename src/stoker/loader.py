@@ -54,8 +54,9 @@ DEFAULT_WINDOW = 16
 # them, and a file's records for all of them are copied in one call. The batches, their order
 # and their contents are what they would be one at a time. A W1 batch (256 records of 128x128
 # float32) is 16 MiB, and that work was still ~10% of its time: assembled four at a time
-# (64 MiB), W1 float32 ran 0.96x of its ceiling loop against 0.88x one at a time, at the same
-# 12 batches in flight (3 alternated rounds, 2026-12-06).
+# (64 MiB, 12 batches in flight at the default budget, 6 before), W1 float32 ran 0.964x of its
+# ceiling loop (0.943..0.985) against 0.908x (0.889..0.938) one at a time (5 rounds alternated
+# with the ceiling, 2026-12-06; benchmarks/w1.py: 0.903 and 0.932 in two runs).
 COALESCE_BYTES = 64 << 20
 MAX_COALESCE = 64
 
