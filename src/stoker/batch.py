@@ -518,6 +518,10 @@ class Assembler:
         # final run is done and no earlier run is still to come (workers finish out of order;
         # a file closed early would be opened again, and fail if it was deleted meanwhile).
         self._raw = [n for n in self.fields if any(infos[n].compression is None for infos in catalog.files)]
+        # Fields of local raw files alone, in every group (read together, see _read_together).
+        self._local_raw = frozenset(n for n in self._raw if not any(
+            infos[n].compression is not None or is_remote(infos[n].path) for infos in catalog.files
+        ))  # fmt: skip
         self._pending: dict[tuple[int, str], int] = {}
         self._streams: dict[tuple[int, int, str], _Stream] = {}
         self._local = threading.local()
@@ -537,7 +541,6 @@ class Assembler:
         # their stored records never land in a buffer of their own.
         self.fused: Any = None
         self._fusable: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
-        self._local_raw: frozenset[str] | None = None  # fields of local raw files alone (see _read_together)
         self._redoable: dict[int, bool] = {}  # per group, see redoable()
         self._decode_locks: dict[tuple[str, str], threading.Lock] = {}  # see _kept_or_decoded
 
@@ -684,10 +687,6 @@ class Assembler:
         runs = [run for run in plan.runs if run.count]  # an empty run only says a file is done
         if len(runs) < 2:
             return frozenset()
-        if self._local_raw is None:
-            self._local_raw = frozenset(n for n in self._raw if not any(
-                infos[n].compression is not None or is_remote(infos[n].path) for infos in self.catalog.files
-            ))  # fmt: skip
         names = [n for n in self._local_raw if n not in task.fused and gathers(out[n], self.fields[n].dtype)]
         for name in names:
             self._read_raws(plan.epoch, runs, name, self.fields[name], out[name])
@@ -721,12 +720,9 @@ class Assembler:
                 f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
             self.counters.add("read+cast" if self._cast[name] else "read", name, time.perf_counter() - t)
-            with self._lock:  # as _release, for every run in one lock round
+            with self._lock:  # every run in one lock round
                 for run, info, f in zip(runs, infos, held, strict=True):
-                    f.refs -= 1
-                    f.done = f.done or run.final
-                    self._run_done(epoch, info.path)
-                    self._close_if_done(epoch, info, f)
+                    self._released(epoch, info, f, run.final)
 
     def _gather(self, plan: BatchPlan, out: dict[str, np.ndarray]) -> None:
         assert plan.gather is not None
@@ -980,11 +976,15 @@ class Assembler:
 
     def _release(self, epoch: int, info: FileInfo, f: _RawFile, final: bool, *, counted: bool = True) -> None:
         with self._lock:  # one lock round per run: this is on the hot path
-            f.refs -= 1
-            f.done = f.done or final
-            if counted:
-                self._run_done(epoch, info.path)
-            self._close_if_done(epoch, info, f)
+            self._released(epoch, info, f, final, counted=counted)
+
+    def _released(self, epoch: int, info: FileInfo, f: _RawFile, final: bool, *, counted: bool = True) -> None:
+        """A run of ``f`` is over (caller holds ``_lock``); ``counted``: one of its planned runs."""
+        f.refs -= 1
+        f.done = f.done or final
+        if counted:
+            self._run_done(epoch, info.path)
+        self._close_if_done(epoch, info, f)
 
     def _close_if_done(self, epoch: int, info: FileInfo, f: _RawFile) -> None:
         """Close ``f`` once its final run is done, nobody holds it and no run of it is still to
