@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,18 @@ import numpy as np
 import pytest
 
 from conftest import vm_flags
-from stoker.bench import CEILING_LOOPS, _Tally, batch_rows, burn, child_json, output_buffer, run_child, time_batches
-from stoker.cli import main
+from stoker.bench import (
+    CEILING_LOOPS,
+    _drain_until,
+    _Tally,
+    batch_rows,
+    burn,
+    child_json,
+    output_buffer,
+    run_child,
+    time_batches,
+)
+from stoker.cli import dataset_from_fields, main
 from stoker.sample import expected_label, write_sample
 from stoker.stats import LoaderStats
 
@@ -102,6 +113,29 @@ def test_a_warm_up_runs_before_stoker_s_timed_seconds_and_is_not_counted(sample:
     stats = LoaderStats.from_dict(m.stats or {})
     # The loader delivered the warm-up's batches too; the measurement counts the timed ones.
     assert 0 < m.records < stats.records and m.bytes_read == m.records * (16 * 16 + 4)
+
+
+def test_stoker_s_warm_up_holds_no_batch_when_its_clock_starts(sample: Path) -> None:
+    # A batch left referenced keeps its buffer (shared with the batches assembled beside it) out
+    # of the pool, which then makes a fresh one inside the timed seconds.
+    taken: list[weakref.ref[np.ndarray]] = []
+
+    class Taking:
+        def __init__(self, it: Iterator[dict[str, np.ndarray]]) -> None:
+            self.it = it
+
+        def __iter__(self) -> Taking:
+            return self
+
+        def __next__(self) -> dict[str, np.ndarray]:
+            batch = next(self.it)
+            taken.append(weakref.ref(batch["image"]))
+            return batch
+
+    with dataset_from_fields(_fields(sample)).loader(16, epochs=None, cast="float32") as loader:
+        _drain_until(Taking(iter(loader)), time.perf_counter() + 0.1, 0.0)
+        assert len(taken) > 1
+        assert [r() for r in taken] == [None] * len(taken)
 
 
 @pytest.mark.parametrize("loop", ["mmap_kept", "inflate_cast"])

@@ -306,6 +306,21 @@ def burn(seconds: float) -> None:
             x += i
 
 
+def _drain_until(batches: Iterator[Any], until: float, busy: float) -> None:
+    """Take batches until ``until`` (each followed by ``busy`` seconds of work), holding none after.
+
+    A batch still referenced when the clock starts, as a loop variable left over from the
+    warm-up would be, keeps the buffer it shares with the batches assembled beside it: the pool
+    then made a fresh one inside the timed window (W1 float32: 64 MiB touched for the first time,
+    a 0.2 s stall, 6% of a 3 s window). A training loop holds no batch across its steps either.
+    """
+    for _ in batches:
+        if busy:
+            burn(busy)
+        if time.perf_counter() >= until:
+            break
+
+
 def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
     from .cli import dataset_from_fields
 
@@ -347,11 +362,7 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
             # A warm-up in seconds: the steady state is timed, as the ceiling's is.
             warm_until = began + _warmup_seconds(cfg)
             if time.perf_counter() < warm_until:
-                for _ in batches:
-                    if busy:
-                        burn(busy)
-                    if time.perf_counter() >= warm_until:
-                        break
+                _drain_until(batches, warm_until, busy)
         cpu = time.process_time()
         start = time.perf_counter()
         until = start + cfg["seconds"]
