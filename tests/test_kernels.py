@@ -378,19 +378,26 @@ def test_gather_records_into_and_from_bfloat16_takes_the_array_itself(src: str) 
     assert np.array_equal(got.astype(np.float32), want.astype(np.float32))  # exact: no NaNs here
 
 
+# (array, first record, count, step, first row)
+STRIDED_RUNS = [(0, 2, 4, 2, 7), (1, 0, 1, 1, 0), (2, 5, 6, 1, 1), (0, 9, 0, 1, 11), (2, 0, 8, 3, 11)]
+BACK_TO_BACK_RUNS = [(0, 2, 4, 1, 7), (1, 0, 1, 1, 0), (2, 5, 6, 1, 1), (0, 9, 0, 1, 11), (2, 10, 8, 1, 11)]
+
+
 @pytest.mark.parametrize("src", SOURCES)
 @pytest.mark.parametrize("out", ["int8", "float16", "float32", "bfloat16"])
 @pytest.mark.parametrize("record", [(3,), (64, 64, 17)])
-def test_gather_runs_equals_the_runs_copied_one_by_one(src: str, out: str, record: tuple[int, ...]) -> None:
-    """Runs of three arrays (a batch's files), some every other record (a shard's), into rows in
-    any order, one run empty: the same as copying each run's records by numpy."""
+@pytest.mark.parametrize("runs", [STRIDED_RUNS, BACK_TO_BACK_RUNS], ids=["strided", "back_to_back"])
+def test_gather_runs_equals_the_runs_copied_one_by_one(
+    src: str, out: str, record: tuple[int, ...], runs: list[tuple[int, int, int, int, int]]
+) -> None:
+    """Runs of three arrays (a batch's files) into rows in any order, one run empty: the same as
+    copying each run's records by numpy. Where every run's records lie back to back the kernel
+    takes each run whole; where one steps over records (a shard's), record by record."""
     import ml_dtypes
 
     dt = np.dtype(ml_dtypes.bfloat16) if out == "bfloat16" else np.dtype(out)
     rng = np.random.default_rng(len(src) * 5 + len(out) + len(record))
     arrays = [_values(src, k * int(np.prod(record)), rng).reshape(k, *record) for k in (11, 1, 23)]
-    # (array, first record, count, step, first row)
-    runs = [(0, 2, 4, 2, 7), (1, 0, 1, 1, 0), (2, 5, 6, 1, 1), (0, 9, 0, 1, 11), (2, 0, 8, 3, 11)]
     flat: list[int] = []
     want = np.full((20, *record), 9, dt)
     for a, first, count, step, row in runs:

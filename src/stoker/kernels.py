@@ -301,7 +301,9 @@ def gather_runs(dst: np.ndarray, runs: Sequence[int], dtype: np.dtype) -> bool:
     count, stride)``: ``count`` records of ``dtype`` (``dst.shape[1:]`` values each,
     contiguous), the first at memory ``address`` and each ``stride`` bytes after the one before,
     into rows ``row..row + count - 1`` of ``dst``. One call for a batch's runs, however many;
-    False, with nothing done, where the compiled kernel does not apply.
+    False, with nothing done, where the compiled kernel does not apply. Where every run's records
+    lie back to back (``stride`` a record's bytes) each run goes to the copy loop whole, as
+    :func:`cast_into` takes it; otherwise record by record.
 
     The addresses are not checked (see :func:`gather_records`); the rows are, against ``dst``.
     """
