@@ -154,6 +154,10 @@ def test_bench_prints_throughput_and_ceiling_ratio(tmp_path: Path, capsys: pytes
     # The interleave stoker read with (the default: ~4 MiB of 256-byte images a block); an epoch
     # of 128 records is one batch of 256, from the two files: two runs.
     assert "cycle_length=2 block_length=16384, 2.0 runs per assembly" in out
+    # The median round's line gives that round's timed rate, the one the table shows (one round).
+    table = next(x for x in out.splitlines() if x.startswith("stoker "))
+    line = next(x for x in out.splitlines() if x.startswith("stoker (median round)"))
+    assert line.split(": ", 1)[1].split(" records/s")[0] == table.split()[1]
 
 
 def test_bench_reads_with_the_interleave_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
