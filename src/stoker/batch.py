@@ -703,20 +703,18 @@ class Assembler:
         t = time.perf_counter()
         try:
             sizes = file_sizes([f.fd for f in held])
+            offsets = [spec.header_bytes + run.start * rb for run in runs]
+            spans = [(run.stop - run.start) * rb for run in runs]
             mapped: list[int] = []  # (row, address, count, stride) of each run read through its map
-            for run, info, f, now in zip(runs, infos, held, sizes, strict=True):
-                offset = spec.header_bytes + run.start * rb
+            for run, info, f, now, offset, nread in zip(runs, infos, held, sizes, offsets, spans, strict=True):
                 if not self._cast[name] and run.step == 1 and not f.reused:
                     self._pread(name, spec, info, run, f, dst[run.row : run.row + run.count], offset)
                     continue
-                end = offset + (run.stop - run.start) * rb
-                if f.map is None or f.size < end or now < end:
+                if f.map is None or f.size < offset + nread or now < offset + nread:
                     raise self._truncated(name, info, spec, run, min(f.size, now))
                 mapped += (run.row, f.address() + offset, run.count, run.step * rb)
             gather_runs(dst, mapped, spec.dtype)
-            for run, f in zip(runs, held, strict=True):
-                offset = spec.header_bytes + run.start * rb
-                nread = (run.stop - run.start) * rb
+            for f, offset, nread in zip(held, offsets, spans, strict=True):
                 f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
             self.counters.add("read+cast" if self._cast[name] else "read", name, time.perf_counter() - t)
@@ -951,8 +949,7 @@ class Assembler:
         with self._lock:
             for info, f in zip(infos, held, strict=True):
                 if f is not None:
-                    f.refs -= 1
-                    self._close_if_done(epoch, info, f)
+                    self._released(epoch, info, f, False, counted=False)
 
     def _evict(self) -> None:
         excess = len(self._files) - self._max_open
@@ -979,7 +976,8 @@ class Assembler:
             self._released(epoch, info, f, final, counted=counted)
 
     def _released(self, epoch: int, info: FileInfo, f: _RawFile, final: bool, *, counted: bool = True) -> None:
-        """A run of ``f`` is over (caller holds ``_lock``); ``counted``: one of its planned runs."""
+        """A hold of ``f`` is over (caller holds ``_lock``): ``final``, its file's last run;
+        ``counted``, one of its planned runs (``_let_go`` gives back holds that were neither)."""
         f.refs -= 1
         f.done = f.done or final
         if counted:
