@@ -10,6 +10,9 @@ Example:
     ...     ...
 """
 
+import importlib
+from types import ModuleType
+
 from .access import Subset
 from .dataset import Dataset
 from .errors import (
@@ -47,3 +50,19 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Submodules reachable as attributes after a bare ``import stoker``, imported on first use so that
+# ``import stoker`` needs numpy alone (the adapters import their framework when they load).
+_LAZY_SUBMODULES = frozenset(
+    {"autotune", "doctor", "jax", "kernels", "order", "ray", "testing", "tf", "torch", "transforms"}
+)
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_SUBMODULES})
