@@ -32,6 +32,8 @@ __all__ = [
     "default_block_length",
     "default_cycle_length",
     "interleave",
+    "next_pass",
+    "pass_end",
 ]
 
 # measured: reads of 256 KiB..1 MiB reach the same copy speed as larger ones on page-cached
@@ -52,6 +54,38 @@ def default_block_length(max_record_bytes: int) -> int:
 def default_cycle_length(num_groups: int) -> int:
     """Groups read side by side: ``min(num_groups, 4)``."""
     return max(1, min(num_groups, DEFAULT_CYCLE))
+
+
+def pass_end(first_epoch: int, epochs: int | None, *, reshuffle: bool = True) -> int | None:
+    """One past the last epoch of the pass that holds ``first_epoch`` (None: it never ends).
+
+    Pass k of a loader with ``epochs=E`` covers epochs ``k*E .. k*E+E-1``, so iterating it
+    again continues with new orders, as tf.data's ``reshuffle_each_iteration`` does; without
+    ``reshuffle`` every pass covers epochs ``0 .. E-1``.
+
+    Example:
+        >>> pass_end(0, 1), pass_end(7, 3), pass_end(1, 3, reshuffle=False)
+        (1, 9, 3)
+    """
+    if epochs is None:
+        return None
+    return (first_epoch // epochs + 1) * epochs if reshuffle else epochs
+
+
+def next_pass(first_epoch: int, last_epoch: int, epochs: int | None, *, reshuffle: bool = True) -> int:
+    """The first epoch of the pass after one that began at ``first_epoch`` and reached ``last_epoch``.
+
+    Passes of a loader that repeats forever (``epochs=None``) end only when left: the next
+    goes on with the epoch after the last one it delivered from.
+
+    Example:
+        >>> next_pass(3, 4, 3), next_pass(3, 4, 3, reshuffle=False), next_pass(0, 5, None)
+        (6, 0, 6)
+    """
+    if not reshuffle:
+        return 0
+    end = pass_end(first_epoch, epochs)
+    return last_epoch + 1 if end is None else end
 
 
 @dataclass(frozen=True, slots=True)
