@@ -24,6 +24,7 @@ from .errors import (
     StaleIndexError,
     StateError,
     StokerError,
+    SupersededError,
 )
 from .files import Group
 from .index import write_index
@@ -45,6 +46,7 @@ __all__ = [
     "StateError",
     "StokerError",
     "Subset",
+    "SupersededError",
     "write_index",
     "write_sample",
 ]

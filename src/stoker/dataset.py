@@ -126,6 +126,7 @@ class Dataset:
         shuffle: Literal[False, "global", "files"] | None = False,
         seed: int | None = None,
         window: int = 16,
+        reshuffle_each_iteration: bool = True,
         shard: tuple[int, int] = (0, 1),
         even: bool = True,
         state: Mapping[str, Any] | None = None,
@@ -137,7 +138,8 @@ class Dataset:
 
         Args:
             batch_size: records per batch; the last batch of an epoch may be shorter.
-            epochs: passes over the data; None repeats forever. Batches never span epochs.
+            epochs: epochs per pass (per ``iter(loader)``); None repeats forever. Batches never
+                span epochs. Pass k covers epochs ``k*epochs .. k*epochs+epochs-1``.
             drop_remainder: drop each epoch's last short batch.
             cycle_length, block_length: tf.data interleave settings; None = stoker's defaults
                 (see :func:`stoker.plan.default_cycle_length` / ``default_block_length``).
@@ -157,6 +159,8 @@ class Dataset:
                 blocks shuffled within ``window`` blocks; any compression). Needs ``seed``.
             seed: a non-negative integer; the same seed gives the same order anywhere.
             window: "files" mode: how many consecutive blocks are shuffled together.
+            reshuffle_each_iteration: True: each pass goes on with the next epochs (new
+                orders); False: every pass replays epochs ``0 .. epochs-1``.
             shard: ``(index, count)``: this loader takes every count-th record of the epoch's
                 sequence from ``index`` on; ``batch_size`` is per shard. Use
                 ``(rank, world_size)`` of your data-parallel job.
@@ -189,6 +193,7 @@ class Dataset:
             shuffle=shuffle,
             seed=seed,
             window=window,
+            reshuffle_each_iteration=reshuffle_each_iteration,
             shard=shard,
             even=even,
             state=state,

@@ -13,6 +13,7 @@ __all__ = [
     "StaleIndexError",
     "StateError",
     "StokerError",
+    "SupersededError",
 ]
 
 
@@ -81,3 +82,7 @@ class StaleIndexError(StokerError, ValueError):
 
 class RecordIndexError(StokerError, IndexError):
     """A record index is outside the dataset (random access)."""
+
+
+class SupersededError(StokerError, RuntimeError):
+    """A loader's iterator was used after a newer ``iter(loader)`` ended its pass (one pass at a time)."""

@@ -144,7 +144,9 @@ class JaxLoader(UserPosition):
         return out
 
     def __iter__(self) -> Iterator[JaxBatch]:
-        return self._batches(iter(self.loader))
+        it = iter(self.loader)
+        self._position = self.loader.position  # the new pass's start, until its first batch
+        return self._batches(it)
 
     def _batches(self, it: Iterator[dict[str, np.ndarray]]) -> Iterator[JaxBatch]:
         loader = self.loader
@@ -160,6 +162,7 @@ class JaxLoader(UserPosition):
                     ahead.append((self._put(batch), loader.position))
                     del batch
                 if not ahead:
+                    self._position = loader.position  # the pass ended: the next one's start
                     return
                 arrays, position = ahead.popleft()
                 self._position = position

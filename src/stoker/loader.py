@@ -29,9 +29,19 @@ from .batch import (
 )
 from .dataset import resolve_cast
 from .engine import ALIGNMENT, AlignedPool, Allocator, Executor, OrderedMap, Stopped, ThreadExecutor, run_finalizer
-from .errors import SpecError, StateError
+from .errors import SpecError, StateError, SupersededError
 from .order import even_length, fingerprint, shard_length, validate_shard
-from .plan import BatchPlan, Plan, PlanConfig, Shuffle, coalesce, default_block_length, default_cycle_length
+from .plan import (
+    BatchPlan,
+    Plan,
+    PlanConfig,
+    Shuffle,
+    coalesce,
+    default_block_length,
+    default_cycle_length,
+    next_pass,
+    pass_end,
+)
 from .readahead import AHEAD_BYTES, Readahead, drop_behind_for
 from .remote import is_remote
 from .spec import parse_bytes
@@ -77,9 +87,12 @@ def _positive(name: str, value: object, *, allow_none: bool = True) -> int | Non
 class Loader:
     """Batches of a Dataset, in the plan's order, prepared by worker threads.
 
-    Each ``iter(loader)`` starts a new pass over ``epochs`` epochs (closing the previous
-    pass if one is still open). Threads start at the first batch asked for, and stop when
-    the pass ends, is closed, is broken out of, or is dropped.
+    Each ``iter(loader)`` starts a new pass over ``epochs`` epochs, and ends the previous
+    pass if one is still open (its iterator then raises SupersededError). Pass k covers
+    epochs ``k*epochs .. k*epochs+epochs-1``, each in its own order (``(seed, epoch)``), as
+    a PyTorch DataLoader or tf.data reshuffles each iteration; ``reshuffle_each_iteration=
+    False`` replays epochs ``0 .. epochs-1`` every pass. Threads start at the first batch
+    asked for, and stop when the pass ends, is closed, is broken out of, or is dropped.
 
     Example:
         >>> with ds.loader(256, cast={"image": "float32"}) as loader:  # doctest: +SKIP
@@ -104,6 +117,7 @@ class Loader:
         shuffle: Shuffle | None = False,
         seed: int | None = None,
         window: int = DEFAULT_WINDOW,
+        reshuffle_each_iteration: bool = True,
         shard: tuple[int, int] = (0, 1),
         even: bool = True,
         state: Mapping[str, Any] | None = None,
@@ -198,6 +212,9 @@ class Loader:
         self.shuffle: Shuffle = shuffle
         self.seed = int(seed) if seed is not None else None
         self.window = _positive("window", window, allow_none=False) or 1
+        if not isinstance(reshuffle_each_iteration, bool):
+            raise SpecError(f"reshuffle_each_iteration={reshuffle_each_iteration!r} must be True or False")
+        self.reshuffle_each_iteration = reshuffle_each_iteration
         self.shard = validate_shard(shard)
         if not isinstance(even, bool):
             raise SpecError(f"even={even!r} must be True or False")
@@ -222,7 +239,9 @@ class Loader:
             from .workers import SharedPool
 
             self.allocator_factory = lambda pooled: SharedPool(max_pooled_bytes=pooled)
-        self._resume: tuple[int, int] = (0, 0)
+        # Where the next pass starts when it is not the pass after the last (a loaded state).
+        self._resume: tuple[int, int] | None = None
+        self._first_epoch: int | None = None  # the first epoch of the last pass started
         self._delivered: tuple[int, int] = (0, 0)
         self._counters = Counters()
         # Larger than half the RAM: drop pages behind the reader (stoker.readahead); output unchanged.
@@ -354,12 +373,15 @@ class Loader:
         Small and JSON-serializable. Batches prefetched but not yet returned are not
         counted, so nothing is skipped on resume. ``position`` counts records of the
         epoch's global sequence; batch_size and shard may change on resume (elastic).
+        Once a pass has ended, the loader stands at the start of the next pass, so a loop
+        that saves after each pass resumes with the pass it had not begun.
         """
         return self._state_dict_at(self._delivered)
 
     @property
     def position(self) -> tuple[int, int]:
-        """``(epoch, position)`` after the last batch ``__next__`` returned.
+        """``(epoch, position)`` after the last batch ``__next__`` returned (the start of a pass
+        not yet delivered from, once ``iter()`` has begun it or the pass before has ended).
 
         Adapters that run ahead of their user (device prefetch, worker processes) keep this
         with each batch and save ``_state_dict_at`` the position their user actually reached.
@@ -382,23 +404,57 @@ class Loader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state``: the next ``iter()`` continues right after the saved batch."""
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-            raise StateError(f"not a stoker loader state (version {STATE_VERSION} expected): {state!r:.200}")
+        self._resume = self._delivered = self._checked_state(state)
+
+    def _checked_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        """``(epoch, position)`` of a state this loader can resume from, or a StateError saying why not.
+
+        Types are exact (``True`` is not a position) and ranges checked, so a crafted or
+        damaged state is an error here rather than a short or empty run.
+        """
+        first = self.dataset.files[0][next(iter(self.dataset.fields))].path if self.dataset.files else None
+        if not isinstance(state, Mapping) or not _is_int(state.get("version")) or state["version"] != STATE_VERSION:
+            raise StateError(
+                f"not a stoker loader state (version {STATE_VERSION} expected): {state!r:.200}", path=first
+            )
+        for key, ok, what in (
+            ("fingerprint", isinstance(state.get("fingerprint"), str), "a string"),
+            ("parts", _is_digests(state.get("parts")), "a mapping of part names to digests"),
+            ("epoch", _is_int(state.get("epoch")), "a non-negative integer"),
+            ("position", _is_int(state.get("position")), "a non-negative integer"),
+            ("seed", state.get("seed") is None or _is_int(state["seed"]), "a non-negative integer or None"),
+            ("batch_size", _is_int(state.get("batch_size"), least=1), "a positive integer"),
+            ("shard", _is_shard(state.get("shard")), "[index, count] with 0 <= index < count"),
+        ):
+            if not ok:
+                raise StateError(f"state has {key}={state.get(key)!r:.200}; it must be {what}", path=first)
         parts = self._fingerprint_parts()
-        if state.get("fingerprint") != fingerprint(parts):
-            saved = state.get("parts") or {}
+        if state["fingerprint"] != fingerprint(parts):
+            saved = state["parts"]
             differ = [k for k, v in parts.items() if saved.get(k) != fingerprint({k: v})]
-            first = self.dataset.files[0][next(iter(self.dataset.fields))].path if self.dataset.files else None
             raise StateError(
                 f"the saved state belongs to a different dataset or loader configuration; differs in: "
                 f"{', '.join(differ) or 'unknown parts'} (dataset's first file {first!r})",
                 path=first,
             )
-        epoch, position = state.get("epoch"), state.get("position")
-        if not isinstance(epoch, int) or not isinstance(position, int) or epoch < 0 or position < 0:
-            raise StateError(f"state has invalid epoch={epoch!r} / position={position!r}")
-        self._resume = (epoch, position)
-        self._delivered = (epoch, position)
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if not self.reshuffle_each_iteration and self.epochs is not None and epoch >= self.epochs:
+            raise StateError(
+                f"state has epoch={epoch}, past this loader's epochs={self.epochs} (with reshuffle_each_iteration"
+                "=False every pass covers epochs 0 .. epochs-1)",
+                path=first,
+            )
+        # A shard's last batch may leave its position up to count - 1 past the epoch's end
+        # (its next position is beyond it); that and the end itself mean the epoch is done.
+        total = len(self.dataset)  # counts settled by the fingerprint already
+        count = int(state["shard"][1])
+        if position > total + count - 1:
+            raise StateError(
+                f"state has position={position}, past the end of epoch {epoch} ({total} records, "
+                f"saved by shard {list(state['shard'])})",
+                path=first,
+            )
+        return epoch, min(position, total)
 
     def __len__(self) -> int:
         """Batches per epoch for this shard (settles every group's record count)."""
@@ -413,11 +469,23 @@ class Loader:
         if self._closed:
             raise SpecError("this loader is closed; make a new one with dataset.loader(...)")
         for p in list(self._passes):
-            p.close()
-        p = _Pass(self)
-        self._resume = (0, 0)  # a loaded state applies to the next pass only
+            p.supersede()
+        start = self._next_start()
+        p = _Pass(self, start, pass_end(start[0], self.epochs, reshuffle=self.reshuffle_each_iteration))
+        self._resume = None  # a loaded state applies to the next pass only
+        self._first_epoch = start[0]
+        self._delivered = start
         self._passes.add(p)
         return p
+
+    def _next_start(self) -> tuple[int, int]:
+        """``(epoch, position)`` the next pass starts from: a loaded state's, else the pass after the last."""
+        if self._resume is not None:
+            return self._resume
+        if self._first_epoch is None:
+            return (0, 0)
+        last = self._delivered[0]
+        return (next_pass(self._first_epoch, last, self.epochs, reshuffle=self.reshuffle_each_iteration), 0)
 
     def _pass_pool(self, pooled: int) -> tuple[Allocator, bool]:
         """The batch buffers for a new pass, and whether the pass owns them (clears them when done).
@@ -560,6 +628,22 @@ class UserPosition:
         self._position = self.loader.position
 
 
+def _is_int(value: object, *, least: int = 0) -> bool:
+    """An integer (not a bool, which Python counts as one) of at least ``least``."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and bool(value >= least)
+
+
+def _is_shard(value: object) -> bool:
+    return (
+        isinstance(value, list | tuple) and len(value) == 2 and all(_is_int(v) for v in value)
+        and 0 <= value[0] < value[1]
+    )  # fmt: skip
+
+
+def _is_digests(value: object) -> bool:
+    return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
 def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator | None) -> None:
     # Idempotent, and safe to run again after a Ctrl-C cut it short (see stoker.engine._State):
     # the stop flag first, then the join; the files are also closed by the last worker out.
@@ -692,9 +776,14 @@ def _advising_ahead(tasks: Iterator[Task], depth: int) -> Iterator[Task]:
 
 
 class _Pass:
-    """One pass over the loader's epochs: the iterator ``iter(loader)`` returns."""
+    """One pass over the loader's epochs: the iterator ``iter(loader)`` returns.
 
-    def __init__(self, loader: Loader) -> None:
+    It plans epochs ``start[0] .. stop - 1`` (None: forever), from position ``start[1]`` of the first.
+    """
+
+    def __init__(self, loader: Loader, start: tuple[int, int], stop: int | None) -> None:
+        self._closed = False  # by close(), its end or an error: a later next() is StopIteration
+        self._superseded = False  # ended by a newer pass: a later next() raises SupersededError
         pooled = loader._spare_bytes - loader._kept_decoded.limit
         self._pool, own_pool = loader._pass_pool(pooled)
         ds = loader.dataset
@@ -711,8 +800,7 @@ class _Pass:
         self._assembler.share_kept(loader._kept_maps, loader._kept_decoded)
         self._assembler.fused = loader._stage  # built-in transforms run as records are read
         self._last: float | None = None  # when __next__ last returned a batch
-        first_epoch, start = loader._resume
-        plans: Iterator[BatchPlan] = loader._plan.batches(loader.epochs, first_epoch=first_epoch, start=start)
+        plans: Iterator[BatchPlan] = loader._plan.batches(stop, first_epoch=start[0], start=start[1])
         # Batches assembled together (see COALESCE_BYTES): the engine, its look-ahead and
         # autotune count these units; __next__ hands their parts out one by one.
         parts = self._parts = loader._parts
@@ -766,6 +854,12 @@ class _Pass:
         return self
 
     def __next__(self) -> Batch:
+        if self._superseded:
+            raise SupersededError(
+                "this iterator's pass was ended by a newer iter() on the same loader, which runs one pass at a "
+                "time (zip(loader, loader) or two loops over one loader interleaved); iterate two loaders made "
+                "with dataset.loader(...) to read two passes side by side"
+            )
         asked = time.perf_counter()
         try:  # all of it: a Ctrl-C landing anywhere in here ends the pass with its threads
             unit_rows = 0  # a unit taken from the engine now: its rows, for autotune
@@ -778,7 +872,13 @@ class _Pass:
                 failed, self._failed = self._failed, None
                 raise failed
             else:
-                result = next(self._batches)
+                try:
+                    result = next(self._batches)
+                except StopIteration:
+                    loader = self._loader()
+                    if not self._closed and loader is not None:  # the plan's end: stand at the next pass
+                        loader._delivered = loader._next_start()
+                    raise
                 if isinstance(result, _Parts):
                     unit_rows = result.rows
                     if not result.batches:  # its first batch failed
@@ -816,6 +916,13 @@ class _Pass:
             if loader._tune_prefetch:
                 loader.prefetch = tuner.prefetch_for(tuner.threads) * self._parts
 
+    def supersede(self) -> None:
+        """End this pass for a newer one; a pass still open then says so at its next ``next()``."""
+        if not self._closed:
+            self._superseded = True
+        self.close()
+
     def close(self) -> None:
+        self._closed = True
         run_finalizer(self._finalizer)  # armed until done: a later close() or GC finishes an interrupted one
         self._ready.clear()  # batches of an assembly not handed out: their buffer goes with the pass

@@ -198,7 +198,9 @@ class TorchLoader(UserPosition):
 
     def __iter__(self) -> Iterator[TensorBatch]:
         self._finish_copies(wait=True)
-        return self._batches(iter(self.loader))
+        it = iter(self.loader)
+        self._position = self.loader.position  # the new pass's start, until its first batch
+        return self._batches(it)
 
     def _batches(self, it: Iterator[dict[str, np.ndarray]]) -> Iterator[TensorBatch]:
         loader = self.loader
@@ -211,6 +213,7 @@ class TorchLoader(UserPosition):
                 self._position = position
                 yield out
                 del out, host
+            self._position = loader.position  # the pass ended: the next one's start
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -362,7 +365,8 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The next ``iter()`` in this process resumes right after the batch ``state`` was saved at."""
         worker, workers = self._worker()
-        with self._make_loader(worker_shard(self.shard, worker, workers), epochs=1) as probe:
+        # epochs=None: any epoch is one this iterable may start from (see _batches).
+        with self._make_loader(worker_shard(self.shard, worker, workers), epochs=None) as probe:
             try:
                 probe.load_state_dict(state)  # raises StateError for a foreign state, here
             except StateError as e:
