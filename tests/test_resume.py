@@ -146,11 +146,19 @@ def test_resume_after_last_batch_of_epoch_continues_with_next_epoch(
     assert state["epoch"] == 0
     rest = collect(make(state=state))
     assert_same_batches(reference, first + rest)
-    # resumed after the very last batch: nothing left
+    # resumed after the very last batch: nothing left of that pass
     with make() as loader:
-        assert len([dict(b) for b in loader]) == 3 * per
+        it = iter(loader)
+        assert len([dict(next(it)) for _ in range(3 * per)]) == 3 * per
         state = loader.state_dict()
     assert collect(make(state=state)) == []
+    # resumed once the pass has ended: the next pass (epochs 3..5), as the same loader goes on
+    with make() as loader:
+        assert len([dict(b) for b in loader]) == 3 * per
+        state = json.loads(json.dumps(loader.state_dict()))
+        second = [dict(b) for b in loader]
+    assert (state["epoch"], state["position"]) == (3, 0)
+    assert_same_batches(second, collect(make(state=state)))
 
 
 @pytest.mark.parametrize("shuffle", MODES)
