@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -265,3 +266,37 @@ def test_a_batch_held_back_for_trimmed_ends_is_delivered_before_a_count_that_fai
         for b in Plan(2, count, cfg).epoch(0):
             got.append(b)
     assert sum(r.count for b in got for r in b.runs) == 20 // cfg.shard[1]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "global"])
+def test_repeating_an_epoch_of_no_batch_ends_instead_of_spinning(mode: str) -> None:
+    counts = [0, 0]
+    seed = 3 if mode == "global" else None
+    plan = Plan(
+        2, counts.__getitem__, PlanConfig(4, False, 2, 2, shuffle="global" if seed is not None else False, seed=seed)
+    )
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.extend(itertools.islice(plan.batches(None), 5)), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "repeating an epoch of no batch spun without end"
+    assert got == []
+
+
+def test_a_shard_with_no_record_ends_an_endless_loader(tmp_path: Path) -> None:
+    ds = build(tmp_path, [3], {"x": FieldPlan("x", "int16")})
+    got: list[object] = []
+    loader = ds.loader(2, epochs=None, shard=(3, 4))
+    t = threading.Thread(target=lambda: got.extend(loader), daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "an endless loader over a shard with no record never ended"
+    assert got == []
+    loader.close()
+
+
+def test_resume_at_an_epochs_end_still_goes_on_to_the_next_epoch() -> None:
+    counts = [3, 2]
+    plan = Plan(2, counts.__getitem__, PlanConfig(2, False, 2, 2))
+    after = list(itertools.islice(plan.batches(None, first_epoch=0, start=5), 4))
+    assert [b.epoch for b in after] == [1, 1, 1, 2]

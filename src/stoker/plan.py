@@ -449,10 +449,19 @@ class Plan:
             yield from self._padded(epoch, -(-n // size), start + c * n, start, 0, ())
 
     def batches(self, epochs: int | None, *, first_epoch: int = 0, start: int = 0) -> Iterator[BatchPlan]:
-        """Batches of epochs ``first_epoch, first_epoch + 1, ...`` (forever if ``epochs`` is None)."""
+        """Batches of epochs ``first_epoch, first_epoch + 1, ...`` (forever if ``epochs`` is None).
+
+        A whole epoch with no batch ends the run even when ``epochs`` is None, as tf.data's
+        ``repeat()`` does: repeating nothing would spin forever without yielding.
+        """
         epoch = first_epoch
         while epochs is None or epoch < epochs:
-            yield from self.epoch(epoch, start)
+            some = False
+            for plan in self.epoch(epoch, start):
+                some = True
+                yield plan
+            if not some and start == 0:
+                return
             start = 0
             epoch += 1
 
