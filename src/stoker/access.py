@@ -33,7 +33,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +51,7 @@ from .seekpoints import SeekPoint
 
 if TYPE_CHECKING:
     from .engine import Allocator
+    from .fetch import Fetcher
     from .plan import BatchPlan
     from .spec import Field
 
@@ -512,10 +513,11 @@ class Subset(Dataset):
         return h.hexdigest()[:16]
 
     def _assembler(
-        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool
-    ) -> Assembler:
+        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool,
+        fetcher: Fetcher | None = None,
+    ) -> Assembler:  # fmt: skip
         kind = _GroupsAssembler if all(r is None for r in self._catalog.records) else _RecordsAssembler
-        return kind(self, out_dtypes, allocator, batch_size=batch_size, with_index=with_index)
+        return kind(self, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher)
 
     def __repr__(self) -> str:
         return f"Subset of {self.root!r}: {self.num_groups} groups"
@@ -526,9 +528,11 @@ class _GroupsAssembler(Assembler):
 
     def __init__(
         self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
-        with_index: bool,
+        with_index: bool, fetcher: Fetcher | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index)
+        super().__init__(
+            view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher
+        )
         self._groups = view._catalog.groups
 
     def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
@@ -544,14 +548,19 @@ class _RecordsAssembler(Assembler):
 
     def __init__(
         self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
-        with_index: bool,
+        with_index: bool, fetcher: Fetcher | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index)
+        super().__init__(
+            view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher
+        )
         self._view = view
         self._reader = RecordReader(view.root._catalog)  # its cache lives as long as this pass
 
     def prepare(self, plan: BatchPlan) -> Task:
         return Task(plan)
+
+    def fetching_ahead(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
+        return plans  # its batches are read by random access (RecordReader), not through the fetcher
 
     def close(self) -> None:
         super().close()

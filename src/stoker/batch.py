@@ -11,6 +11,8 @@ order, so parallel workers still read each stream front to back exactly once.
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import functools
 import itertools
 import os
@@ -18,7 +20,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 
 from .engine import Allocator, StopFlag, Stopped, flush_wake
 from .errors import CorruptDataError, ReadError, StokerError
+from .fetch import Fetcher
 from .files import Catalog, FileInfo, open_local
 from .inflate import Inflater, TruncatedStreamError
 from .kernels import (
@@ -44,7 +47,7 @@ from .kernels import (
 from .machine import descriptor_limits, max_map_count, set_soft_descriptor_limit
 from .plan import BatchPlan, Gather, Run
 from .readahead import Readahead
-from .remote import is_remote
+from .remote import is_remote, pieces
 from .seekpoints import SeekPoint
 from .spec import Field
 from .stats import CPU_SAMPLE_SECONDS, Counters, thread_clock
@@ -343,6 +346,39 @@ def _reading(name: str, info: FileInfo, group: int, start: int, stop: int) -> st
     return f"stoker: while reading field {name!r} from {info.path!r} (group {group}, records {start}..{stop - 1})"
 
 
+# Plans the look-ahead holds at most beyond the one handed on (plans reading no remote byte ask
+# the fetcher for nothing, so its room alone would not bound them).
+_MAX_LOOKAHEAD = 1024
+
+
+def _looking_ahead(
+    plans: Iterator[BatchPlan], want: Callable[[BatchPlan], None], room: Callable[[], bool]
+) -> Iterator[BatchPlan]:
+    """``plans``, each passed to ``want`` before it is handed on, as many ahead as ``room()`` allows
+    (at least the one handed on). A planning error comes after the plans before it."""
+    waiting: collections.deque[BatchPlan] = collections.deque()
+    error: BaseException | None = None
+    done = False
+    while True:
+        while not done and error is None and (not waiting or (room() and len(waiting) < _MAX_LOOKAHEAD)):
+            try:
+                plan = next(plans)
+            except StopIteration:
+                done = True
+                break
+            except BaseException as e:
+                error = e
+                break
+            with contextlib.suppress(StokerError):  # asked for again by its read, which raises it there
+                want(plan)
+            waiting.append(plan)
+        if not waiting:
+            break
+        yield waiting.popleft()
+    if error is not None:
+        raise error
+
+
 def _by_file(gather: Gather) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
     """A gather sorted by (group, record), so each file is visited once, front to back:
     ``(order, groups, index, spans)``, record ``k`` of the sorted ones going to row
@@ -494,6 +530,7 @@ class Assembler:
         *,
         batch_size: int,
         with_index: bool = False,
+        fetcher: Fetcher | None = None,
     ) -> None:
         self.catalog = catalog
         self.fields: dict[str, Field] = dict(catalog.fields)
@@ -543,6 +580,10 @@ class Assembler:
         self._fusable: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
         self._redoable: dict[int, bool] = {}  # per group, see redoable()
         self._decode_locks: dict[tuple[str, str], threading.Lock] = {}  # see _kept_or_decoded
+        # Ranged GETs of the fields' remote files, in flight ahead of the workers (stoker.fetch).
+        self.fetcher = fetcher if fetcher is not None else Fetcher()
+        self._remote = [n for n in self.fields if any(is_remote(infos[n].path) for infos in catalog.files)]
+        self._heads: tuple[int, set[tuple[int, str]]] = (-1, set())  # streams whose head was asked for
 
     def share_kept(self, maps: KeptMaps | None, decoded: KeptDecoded) -> None:
         """Keep maps (unless None) and decoded files in the loader's, which outlive this pass,
@@ -552,6 +593,52 @@ class Assembler:
         self.kept_decoded, self._owns_kept_decoded = decoded, False
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
+    def fetching_ahead(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
+        """``plans``, the byte ranges they read from remote files asked of the fetcher ahead of
+        the workers (stoker.fetch), as far as its room reaches; unchanged without remote files."""
+        if not self._remote:
+            return plans
+        return _looking_ahead(plans, self._want, self.fetcher.room)
+
+    def _want(self, plan: BatchPlan) -> None:
+        """Ask for the remote bytes ``plan`` reads, as its batch will read them: a raw run's
+        records, a gather's coalesced stretches, a compressed stream's head where it opens."""
+        fetcher = self.fetcher
+        epoch, heads = self._heads
+        if plan.epoch != epoch:  # a stream opens once per (epoch, group, field); a gather's once per pass
+            self._heads = epoch, heads = plan.epoch, (heads if plan.gather is not None else set())
+        wants: list[tuple[int, Run | np.ndarray]]
+        if plan.gather is not None:
+            _, groups, index, spans = _by_file(plan.gather)
+            wants = [(int(groups[a]), index[a:b]) for a, b in spans]
+        else:
+            wants = [(run.group, run) for run in plan.runs]
+        for name in self._remote:
+            spec = self.fields[name]
+            rb = spec.record_bytes
+            for group, what in wants:
+                info = self.catalog.files[group][name]
+                if not is_remote(info.path):
+                    continue
+                if info.compression is not None:
+                    if (group, name) not in heads and name not in self.seek_fields:
+                        heads.add((group, name))
+                        fetcher.want_stream(info.path, spec.storage_options, size=info.size, field=name)
+                elif isinstance(what, Run):
+                    start = spec.header_bytes + what.start * rb
+                    end = min(info.size, spec.header_bytes + what.stop * rb)
+                    if what.count:
+                        fetcher.want(info.path, spec.storage_options, start, end, size=info.size, field=name)
+                else:
+                    for a, b in pieces(what, rb, spec.header_bytes, fetcher.part_bytes):
+                        if b <= info.size:
+                            fetcher.want(info.path, spec.storage_options, a, b, size=info.size, field=name)
+
+    def _check_stop(self) -> None:
+        """Raise Stopped once the pass is closing (checked by waits on remote bytes)."""
+        if self.stop.is_set():
+            raise Stopped
+
     def prepare(self, plan: BatchPlan) -> Task:
         task = Task(plan)
         if plan.epoch != self._epoch:
@@ -1078,19 +1165,22 @@ class Assembler:
             done += got
 
     def _read_remote_raw(self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, offset: int) -> None:
-        """A run of a remote raw file: one ranged read (in parallel parts) into the batch or staging."""
-        from .remote import read_into
-
+        """A run of a remote raw file: its parts (asked for ahead, or now) into the batch or staging."""
         rb = spec.record_bytes
         span = run.stop - run.start
         direct = not self._cast[name] and run.step == 1
         view = _bytes_of(dst) if direct else self._staging(span * rb)
+        t = time.perf_counter()
         try:
-            got = read_into(info.path, spec.storage_options, offset, view, size=info.size, field=name)
+            got = self.fetcher.read_into(
+                info.path, spec.storage_options, offset, view, size=info.size, field=name, check=self._check_stop
+            )
         except ReadError as e:
             e.index = (e.offset - spec.header_bytes) // rb if e.offset is not None else run.start
             e.add_note(f"record {e.index} of group {run.group}")
             raise
+        finally:
+            self.counters.add("read", name, time.perf_counter() - t)
         if got < span * rb:
             raise self._truncated(name, info, spec, run, offset + got)
         if not direct:
@@ -1100,10 +1190,15 @@ class Assembler:
 
     def _remote_records(self, name: str, spec: Field, info: FileInfo, local: np.ndarray) -> np.ndarray:
         """Records ``local`` (sorted) of a remote raw file, for a gather."""
-        from .remote import read_records
-
-        raw = read_records(
-            info.path, spec.storage_options, spec.header_bytes, spec.record_bytes, local, size=info.size, field=name
+        raw = self.fetcher.read_records(
+            info.path,
+            spec.storage_options,
+            spec.header_bytes,
+            spec.record_bytes,
+            local,
+            size=info.size,
+            field=name,
+            check=self._check_stop,
         )
         return raw.view(spec.dtype).reshape(len(local), *spec.shape)
 
@@ -1199,12 +1294,19 @@ class Assembler:
         if stream.inflater is not None:
             stream.inflater.close()
         assert info.compression is not None
+        source = None
+        if is_remote(info.path):  # its parts asked for ahead (stoker.fetch)
+            source = self.fetcher.stream(
+                info.path, spec.storage_options, seek[1].compressed if seek else 0, size=info.size, field=name,
+                check=self._check_stop,
+            )  # fmt: skip
         inf = Inflater(
             info.path,
             info.compression,
             field=name,
             start=seek[1] if seek else (0, 0),
             storage_options=spec.storage_options,
+            source=source,
         )
         stream.inflater, stream.pos = inf, 0
         if seek is not None:
@@ -1460,3 +1562,4 @@ class Assembler:
                 s.inflater.close()
                 s.inflater = None
         self._resident.clear()  # "global" shuffle's decoded fields: the pass is over
+        self.fetcher.close()

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .access import Subset
     from .batch import Assembler
     from .engine import Allocator
+    from .fetch import Fetcher
     from .loader import Loader
 
 __all__ = ["Dataset"]
@@ -133,6 +134,7 @@ class Dataset:
         pad_last: bool = False,
         transform: Any = None,
         workers: Literal["thread", "process"] = "thread",
+        num_parallel_reads: int | None = None,
     ) -> Loader:
         """An iterable of batches: dicts of field name -> numpy array of ``(n, *shape)``.
 
@@ -175,6 +177,10 @@ class Dataset:
                 position of the batch's first record); seed None means seed 0.
             workers: "thread" (default) or "process": transforms run in worker processes
                 (``threads`` of them) on batches in shared memory; for GIL-bound transforms.
+            num_parallel_reads: fields at URLs (``s3://``, ...): ranged GETs kept in flight ahead
+                of the workers, whatever ``threads`` is (tf.data's name for I/O parallelism);
+                None = 16, fewer where half of what prefetch leaves of ``memory_budget`` cannot
+                hold 16 parts. Never changes what is delivered.
         """
         from .loader import Loader
 
@@ -200,6 +206,7 @@ class Dataset:
             pad_last=pad_last,
             transform=transform,
             workers=workers,
+            num_parallel_reads=num_parallel_reads,
         )
 
     # -- random access and subsets (see stoker.access) --------------------------------
@@ -249,11 +256,14 @@ class Dataset:
         return None
 
     def _assembler(
-        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool
-    ) -> Assembler:
+        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool,
+        fetcher: Fetcher | None = None,
+    ) -> Assembler:  # fmt: skip
         from .batch import Assembler
 
-        return Assembler(self._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index)
+        return Assembler(
+            self._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher
+        )
 
     # Used by adapters and the CLI; public enough to document, not part of the contract.
     def output_dtypes(self, cast: Any = None) -> dict[str, np.dtype]:

@@ -61,7 +61,10 @@ class Inflater:
         field: str | None = None,
         start: tuple[int, int] | SeekPoint = (0, 0),
         storage_options: Mapping[str, Any] | None = None,
+        source: Any = None,
     ) -> None:
+        # ``source``: where a URL's compressed bytes come from (``pread(n, offset)``, ``close()``;
+        # a loader's read-ahead, stoker.fetch), else a RemoteReader of its own.
         # ``start``: (compressed, decompressed) offset of a gzip member start or of the
         # stream start, or a SeekPoint at a deflate block boundary (stoker.seekpoints),
         # from which decoding may begin (a persistent index's seek point).
@@ -69,7 +72,9 @@ class Inflater:
         self.kind = kind
         self.field = field
         # A URL is read through stoker.remote (ranged, retried); a path through its descriptor.
-        self._remote = RemoteReader(path, storage_options, field=field) if is_remote(path) else None
+        if source is None and is_remote(path):
+            source = RemoteReader(path, storage_options, field=field)
+        self._remote = source
         try:
             self._fd = -1 if self._remote else os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:

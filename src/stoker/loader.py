@@ -30,6 +30,7 @@ from .batch import (
 from .dataset import resolve_cast
 from .engine import ALIGNMENT, AlignedPool, Allocator, Executor, OrderedMap, Stopped, ThreadExecutor, run_finalizer
 from .errors import SpecError, StateError, SupersededError
+from .fetch import Fetcher, parallel_reads
 from .order import even_length, fingerprint, shard_length, validate_shard
 from .plan import (
     BatchPlan,
@@ -125,6 +126,7 @@ class Loader:
         pad_last: bool = False,
         transform: Any = None,
         workers: str = "thread",
+        num_parallel_reads: int | None = None,
     ) -> None:
         self.dataset = dataset
         self.batch_size = _positive("batch_size", batch_size, allow_none=False) or 1
@@ -257,6 +259,12 @@ class Loader:
         # (stoker.batch.KeptDecoded), within an eighth of what the batches in flight leave of
         # the memory budget; the buffer pool keeps the rest (see _Pass).
         self._kept_decoded = KeptDecoded(max(0, min(KEPT_DECODED_BYTES, self._spare_bytes // 8)))
+        # Ranged GETs of files behind URLs kept in flight (stoker.fetch), whatever ``threads``; their
+        # bytes come out of half of what prefetch leaves of the budget.
+        reads = _positive("num_parallel_reads", num_parallel_reads)
+        remote = any(is_remote(i.path) for infos in dataset.files for i in infos.values())
+        self.num_parallel_reads, self._part_bytes = parallel_reads(reads, self._spare_bytes // 2 if remote else 1 << 62)
+        self._fetch_bytes = self.num_parallel_reads * self._part_bytes if remote else 0
         self._pool: Allocator | None = None  # the batch buffers, kept between passes (see _pass_pool)
         self._pool_factory: Callable[[int], Allocator] | None = None
         # No finalizer closes the maps when the loader goes: a pass still running holds them
@@ -784,7 +792,7 @@ class _Pass:
     def __init__(self, loader: Loader, start: tuple[int, int], stop: int | None) -> None:
         self._closed = False  # by close(), its end or an error: a later next() is StopIteration
         self._superseded = False  # ended by a newer pass: a later next() raises SupersededError
-        pooled = loader._spare_bytes - loader._kept_decoded.limit
+        pooled = loader._spare_bytes - loader._kept_decoded.limit - loader._fetch_bytes
         self._pool, own_pool = loader._pass_pool(pooled)
         ds = loader.dataset
         loader._keep_files_open()  # before the assembler reads the descriptor limit
@@ -793,6 +801,7 @@ class _Pass:
             self._pool,
             batch_size=loader.batch_size,
             with_index=loader.with_index,
+            fetcher=Fetcher(loader.num_parallel_reads, ahead_bytes=loader._fetch_bytes, part_bytes=loader._part_bytes),
         )
         self._assembler.seek_fields = loader._seek_fields
         self._assembler.counters = self._counters = loader._counters
@@ -808,6 +817,8 @@ class _Pass:
         self._failed: BaseException | None = None  # raised once the parts before it are out
         if parts > 1:
             plans = _units(plans, parts, self._assembler.redoable)
+        if loader.workers == "thread":  # worker processes read for themselves
+            plans = self._assembler.fetching_ahead(plans)
         tasks: Iterator[Task] = map(self._assembler.prepare, plans)
         if self._assembler.readahead.gathers_ahead:
             per_task = loader.batch_size * parts * sum(f.record_bytes for f in ds.fields.values())

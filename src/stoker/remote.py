@@ -1,12 +1,21 @@
-"""Files behind fsspec URLs (``s3://``, ``gs://``, ``memory://``, ...): listing, sizes, ranged reads.
+"""Files behind fsspec URLs (``s3://``, ``gs://``, ``memory://``, ...): filesystems, retries, ranged reads.
 
 Local paths never come here: files.py, batch.py and inflate.py keep their descriptor and
 memory-map paths for them and call this module only for a path that carries a protocol
-(:func:`is_remote`). A large read is cut into parts fetched concurrently by the
-filesystem's own event loop (``cat_ranges``; stoker starts no thread for it). A part that
-fails on a transient error (dropped connection, timeout, 5xx, short body) is fetched again
-after an exponential backoff; a permanent error (no such object, access denied) or a
-transient one that outlasts the retries is a :class:`~stoker.ReadError` naming the URL.
+(:func:`is_remote`). Every request (listing, stat, ranged GET) is a coroutine run on the
+filesystem's event loop (fsspec's I/O thread; a filesystem without async methods has its calls
+run in that loop's executor), so requests overlap without a thread of stoker's per request.
+A loader's pass keeps its ranged GETs in flight ahead of its workers through stoker.fetch.
+
+One retry layer: a request that fails on a transient error (dropped connection, timeout, 5xx,
+429, short body) is made again after an exponential backoff (:data:`RETRY`); a permanent error
+(no such object, access denied) or a transient one that outlasts the retries is a
+:class:`~stoker.ReadError` naming the field, the URL and the byte offset. The libraries
+underneath retry too by default (botocore up to 5 attempts, and s3fs 5 around each call, twice
+nested for a read): stacked under stoker's, one failing part could take hundreds of attempts and
+minutes before anyone heard of it. So the filesystems stoker reads through are its own instances
+with those retries off (botocore's ``total_max_attempts=1`` unless ``storage_options`` set
+``retries``, s3fs's ``retries=1``); the instances a user's own code gets from fsspec are left alone.
 
 Example:
     >>> import stoker
@@ -20,24 +29,34 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
-import time
-from collections.abc import Callable, Mapping, Sequence
+import os
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .errors import ReadError, SpecError
 
-__all__ = ["PART_BYTES", "RETRY", "Probe", "Retry", "expand", "is_remote", "probe", "read_into", "read_records"]
+__all__ = [
+    "PART_BYTES", "RETRY", "Client", "Probe", "RemoteReader", "Retry", "client", "expand", "get_range",
+    "is_remote", "pieces", "probe", "read_records", "transient",
+]  # fmt: skip
 
-# Bytes per ranged request. Object stores serve 8-16 MiB ranges at full speed per
+T = TypeVar("T")
+
+# Bytes per ranged request at most. Object stores serve 8-16 MiB ranges at full speed per
 # connection (their own guidance); smaller parts only add request overhead.
 PART_BYTES = 8 << 20
 # Records gathered by random access: holes up to this size between wanted records are read
 # through rather than split into another request (a request costs more than 1 MiB of transfer).
 _GAP_BYTES = 1 << 20
+# HTTP connections a filesystem stoker makes may keep open (botocore's default is 10, which
+# would hold a read-ahead of 16 GETs to 10); a loader asking for more gets its own instance.
+CONNECTIONS = 32
 
 # errno values that s3fs/gcsfs/aiohttp use for conditions worth another try.
 _TRANSIENT_ERRNO = {
@@ -87,7 +106,7 @@ class Retry:
         return float(min(self.initial_s * 2.0**k, self.max_s))
 
 
-# The policy every remote read uses; replace it (e.g. Retry(attempts=1)) to change it.
+# The policy every remote request uses; replace it (e.g. Retry(attempts=1)) to change it.
 RETRY = Retry()
 
 
@@ -131,30 +150,77 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def filesystem(url: str, options: Mapping[str, Any] | None) -> tuple[Any, str]:
-    """The fsspec filesystem for ``url`` (instances are cached by fsspec) and the path on it."""
+class Client:
+    """One filesystem's requests as coroutines on its event loop."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        self._async = bool(getattr(fs, "async_impl", False))
+        if self._async:
+            self.loop = fs.loop
+        else:
+            from fsspec.asyn import get_loop
+
+            self.loop = get_loop()
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<method>(*args, **kwargs)``: its coroutine, or the blocking call in the loop's executor."""
+        if self._async:
+            return await getattr(self.fs, "_" + method)(*args, **kwargs)
+        return await asyncio.to_thread(getattr(self.fs, method), *args, **kwargs)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop; its result in a future any thread may wait on."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for it."""
+        return self.submit(coro).result()
+
+
+_clients: dict[tuple[int, str], Client] = {}
+_clients_lock = threading.Lock()
+
+
+def _options_for(cls: type, options: Mapping[str, Any], connections: int) -> dict[str, Any]:
+    """``options`` with the library's own retries off and room for ``connections`` (s3fs/botocore)."""
+    opts = dict(options)
+    protocols = cls.protocol if isinstance(cls.protocol, tuple) else (cls.protocol,)  # type: ignore[attr-defined]
+    if "s3" in protocols:
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})
+        config["max_pool_connections"] = max(connections, int(config.get("max_pool_connections") or 0))
+        opts["config_kwargs"] = config
+    return opts
+
+
+def client(url: str, options: Mapping[str, Any] | None, *, connections: int = CONNECTIONS) -> tuple[Client, str]:
+    """stoker's own filesystem for ``url`` (see the module's doc) wrapped as a Client, and the path on it.
+
+    Instances are kept per process, per protocol and options, and made again in a forked child.
+    """
     try:
         import fsspec
+        from fsspec.utils import tokenize
     except ImportError as e:  # pragma: no cover - depends on the install
         raise SpecError(f"{url!r} needs fsspec: pip install 'stoker[remote]'", path=url) from e
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
     try:
-        fs, path = fsspec.core.url_to_fs(url, **dict(options or {}))
-    except (ImportError, ValueError) as e:
+        cls = fsspec.get_filesystem_class(protocol)
+        opts = _options_for(cls, options or {}, connections)
+        key = (os.getpid(), tokenize(protocol, cls._get_kwargs_from_urls(url), opts))
+        with _clients_lock:
+            found = _clients.get(key)
+        if found is not None:
+            return found, found.fs._strip_protocol(url)
+        fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **opts)
+    except (ImportError, ValueError, TypeError) as e:
         raise SpecError(f"{url!r}: no fsspec filesystem for it ({e})", path=url) from e
-    return fs, path
-
-
-def _call(url: str, what: str, fn: Callable[[], Any], *, field: str | None, offset: int | None = None) -> Any:
-    """``fn()`` with the retry policy; a permanent or exhausted failure is a ReadError naming ``url``."""
-    policy = RETRY
-    for attempt in range(policy.attempts):
-        try:
-            return fn()
-        except Exception as e:
-            if not transient(e) or attempt + 1 >= policy.attempts:
-                raise _read_error(url, what, e, field=field, offset=offset, attempts=attempt + 1) from e
-            time.sleep(policy.delay(attempt))
-    raise AssertionError("unreachable")  # pragma: no cover
+    if isinstance(getattr(type(fs), "retries", None), int):  # s3fs: its retry loop, off (see above)
+        fs.retries = 1
+    with _clients_lock:
+        made = _clients.setdefault(key, Client(fs))
+    return made, path
 
 
 def _read_error(
@@ -168,13 +234,43 @@ def _read_error(
     )
 
 
+async def attempt(
+    url: str, what: str, request: Callable[[], Awaitable[T]], *, field: str | None, offset: int | None = None
+) -> T:
+    """``await request()`` under the retry policy (the one retry layer); a permanent or exhausted
+    failure is a ReadError naming ``url`` (the original error is its ``__cause__``)."""
+    policy = RETRY
+    for k in range(policy.attempts):
+        try:
+            return await request()
+        except Exception as e:
+            if not transient(e) or k + 1 >= policy.attempts:
+                raise _read_error(url, what, e, field=field, offset=offset, attempts=k + 1) from e
+        await asyncio.sleep(policy.delay(k))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def get_range(
+    client: Client, url: str, path: str, start: int, end: int, *, size: int, field: str | None
+) -> bytes:
+    """Bytes ``start..end`` of the object (``size`` bytes long), whole or a ReadError."""
+
+    async def once() -> bytes:
+        data = await client.call("cat_file", path, start=start, end=end)
+        if len(data) != end - start:
+            raise _ShortRead(f"got {len(data)} of {end - start} bytes of a {size}-byte object")
+        return bytes(data)
+
+    return await attempt(url, "read", once, field=field, offset=start)
+
+
 def expand(name: str, pattern: str, options: Mapping[str, Any] | None) -> list[str]:
     """The URLs a remote pattern names: sorted glob matches, or the URL itself."""
-    fs, path = filesystem(pattern, options)
-    if not any(c in path for c in "*?["):
+    c, path = client(pattern, options)
+    if not any(ch in path for ch in "*?["):
         return [pattern]
-    found = _call(pattern, "listing", lambda: fs.glob(path, detail=True), field=name)
-    urls = sorted(fs.unstrip_protocol(p) for p, info in (found or {}).items() if info.get("type") != "directory")
+    found = c.run(attempt(pattern, "listing", lambda: c.call("glob", path, detail=True), field=name))
+    urls = sorted(c.fs.unstrip_protocol(p) for p, info in (found or {}).items() if info.get("type") != "directory")
     if not urls:
         raise SpecError(f"field {name!r}: glob {pattern!r} matched no file", field=name, path=pattern)
     return urls
@@ -202,134 +298,80 @@ def _mtime_ns(info: Mapping[str, Any]) -> int:
     return 0
 
 
-def _each(fs: Any, paths: Sequence[str], method: str) -> list[Any]:
-    """``fs.<method>(path)`` for every path: concurrently on an async filesystem's loop, else in turn.
-
-    Each result is the value or the exception raised.
-    """
-    if getattr(fs, "async_impl", False):
-        from fsspec.asyn import sync
-
-        async def gather() -> list[Any]:
-            fn = getattr(fs, "_" + method)
-            return await asyncio.gather(*(fn(p) for p in paths), return_exceptions=True)
-
-        return list(sync(fs.loop, gather))
-    out: list[Any] = []
-    for p in paths:
-        try:
-            out.append(getattr(fs, method)(p))
-        except Exception as e:
-            out.append(e)
-    return out
-
-
 def probe(name: str, urls: Sequence[str], options: Mapping[str, Any] | None) -> dict[str, Probe]:
-    """Size, mtime and head/tail bytes of every URL, fetched concurrently, retried per file."""
-    by_fs: dict[int, tuple[Any, list[str]]] = {}
+    """Size, mtime and head/tail bytes of every URL, fetched concurrently, each request retried."""
+    by_client: dict[int, tuple[Client, list[tuple[str, str]]]] = {}
     for url in urls:
-        fs, _ = filesystem(url, options)
-        by_fs.setdefault(id(fs), (fs, []))[1].append(url)
+        c, path = client(url, options)
+        by_client.setdefault(id(c), (c, []))[1].append((url, path))
     out: dict[str, Probe] = {}
-    for fs, same in by_fs.values():
-        out.update(_probe(name, fs, same, options))
+    for c, pairs in by_client.values():
+        out.update(c.run(_probe(name, c, pairs)))
     return out
 
 
-def _probe(name: str, fs: Any, urls: Sequence[str], options: Mapping[str, Any] | None) -> dict[str, Probe]:
-    paths = [filesystem(u, options)[1] for u in urls]
-    infos: list[Any] = [None] * len(urls)
-    pending = list(range(len(urls)))
-    for attempt in range(RETRY.attempts):
-        got = _each(fs, [paths[i] for i in pending], "info")
-        retry = []
-        for i, r in zip(pending, got, strict=True):
-            if isinstance(r, BaseException):
-                if isinstance(r, FileNotFoundError):
-                    raise SpecError(f"field {name!r}: file {urls[i]!r} does not exist", field=name, path=urls[i]) from r
-                if not transient(r) or attempt + 1 >= RETRY.attempts:
-                    raise _read_error(urls[i], "stat", r, field=name, offset=None, attempts=attempt + 1) from r
-                retry.append(i)
-            else:
-                infos[i] = r
-        if not retry:
-            break
-        pending = retry
-        time.sleep(RETRY.delay(attempt))
-    for url, info in zip(urls, infos, strict=True):
+async def _probe(name: str, c: Client, pairs: Sequence[tuple[str, str]]) -> dict[str, Probe]:
+    async def stat(url: str, path: str) -> Mapping[str, Any]:
+        try:
+            info = await attempt(url, "stat", lambda: c.call("info", path), field=name)
+        except ReadError as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                raise SpecError(f"field {name!r}: file {url!r} does not exist", field=name, path=url) from e.__cause__
+            raise
         if info.get("type") == "directory":
             raise SpecError(f"field {name!r}: {url!r} is a directory, not a record file", field=name, path=url)
-    sizes = [int(info["size"]) for info in infos]
-    heads = _ranges(fs, urls, paths, [0] * len(urls), [min(3, s) for s in sizes], sizes, field=name)
-    # The gzip trailer (ISIZE) sits in the last 4 bytes; files.py reads it only past 18 bytes.
-    tails = _ranges(fs, urls, paths, [max(0, s - 4) for s in sizes], sizes, sizes, field=name)
-    return {
-        url: Probe(size, _mtime_ns(info), head, tail if size >= 18 else b"")
-        for url, info, size, head, tail in zip(urls, infos, sizes, heads, tails, strict=True)
-    }
+        return info
 
-
-def _ranges(
-    fs: Any,
-    urls: Sequence[str],
-    paths: Sequence[str],
-    starts: Sequence[int],
-    ends: Sequence[int],
-    sizes: Sequence[int],
-    *,
-    field: str | None,
-) -> list[bytes]:
-    """Bytes ``starts[i]..ends[i]`` of every file, concurrently; short or failed parts retried."""
-    out: list[bytes] = [b""] * len(urls)
-    pending = [i for i in range(len(urls)) if ends[i] > starts[i]]
-    for attempt in range(RETRY.attempts):
-        if not pending:
-            break
-        got = fs.cat_ranges(
-            [paths[i] for i in pending], [starts[i] for i in pending], [ends[i] for i in pending], on_error="return"
+    async def one(url: str, path: str) -> tuple[str, Probe]:
+        info = await stat(url, path)
+        size = int(info["size"])
+        # The gzip trailer (ISIZE) sits in the last 4 bytes; files.py reads it only past 18 bytes.
+        head, tail = await asyncio.gather(
+            get_range(c, url, path, 0, min(3, size), size=size, field=name) if size else _empty(),
+            get_range(c, url, path, size - 4, size, size=size, field=name) if size >= 18 else _empty(),
         )
-        retry = []
-        for i, r in zip(pending, got, strict=True):
-            error: BaseException | None = r if isinstance(r, BaseException) else None
-            if error is None and len(r) != ends[i] - starts[i]:
-                error = _ShortRead(
-                    f"got {len(r)} of {ends[i] - starts[i]} bytes of a {sizes[i]}-byte object"
-                )  # fmt: skip
-            if error is None:
-                out[i] = bytes(r)
-                continue
-            if not transient(error) or attempt + 1 >= RETRY.attempts:
-                raise _read_error(
-                    urls[i], "read", error, field=field, offset=starts[i], attempts=attempt + 1
-                ) from error
-            retry.append(i)
-        pending = retry
-        if pending:
-            time.sleep(RETRY.delay(attempt))
+        return url, Probe(size, _mtime_ns(info), head, tail)
+
+    return dict(await asyncio.gather(*(one(url, path) for url, path in pairs)))
+
+
+async def _empty() -> bytes:
+    return b""
+
+
+def pieces(index: np.ndarray, record_bytes: int, base: int, part_bytes: int) -> list[tuple[int, int]]:
+    """The byte ranges that read records ``index`` (sorted, distinct) of a file whose records start
+    at ``base``: neighbours read by one request (holes under _GAP_BYTES read through), each range
+    at most ``part_bytes`` long (or one record)."""
+    if not len(index):
+        return []
+    gap = max(1, _GAP_BYTES // record_bytes)
+    cuts = np.flatnonzero(np.diff(index) > gap) + 1
+    spans = [(int(c[0]), int(c[-1]) + 1) for c in np.split(index, cuts)]
+    per = max(1, part_bytes // record_bytes)
+    rb = record_bytes
+    return [(base + a * rb, base + min(a + per, b) * rb) for a, b in spans for a in range(a, b, per)]
+
+
+def too_short(url: str, size: int, index: np.ndarray, end: int, *, field: str | None) -> ReadError:
+    """The error for records asked beyond the object's end (not transient: it is shorter)."""
+    return ReadError(
+        f"field {field!r}: {url!r} is {size} bytes, too short for record {int(index[-1])} "
+        f"(ends at byte offset {end})",
+        field=field, path=url, index=int(index[-1]), offset=size,
+    )  # fmt: skip
+
+
+def place(ranges: Sequence[tuple[int, int]], parts: Sequence[bytes], index: np.ndarray, record_bytes: int,
+          base: int) -> np.ndarray:  # fmt: skip
+    """Records ``index`` as ``(len(index), record_bytes)`` uint8, cut from the ``parts`` read for ``ranges``."""
+    out = np.empty((len(index), record_bytes), np.uint8)
+    for (start, end), data in zip(ranges, parts, strict=True):
+        a, b = (start - base) // record_bytes, (end - base) // record_bytes
+        lo, hi = np.searchsorted(index, [a, b])
+        block = np.frombuffer(data, np.uint8).reshape(b - a, record_bytes)
+        out[lo:hi] = block[index[lo:hi] - a]
     return out
-
-
-def read_into(
-    url: str,
-    options: Mapping[str, Any] | None,
-    offset: int,
-    dst: memoryview,
-    *,
-    size: int,
-    field: str | None = None,
-) -> int:
-    """Fill ``dst`` with the bytes of ``url`` from ``offset``; parts of PART_BYTES go in parallel.
-
-    Returns the bytes read: short only where the object (of ``size`` bytes) ends first.
-    """
-    fs, path = filesystem(url, options)
-    n = max(0, min(len(dst), size - offset))
-    starts = list(range(offset, offset + n, PART_BYTES))
-    ends = [min(s + PART_BYTES, offset + n) for s in starts]
-    parts = _ranges(fs, [url] * len(starts), [path] * len(starts), starts, ends, [size] * len(starts), field=field)
-    for s, data in zip(starts, parts, strict=True):
-        dst[s - offset : s - offset + len(data)] = data
-    return n
 
 
 def read_records(
@@ -342,46 +384,35 @@ def read_records(
     size: int,
     field: str | None = None,
 ) -> np.ndarray:
-    """Records ``index`` (sorted, distinct) of the file, as ``(len(index), record_bytes)`` uint8.
-
-    Neighbouring records are read by one request (holes under _GAP_BYTES are read through).
-    """
-    out = np.empty((len(index), record_bytes), np.uint8)
+    """Records ``index`` (sorted, distinct) of the file, as ``(len(index), record_bytes)`` uint8,
+    by concurrent ranged reads (see :func:`pieces`); random access, outside any loader."""
     if not len(index):
-        return out
-    fs, path = filesystem(url, options)
-    gap = max(1, _GAP_BYTES // record_bytes)
-    cuts = np.flatnonzero(np.diff(index) > gap) + 1
-    spans = [(int(c[0]), int(c[-1]) + 1) for c in np.split(index, cuts)]
-    # Long spans are cut further so each request stays near PART_BYTES.
-    per = max(1, PART_BYTES // record_bytes)
-    pieces = [(a, min(a + per, b)) for a, b in spans for a in range(a, b, per)]
-    starts = [base + a * record_bytes for a, _ in pieces]
-    ends = [base + b * record_bytes for _, b in pieces]
-    if ends[-1] > size:
-        # Not a transient failure: the object is shorter than the records asked for.
-        raise ReadError(
-            f"field {field!r}: {url!r} is {size} bytes, too short for record {int(index[-1])} "
-            f"(ends at byte offset {ends[-1]})",
-            field=field, path=url, index=int(index[-1]), offset=size,
-        )  # fmt: skip
-    parts = _ranges(fs, [url] * len(pieces), [path] * len(pieces), starts, ends, [size] * len(pieces), field=field)
-    for (a, b), data in zip(pieces, parts, strict=True):
-        lo, hi = np.searchsorted(index, [a, b])
-        block = np.frombuffer(data, np.uint8).reshape(b - a, record_bytes)
-        out[lo:hi] = block[index[lo:hi] - a]
-    return out
+        return np.empty((0, record_bytes), np.uint8)
+    ranges = pieces(index, record_bytes, base, PART_BYTES)
+    if ranges[-1][1] > size:
+        raise too_short(url, size, index, ranges[-1][1], field=field)
+    c, path = client(url, options)
+
+    async def all_parts() -> list[bytes]:
+        return list(await asyncio.gather(*(get_range(c, url, path, a, b, size=size, field=field) for a, b in ranges)))
+
+    return place(ranges, c.run(all_parts()), index, record_bytes, base)
 
 
 class RemoteReader:
-    """Sequential reads of one remote file for the inflater: PART_BYTES-sized requests, retried."""
+    """Sequential reads of one remote file for the inflater, a part at a time (no loader's
+    read-ahead: random access and index building; a loader's streams use stoker.fetch)."""
 
-    def __init__(self, url: str, options: Mapping[str, Any] | None, *, field: str | None = None) -> None:
+    def __init__(
+        self, url: str, options: Mapping[str, Any] | None, *, size: int | None = None, field: str | None = None
+    ) -> None:
         self.url = url
         self.field = field
-        self._fs, self._path = filesystem(url, options)
-        info = _call(url, "stat", lambda: self._fs.info(self._path), field=field)
-        self.size = int(info["size"])
+        self._client, self._path = client(url, options)
+        if size is None:
+            info = self._client.run(attempt(url, "stat", lambda: self._client.call("info", self._path), field=field))
+            size = int(info["size"])
+        self.size = size
         self._block = b""
         self._block_start = 0
 
@@ -391,7 +422,9 @@ class RemoteReader:
             end = min(self.size, offset + max(n, PART_BYTES))
             if offset >= end:
                 return b""
-            self._block = _ranges(self._fs, [self.url], [self._path], [offset], [end], [self.size], field=self.field)[0]
+            self._block = self._client.run(
+                get_range(self._client, self.url, self._path, offset, end, size=self.size, field=self.field)
+            )
             self._block_start = offset
         at = offset - self._block_start
         return self._block[at : at + n]
