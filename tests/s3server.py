@@ -218,3 +218,21 @@ class DelayProxy:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+
+
+def _serve_delay_proxy(upstream: str, delay_s: float) -> None:
+    """``python s3server.py delay-proxy HOST:PORT SECONDS``: print the port, serve until stdin closes
+    (a process of its own, so its copies do not take the GIL from the process it measures)."""
+    host, port = upstream.rsplit(":", 1)
+    proxy = DelayProxy((host, int(port)), delay_s)
+    print(proxy.port, flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        proxy.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "delay-proxy":
+        raise SystemExit("usage: python s3server.py delay-proxy HOST:PORT SECONDS")
+    _serve_delay_proxy(sys.argv[2], float(sys.argv[3]))

@@ -607,32 +607,32 @@ class Assembler:
         epoch, heads = self._heads
         if plan.epoch != epoch:  # a stream opens once per (epoch, group, field); a gather's once per pass
             self._heads = epoch, heads = plan.epoch, (heads if plan.gather is not None else set())
-        wants: list[tuple[int, Run | np.ndarray]]
+        # In the order the batch reads them: a gather field by field, runs run by run.
+        wants: list[tuple[str, int, Run | np.ndarray]]
         if plan.gather is not None:
             _, groups, index, spans = _by_file(plan.gather)
-            wants = [(int(groups[a]), index[a:b]) for a, b in spans]
+            wants = [(name, int(groups[a]), index[a:b]) for name in self._remote for a, b in spans]
         else:
-            wants = [(run.group, run) for run in plan.runs]
-        for name in self._remote:
+            wants = [(name, run.group, run) for run in plan.runs for name in self._remote]
+        for name, group, what in wants:
             spec = self.fields[name]
             rb = spec.record_bytes
-            for group, what in wants:
-                info = self.catalog.files[group][name]
-                if not is_remote(info.path):
-                    continue
-                if info.compression is not None:
-                    if (group, name) not in heads and name not in self.seek_fields:
-                        heads.add((group, name))
-                        fetcher.want_stream(info.path, spec.storage_options, size=info.size, field=name)
-                elif isinstance(what, Run):
-                    start = spec.header_bytes + what.start * rb
-                    end = min(info.size, spec.header_bytes + what.stop * rb)
-                    if what.count:
-                        fetcher.want(info.path, spec.storage_options, start, end, size=info.size, field=name)
-                else:
-                    for a, b in pieces(what, rb, spec.header_bytes, fetcher.part_bytes):
-                        if b <= info.size:
-                            fetcher.want(info.path, spec.storage_options, a, b, size=info.size, field=name)
+            info = self.catalog.files[group][name]
+            if not is_remote(info.path):
+                continue
+            if info.compression is not None:
+                if (group, name) not in heads and name not in self.seek_fields:
+                    heads.add((group, name))
+                    fetcher.want_stream(info.path, spec.storage_options, size=info.size, field=name)
+            elif isinstance(what, Run):
+                start = spec.header_bytes + what.start * rb
+                end = min(info.size, spec.header_bytes + what.stop * rb)
+                if what.count:
+                    fetcher.want(info.path, spec.storage_options, start, end, size=info.size, field=name)
+            else:
+                for a, b in pieces(what, rb, spec.header_bytes, fetcher.part_bytes):
+                    if b <= info.size:
+                        fetcher.want(info.path, spec.storage_options, a, b, size=info.size, field=name)
 
     def _check_stop(self) -> None:
         """Raise Stopped once the pass is closing (checked by waits on remote bytes)."""

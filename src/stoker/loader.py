@@ -70,6 +70,10 @@ DEFAULT_WINDOW = 16
 # with the ceiling, 2026-12-06; benchmarks/w1.py: 0.903 and 0.932 in two runs).
 COALESCE_BYTES = 64 << 20
 MAX_COALESCE = 64
+# With fields at URLs: an assembly's first batch waits for every GET of the assembly, and 64 MiB
+# is half of the default read-ahead, so the pipeline moved in lurches; assemblies of 16 MiB kept
+# pace with benchmarks/remote.py's plain loop where those of 64 MiB fell behind it.
+COALESCE_REMOTE_BYTES = 16 << 20
 
 
 def default_threads() -> int:
@@ -156,6 +160,7 @@ class Loader:
             self.dtypes[VALID_KEY] = np.dtype(bool)
             self.shapes[VALID_KEY] = ()
         self.memory_budget = parse_bytes(memory_budget)
+        self._remote = any(is_remote(i.path) for infos in dataset.files for i in infos.values())
         self.threads = _positive("threads", threads) or default_threads()
         self._stage = self._transform_stage(transform, seed, shard, workers, executor)
         # threads=None: measured on the first pass (stoker.autotune), from 1 per core up to 2.
@@ -262,9 +267,9 @@ class Loader:
         # Ranged GETs of files behind URLs kept in flight (stoker.fetch), whatever ``threads``; their
         # bytes come out of half of what prefetch leaves of the budget.
         reads = _positive("num_parallel_reads", num_parallel_reads)
-        remote = any(is_remote(i.path) for infos in dataset.files for i in infos.values())
-        self.num_parallel_reads, self._part_bytes = parallel_reads(reads, self._spare_bytes // 2 if remote else 1 << 62)
-        self._fetch_bytes = self.num_parallel_reads * self._part_bytes if remote else 0
+        room = self._spare_bytes // 2 if self._remote else 1 << 62
+        self.num_parallel_reads, self._part_bytes = parallel_reads(reads, room)
+        self._fetch_bytes = self.num_parallel_reads * self._part_bytes if self._remote else 0
         self._pool: Allocator | None = None  # the batch buffers, kept between passes (see _pass_pool)
         self._pool_factory: Callable[[int], Allocator] | None = None
         # No finalizer closes the maps when the loader goes: a pass still running holds them
@@ -316,7 +321,8 @@ class Loader:
         if any(self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize % ALIGNMENT for n in self.dtypes):
             return 1
         # About COALESCE_BYTES: a W1 batch is 16 MiB and its labels' 1 KiB, four of them one.
-        parts = max(1, min(MAX_COALESCE, round(COALESCE_BYTES / self.batch_bytes)))
+        target = COALESCE_REMOTE_BYTES if self._remote else COALESCE_BYTES
+        parts = max(1, min(MAX_COALESCE, round(target / self.batch_bytes)))
         # The budget must hold twice a look-ahead of one assembly per starting worker plus the
         # consumer's spares (batches it takes per wake-up: an assembly holds ``parts`` of them).
         while parts > 1 and self._fits // parts < 2 * (self.threads + -(-SPARE // parts)):
