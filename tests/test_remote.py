@@ -630,3 +630,61 @@ def test_one_retry_layer_makes_exactly_the_policys_attempts(
     assert isinstance(err, stoker.ReadError) and "failed after 3 attempts" in str(err) and got == []
     assert err.path == f"{base}/data/img_0000.bin" and err.field == "image" and err.offset == 0
     assert list(faults.seen.values()) == [3]  # one range, asked three times
+
+
+def test_the_look_ahead_hands_plans_on_in_order_and_a_planning_error_after_them() -> None:
+    asked: list[int] = []
+    room = {"left": 3}
+
+    def plans() -> Iterator[int]:
+        yield from range(5)
+        raise stoker.SpecError("planning failed at the sixth")
+
+    def want(plan: int) -> None:
+        asked.append(plan)
+        room["left"] -= 1
+
+    got: list[int] = []
+    ahead = batch._looking_ahead(plans(), want, lambda: room["left"] > 0)  # type: ignore[arg-type]
+    with pytest.raises(stoker.SpecError, match="sixth"):
+        for plan in ahead:
+            got.append(plan)
+            assert len(asked) - len(got) <= 3  # no further ahead than the room allows
+            room["left"] += 1  # the batch's bytes were copied: room again
+    assert got == asked == [0, 1, 2, 3, 4]
+
+
+def test_fetcher_bounds_requests_and_bytes_ahead_and_gives_all_room_back(tmp_path: Path) -> None:
+    mem = fsspec.filesystem("memory")
+    url = f"memory:///stoker-{tmp_path.name}/blob.bin"
+    blob = np.random.default_rng(1).integers(0, 256, 300_000, np.uint8).tobytes()
+    mem.pipe(url, blob)
+    try:
+        with fetch.Fetcher(3, ahead_bytes=40_000, part_bytes=7_000) as f:
+            ranges = [(a, min(a + 10_000, len(blob))) for a in range(0, len(blob), 10_000)]
+            asked = 0
+            for a, b in ranges:
+                while asked < len(ranges) and f.room():  # the look-ahead: as far as the room reaches
+                    f.want(url, {}, *ranges[asked], size=len(blob), field="x")
+                    asked += 1
+                    assert f._ahead <= 40_000 + 10_000
+                out = bytearray(b - a)
+                n = f.read_into(url, {}, a, memoryview(out), size=len(blob), field="x", check=lambda: None)
+                assert n == b - a and bytes(out) == blob[a:b]
+            unasked = bytearray(5)  # a range nobody asked for ahead: fetched now
+            f.read_into(url, {}, 17, memoryview(unasked), size=len(blob), field="x", check=lambda: None)
+            assert bytes(unasked) == blob[17:22]
+            assert f.most_in_flight <= 3 and f._ahead == 0
+            got = f.read_records(url, {}, 100, 50, np.array([0, 3, 4, 4000]), size=len(blob), field="x",
+                                 check=lambda: None)  # fmt: skip
+            assert [bytes(r) for r in got] == [blob[100 + 50 * i : 150 + 50 * i] for i in (0, 3, 4, 4000)]
+            with pytest.raises(stoker.ReadError, match=r"'x': .*blob.bin' is 300000 bytes, too short for record 6000"):
+                f.read_records(url, {}, 100, 50, np.array([6000]), size=len(blob), field="x", check=lambda: None)
+            f.want(url, {}, 0, 20_000, size=len(blob), field="x")  # asked, never taken: close gives it back
+        for _ in range(500):  # what was in flight at close() gives its room back as it lands (at most 5 s)
+            if f._ahead == 0:
+                break
+            time.sleep(0.01)
+        assert f._ahead == 0 and f._in_flight == 0
+    finally:
+        mem.rm(url)
