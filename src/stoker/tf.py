@@ -23,8 +23,10 @@ TensorFlow is imported here only: ``import stoker`` needs numpy alone.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import itertools
+import json
 import math
 import os
 import shlex
@@ -36,7 +38,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import tensorflow as tf
@@ -54,8 +56,8 @@ try:
     from tensorflow.python.data.ops.from_generator_op import _GeneratorDataset
 except ImportError:  # pragma: no cover - as above
     _GeneratorDataset = None
-# What to_tf's eager iterator is made of (see _EagerBatches): where any is missing, to_tf's
-# dataset is iterated by TensorFlow's own iterator, as any other.
+# What to_tf's eager iterator is made of (see _EagerBatches): where any module, or any attribute
+# in _EAGER_ATTRIBUTES, is missing, to_tf's dataset is iterated by TensorFlow's own iterator.
 try:
     from tensorflow.python.data.ops.dataset_ops import UnaryUnchangedStructureDataset as _Unchanged
     from tensorflow.python.data.ops.iterator_ops import OwnedIterator as _OwnedIterator
@@ -76,7 +78,7 @@ if TYPE_CHECKING:
     from .loader import Loader
     from .transforms import Stage
 
-__all__ = ["as_tensor", "bridge", "element_spec", "native_dataset", "to_tf"]
+__all__ = ["as_tensor", "bridge", "distributed_dataset", "element_spec", "native_dataset", "to_tf"]
 
 # tf.io.decode_raw's out_type set; other dtypes (uint32, uint64) decode as bytes + bitcast.
 _DECODE_RAW = {
@@ -156,6 +158,17 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     ahead already, and TensorFlow's added prefetch thread cost ~25% on W1 (2 cores); a
     ``.prefetch()`` you add yourself is kept.
 
+    Under ``tf.distribute`` (``strategy.experimental_distribute_dataset``, Keras' ``fit``), a
+    sharded loader's dataset carries ``auto_shard_policy=OFF``: its records already are this
+    worker's, so TensorFlow must not keep only a part of each batch; each batch is then split
+    among all replicas in sync (the loader's ``batch_size`` is the global batch). An unsharded
+    loader's carries ``DATA``: every worker reads everything and keeps its part of each batch,
+    once per record only where every worker's loader gives the same batches. So where this
+    process is a worker of a multi-worker cluster (``TF_CONFIG``, or a
+    MultiWorkerMirroredStrategy in scope), an unsharded loader with a shuffle, or a loader
+    sharded among another number of workers, is a SpecError: stoker cannot see the other
+    workers' seeds. See :func:`distributed_dataset`, the one call that shards and batches right.
+
     Iterated eagerly (``for batch in loader.to_tf()``, a custom training loop), the dataset
     gives an iterator that skips two of TensorFlow's per-element costs it does not need (see
     ``_BatchIterator``: ~80 us of CPU a batch on W1). A dataset built on it (``.map``,
@@ -176,6 +189,7 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
         >>> loader = ds.loader(256, cast={"image": "float32"}, drop_remainder=True)  # doctest: +SKIP
         >>> model.fit(loader.to_tf().map(lambda b: (b["image"], b["label"])), epochs=2)  # doctest: +SKIP
     """
+    _check_distribution(loader)
     spec = dict(_element_spec(loader) if element_spec is None else element_spec)
     for name, s in spec.items():
         if not isinstance(s, tf.TensorSpec):
@@ -200,6 +214,7 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     # runs ahead, and that extra thread hop per batch cost ~25% (W1, 2 cores: 1.3x without it,
     # alternated A/B in a graph consumer). A prefetch the user adds downstream is kept.
     options.experimental_optimization.inject_prefetch = False
+    options.experimental_distribute.auto_shard_policy = _auto_shard_policy(loader)
     if missing:
         return _eager_batches(_public_chain(open_pass, names, dtypes, shapes, tout).with_options(options))
     op = _native()[0]
@@ -237,12 +252,208 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     return _eager_batches(tf.data.Dataset.from_tensors(np.int64(0)).flat_map(one_pass).with_options(options))
 
 
+def distributed_dataset(
+    strategy: tf.distribute.Strategy,
+    ds: Dataset,
+    global_batch_size: int,
+    *,
+    map_func: Callable[[dict[str, tf.Tensor]], Any] | None = None,
+    **loader_kwargs: Any,
+) -> Any:
+    """``ds``'s records spread over every replica of ``strategy``, each record once per epoch.
+
+    Built on ``strategy.distribute_datasets_from_function``: each input pipeline (one per
+    worker) iterates ``ds.loader(per_replica_batch, shard=(input_pipeline_id,
+    num_input_pipelines), **loader_kwargs).to_tf()``, where ``per_replica_batch`` is
+    ``global_batch_size`` over ``strategy.num_replicas_in_sync``; each worker reads only its own
+    shard of every epoch's sequence, which one seed (``loader_kwargs``' ``seed``) orders the same
+    on every worker. Where the workers are several processes, they compare their loaders'
+    configurations (one collective) and raise a SpecError naming what differs (a seed drawn
+    per worker, say), which would lose records without a word.
+
+    Args:
+        strategy: any ``tf.distribute.Strategy`` (MultiWorkerMirroredStrategy, MirroredStrategy, ...).
+        ds: the Dataset.
+        global_batch_size: records per step over all replicas; a multiple of the replicas in sync.
+        map_func: applied to each batch in the graph (``Dataset.map``), e.g. ``lambda b: (b["image"],
+            b["label"])`` for Keras' ``fit``, which wants ``(x, y)``.
+        **loader_kwargs: passed to :meth:`Dataset.loader` (``shuffle``, ``seed``, ``cast``,
+            ``drop_remainder``, ``epochs``, ...), all but ``shard``, which this sets.
+
+    Returns:
+        A ``tf.distribute.DistributedDataset``, for a custom loop (``strategy.run``) or Keras' ``fit``.
+
+    Example:
+        >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()  # doctest: +SKIP
+        >>> batches = stoker.tf.distributed_dataset(
+        ...     strategy, ds, 512, shuffle="global", seed=7, cast={"image": "float32"}, drop_remainder=True
+        ... )  # doctest: +SKIP
+        >>> for batch in batches:  # doctest: +SKIP
+        ...     strategy.run(train_step, args=(batch,))
+    """
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int | np.integer):
+        raise SpecError(f"{global_batch_size=} must be a positive integer")
+    replicas = strategy.num_replicas_in_sync
+    if global_batch_size < 1 or global_batch_size % replicas:
+        raise SpecError(
+            f"{global_batch_size=} must be a positive multiple of the strategy's {replicas} replicas in sync, "
+            "so every replica takes the same batch"
+        )
+    if "shard" in loader_kwargs:
+        raise SpecError(
+            f"distributed_dataset shards by input pipeline itself; drop shard={loader_kwargs['shard']!r}",
+        )
+    loaders: list[Loader] = []
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        shard = (context.input_pipeline_id, context.num_input_pipelines)
+        loader = ds.loader(context.get_per_replica_batch_size(int(global_batch_size)), shard=shard, **loader_kwargs)
+        loaders.append(loader)
+        dataset = to_tf(loader)
+        return dataset if map_func is None else dataset.map(map_func)
+
+    distributed = strategy.distribute_datasets_from_function(dataset_fn)
+    if loaders and loaders[0].shard[1] > 1:
+        _check_agreement(strategy, loaders[0])
+    return distributed
+
+
+def _check_agreement(strategy: tf.distribute.Strategy, loader: Loader) -> None:
+    """A SpecError on every worker whose loader orders an epoch otherwise than the others'.
+
+    Each replica contributes a hash of every part of its loader's fingerprint (the dataset's
+    files and counts, shuffle, seed, window, interleave: what orders the epoch's sequence, as
+    ``state_dict`` records it); one gather compares them.
+    """
+    parts = loader.state_dict()["parts"]
+    names = sorted(parts)
+    mine = tf.constant([[int(parts[n][:15], 16) for n in names]], tf.int64)  # 60 bits of each part's sha256
+    values = strategy.experimental_distribute_values_from_function(lambda _: mine)
+    everyone = strategy.gather(values, axis=0).numpy()
+    differ = [n for j, n in enumerate(names) if (everyone[:, j] != everyone[0, j]).any()]
+    if differ:
+        raise SpecError(
+            f"distributed_dataset: the workers' loaders differ in {', '.join(differ)} (this worker's: "
+            f"{', '.join(f'{n}={_fingerprint_value(loader, n)!r}' for n in differ)}); every worker must order the "
+            "epoch alike (one seed for all), or their shards would overlap and leave records out"
+        )
+
+
+def _fingerprint_value(loader: Loader, part: str) -> object:
+    """What a part of the loader's fingerprint is, for an error message (its value, or "...")."""
+    value = getattr(loader, part, "...")
+    return value if isinstance(value, int | str | bool) or value is None else "..."
+
+
+def _auto_shard_policy(loader: Loader) -> tf.data.experimental.AutoShardPolicy:
+    """What tf.distribute's auto-shard may do to to_tf's dataset: nothing where the loader is sharded.
+
+    DATA for an unsharded loader is what TensorFlow's AUTO comes to for this dataset (it has no
+    file source to shard), without its failed try at FILE first.
+    """
+    policy = tf.data.experimental.AutoShardPolicy
+    return policy.OFF if loader.shard[1] > 1 else policy.DATA
+
+
+def _cluster() -> tuple[int, str] | None:
+    """``(workers, where seen)`` where this process is one of several tf.distribute workers, else None.
+
+    Workers as MultiWorkerMirroredStrategy counts them (chief and worker tasks). A cluster with
+    parameter servers, or a task that is neither (an evaluator), builds no per-worker dataset
+    through ``experimental_distribute_dataset``: None.
+    """
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        resolver = getattr(strategy, "cluster_resolver", None)
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and resolver is not None:
+            spec = resolver.cluster_spec().as_dict()
+            workers = len(spec.get("chief", [])) + len(spec.get("worker", []))
+            return (workers, "the MultiWorkerMirroredStrategy in scope") if workers > 1 else None
+    try:
+        config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+        cluster, task = config.get("cluster") or {}, (config.get("task") or {}).get("type")
+        workers = len(cluster.get("chief") or []) + len(cluster.get("worker") or [])
+    except (ValueError, AttributeError, TypeError):  # not a TF_CONFIG TensorFlow reads: TensorFlow says so
+        return None
+    if workers < 2 or cluster.get("ps") or task not in ("chief", "worker"):
+        return None
+    return workers, f"TF_CONFIG: {workers} workers"
+
+
+def _check_distribution(loader: Loader) -> None:
+    """A SpecError where tf.distribute's auto-shard would lose or repeat records without a word.
+
+    An unsharded loader's dataset is DATA-sharded: each worker keeps its part of every batch,
+    once per record only if every worker shuffles alike, and no worker can see the others'
+    seeds. A sharded one is left whole: its shards must be the workers.
+    """
+    cluster = _cluster()
+    if cluster is None:
+        return
+    workers, where = cluster
+    index, count = loader.shard
+    fix = (
+        "give each worker shard=(task_index, num_workers) and the same seed (each then reads only its own "
+        "records), or use stoker.tf.distributed_dataset(strategy, ds, global_batch_size, ...)"
+    )
+    if count == 1 and loader.shuffle:
+        raise SpecError(
+            f"to_tf: an unsharded loader with shuffle={loader.shuffle!r} (seed={loader.seed}) on one of several "
+            f"workers ({where}): tf.distribute's auto-shard would keep this worker's part of each batch, which "
+            "delivers every record once only if every worker shuffles with the same seed, and stoker cannot "
+            f"see the other workers' seeds; {fix}"
+        )
+    if count > 1 and count != workers:
+        raise SpecError(
+            f"to_tf: the loader is shard {index} of {count}, but this process is one of {workers} workers "
+            f"({where}); tf.distribute reads one dataset per worker, so {count} shards would "
+            f"{'never be read in part' if count > workers else 'repeat records'}; {fix}"
+        )
+
+
+# What _BatchIterator reads of TensorFlow's OwnedIterator, beside its modules: an instance's
+# attributes (probed on a small iterator) and the iterator's own method it replaces.
+_EAGER_ATTRIBUTES = ("_iterator_resource", "_flat_output_types", "_flat_output_shapes", "_element_spec")
+_eager_missing: list[str] = []  # "" or what this TensorFlow lacks, once probed
+_warned_eager: list[bool] = []
+
+
+def _missing_eager() -> str:
+    """What of TensorFlow's iterator internals _BatchIterator needs this TensorFlow lacks ("" if none).
+
+    Probed once per process on a one-element iterator, so a TensorFlow that renamed one falls
+    back when to_tf's dataset is made, not at its first ``next()``.
+    """
+    if _Unchanged is None:
+        return "tf.data's iterator modules"
+    if not _eager_missing:
+        missing = [n for n in ("_next_internal",) if not callable(getattr(_OwnedIterator, n, None))]
+        if not callable(getattr(_context.context().executor, "is_async", None)):
+            missing.append("Executor.is_async")
+        if not missing:
+            probe = _OwnedIterator(tf.data.Dataset.from_tensors(np.int64(0)))
+            missing = [f"OwnedIterator.{n}" for n in _EAGER_ATTRIBUTES if not hasattr(probe, n)]
+        _eager_missing.append(", ".join(missing))
+    return _eager_missing[0]
+
+
 def _eager_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """``dataset``, whose iterators made eagerly skip two of TensorFlow's costs per element
-    (see _BatchIterator); ``dataset`` itself where this TensorFlow lacks what that needs."""
-    if _Unchanged is None:
+    (see _BatchIterator); ``dataset`` itself where this TensorFlow lacks what that needs, or
+    where it is built in a graph (its iterators are TensorFlow's there anyway)."""
+    if not tf.executing_eagerly():
         return dataset
-    return _EagerBatches(dataset)
+    missing = _missing_eager()
+    if missing and not _warned_eager:
+        _warned_eager.append(True)
+        warnings.warn(
+            f"stoker.tf: TensorFlow {tf.__version__} has no {missing} (stoker is checked on the version its [tf] "
+            "extra pins); to_tf's datasets are iterated by TensorFlow's own iterator (same batches, ~80 us more "
+            "CPU per batch in an eager loop)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return dataset if missing else _EagerBatches(dataset)
 
 
 if _Unchanged is not None:
@@ -686,6 +897,8 @@ def native_dataset(
     cast: Any = None,
     drop_remainder: bool = False,
     epochs: int | None = 1,
+    shuffle: Literal[False, "files"] | None = False,
+    seed: int | None = None,
     num_parallel_calls: int | None = tf.data.AUTOTUNE,
     deterministic: bool = True,
 ) -> tf.data.Dataset:
@@ -704,6 +917,24 @@ def native_dataset(
     Serializable: works with ``tf.data.experimental.service`` (``processing_mode="distributed_epoch"`` hands out
     whole groups to workers; order across workers is then not defined) and TPUs.
 
+    ``shuffle="files"`` (with ``seed=``): each epoch opens the groups in a permutation of its
+    own and reads each group's blocks in a permutation of their own, drawn in the graph by
+    stateless ops (``tf.random.experimental.index_shuffle`` keyed by seed, epoch and group), so
+    the same seed gives the same batches on every run and every tf.data service worker;
+    records within a block stay together (a smaller ``block_length`` shuffles finer). Raw
+    files are read a block at a time at its offset; a compressed field's group is read whole
+    (it cannot seek) and kept decompressed while the group is open. The epochs run on in one
+    interleave, each ``(epoch, group)`` an element of the graph's source (``distributed_epoch``
+    hands those to the workers), so near an epoch's end its last groups and the next epoch's
+    first share the open slots, and a batch there may hold records of both; over ``E`` epochs
+    every record comes ``E`` times. A ``.repeat()`` after the graph would replay the first
+    epoch's order: pass ``epochs=`` instead. ``"global"`` (a record-level shuffle) is the
+    loader's: ``ds.loader(..., shuffle="global").to_tf()``.
+
+    Fields must be files TensorFlow's file system opens (local paths, and URLs of its
+    registered schemes, such as ``gs://``); any other URL (``s3://``, fsspec's others) is a
+    SpecError naming the field: stoker's own reader opens them, through ``loader.to_tf()``.
+
     Every group's record counts are checked before the graph is built (this may
     decompress compressed files whose gzip trailer disagrees), raising PairingError. A
     compressed stream that then holds more or fewer records than its trailer said fails the
@@ -720,7 +951,20 @@ def native_dataset(
     if not isinstance(drop_remainder, bool):
         raise SpecError(f"drop_remainder={drop_remainder!r} must be True or False")
     passes = _check_positive("epochs", epochs)
+    if shuffle is None:
+        shuffle = False
+    if shuffle not in (False, "files"):
+        raise SpecError(
+            f"native_dataset: shuffle={shuffle!r} must be False or 'files' (a record-level shuffle is the loader's: "
+            "ds.loader(..., shuffle='global', seed=...).to_tf())"
+        )
+    if shuffle and (isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 1 << 63):
+        raise SpecError(
+            f"native_dataset: shuffle={shuffle!r} needs seed= an integer in [0, 2**63) (got seed={seed!r}); stoker "
+            "never seeds from the clock, so the same seed gives the same order on any machine"
+        )
     fields = ds.fields
+    _check_tf_opens(ds)
     cycle = _check_positive("cycle_length", cycle_length) or default_cycle_length(ds.num_groups)
     block = _check_positive("block_length", block_length) or default_block_length(
         max(f.record_bytes for f in fields.values())
@@ -800,9 +1044,17 @@ def native_dataset(
     # Each element of a group is one block, so block_length=1 here is the loader's
     # (cycle_length, block_length) interleave over records (a short last block moves the
     # cycle on in both).
-    groups = tf.data.Dataset.from_tensor_slices(columns)
-    blocks = groups.interleave(
-        group, cycle_length=cycle, block_length=1, num_parallel_calls=num_parallel_calls, deterministic=deterministic
+    if shuffle:
+        key = int(seed)  # type: ignore[arg-type]  # checked above
+        source = _shuffled_slots(columns, ds.num_groups, passes, key)
+        each: Callable[[Mapping[str, tf.Tensor]], tf.data.Dataset] = functools.partial(
+            _shuffled_group, fields=fields, block=block, compressed=compressed, seed=key
+        )
+        passes = 1  # the epochs are the slots'
+    else:
+        source, each = tf.data.Dataset.from_tensor_slices(columns), group
+    blocks = source.interleave(
+        each, cycle_length=cycle, block_length=1, num_parallel_calls=num_parallel_calls, deterministic=deterministic
     )
     decoded = blocks.map(decode, num_parallel_calls=num_parallel_calls, deterministic=deterministic)
     batches = decoded if exact else decoded.rebatch(batch_size, drop_remainder=drop_remainder)
@@ -811,3 +1063,109 @@ def native_dataset(
     if passes != 1:
         batches = batches.repeat(passes)
     return batches.prefetch(tf.data.AUTOTUNE)
+
+
+def _check_tf_opens(ds: Dataset) -> None:
+    """A SpecError naming the first field whose file TensorFlow's file system has no scheme for."""
+    schemes = set(tf.io.gfile.get_registered_schemes())
+    for infos in ds.files:
+        for name, info in infos.items():
+            scheme = info.path.split("://", 1)[0] if "://" in info.path else ""
+            if scheme not in schemes:
+                opens = ", ".join(f"{s}://" for s in sorted(schemes) if s)
+                raise SpecError(
+                    f"native_dataset: field {name!r} is at {info.path!r}, a {scheme}:// URL TensorFlow's file system "
+                    f"cannot open (it opens local paths and {opens}); stoker's own reader opens any fsspec URL: "
+                    "use ds.loader(...).to_tf() for this dataset",
+                    field=name,
+                    path=info.path,
+                )
+
+
+# Streams of the stateless draws of a "files" shuffle, folded into (seed, epoch): the group
+# order is stream 0, group g's block order stream g + 1.
+_GROUP_ORDER = 0
+
+
+def _key(seed: int, epoch: tf.Tensor, stream: tf.Tensor | int) -> tf.Tensor:
+    """The ``[2]`` int64 key of one stateless permutation: ``(seed, epoch, stream)`` folded together."""
+    key = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), epoch, alg="philox")
+    return tf.random.experimental.stateless_fold_in(key, tf.cast(stream, tf.int64), alg="philox")
+
+
+def _shuffled_slots(columns: Mapping[str, Any], num_groups: int, passes: int | None, seed: int) -> tf.data.Dataset:
+    """One element per ``(epoch, group)``, each epoch's groups in a permutation of their own.
+
+    The source is a range over the slots, so tf.data service's ``distributed_epoch`` hands
+    each (epoch, group) to whichever worker asks, and every element carries its epoch.
+    """
+    table = {name: tf.constant(column) for name, column in columns.items()}
+    last = tf.constant(num_groups - 1, tf.int64)
+    slots = tf.data.Dataset.range(num_groups * passes) if passes is not None else tf.data.Dataset.counter()
+
+    def row(slot: tf.Tensor) -> dict[str, tf.Tensor]:
+        epoch = slot // num_groups
+        group = tf.random.experimental.index_shuffle(slot % num_groups, _key(seed, epoch, _GROUP_ORDER), last)
+        out = {name: tf.gather(column, group) for name, column in table.items()}
+        out["epoch"], out["group"] = epoch, group
+        return out
+
+    return slots.map(row)
+
+
+def _shuffled_group(
+    row: Mapping[str, tf.Tensor], *, fields: Mapping[str, Any], block: int, compressed: Mapping[str, bool], seed: int
+) -> tf.data.Dataset:
+    """One group's blocks, zipped across fields, in the permutation of ``(seed, epoch, group)``.
+
+    A raw field's block is read at its offset (a seek); a compressed field's group is read
+    whole first (a stream cannot seek), checked against the group's count, and cut.
+    """
+    full, tail = row["full"], row["tail"]
+    count = full * block + tail
+    blocks = full + tf.sign(tail)
+    whole = {}
+    for name, spec in fields.items():
+        if not compressed[name]:
+            continue
+        rb = spec.record_bytes
+        chunk = (block // row["chunks_per_block"]) * rb
+        stream = tf.data.FixedLengthRecordDataset(
+            row[f"path/{name}"], chunk, header_bytes=spec.header_bytes, footer_bytes=spec.footer_bytes,
+            compression_type=row[f"compression/{name}"], buffer_size=1 << 20,
+        )  # fmt: skip
+        # One batch of every chunk (count // chunks + 1 leaves room for the extra chunks of a
+        # longer stream, which the check below then sees), joined into one string.
+        joined = stream.batch(count * rb // chunk + 1).map(tf.strings.reduce_join)
+        data = joined.reduce(tf.constant(b""), lambda a, x: a + x)
+        size = tf.cast(tf.strings.length(data), tf.int64)
+        held = tf.debugging.Assert(
+            tf.equal(size, count * rb),
+            [f"stoker: field {name!r}: file", row[f"path/{name}"], "holds a different number of records than the "
+             "group's count (its gzip trailer, or its zlib stream counted before the pipeline was built, and the "
+             "other fields' files) says (the loader raises CorruptDataError on it):", tf.strings.as_string(size // rb),
+             "records, not", tf.strings.as_string(count)],
+        )  # fmt: skip
+        with tf.control_dependencies([held]):
+            whole[name] = tf.identity(data)
+
+    def one_block(k: tf.Tensor) -> tf.data.Dataset:
+        records = tf.where(k < full, tf.constant(block, tf.int64), tail)
+        first = k * block
+        parts = {}
+        for name, spec in fields.items():
+            rb = spec.record_bytes
+            if compressed[name]:
+                parts[name] = tf.data.Dataset.from_tensors(tf.strings.substr(whole[name], first * rb, records * rb))
+            else:
+                parts[name] = tf.data.FixedLengthRecordDataset(
+                    row[f"path/{name}"], records * rb, header_bytes=spec.header_bytes + first * rb,
+                    footer_bytes=spec.footer_bytes + (count - first - records) * rb, buffer_size=records * rb,
+                )  # fmt: skip
+        return tf.data.Dataset.zip(parts)
+
+    key = _key(seed, row["epoch"], row["group"] + 1)
+    order = tf.data.Dataset.range(blocks).map(
+        lambda i: tf.random.experimental.index_shuffle(i, key, tf.maximum(blocks - 1, 0))
+    )
+    return order.flat_map(one_block)
