@@ -7,11 +7,13 @@ import gzip
 import importlib.util
 import math
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -258,8 +260,11 @@ def test_native_dataset_refuses_bad_epochs(sample: stoker.Dataset, epochs: objec
         native_dataset(sample, 16, epochs=epochs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("shuffle", [False, "files"])  # zipped streams; the group's stream read whole
 @pytest.mark.parametrize("block", [1, None])  # the extra records as blocks of their own; in the group's one block
-def test_native_dataset_fails_on_a_stream_longer_than_its_trailer_says(tmp_path: Path, block: int | None) -> None:
+def test_native_dataset_fails_on_a_stream_longer_than_its_trailer_says(
+    tmp_path: Path, block: int | None, shuffle: bool | str
+) -> None:
     """Two gzip members, the last one's trailer saying 1 record as the image file holds: the
     loader trusts it and finds 2 more at the stream's end; so must native_dataset, not cut
     the group at its shortest field (tf.data's zip) and yield the first record alone."""
@@ -275,7 +280,7 @@ def test_native_dataset_fails_on_a_stream_longer_than_its_trailer_says(tmp_path:
     with pytest.raises(stoker.CorruptDataError, match="out_0.bin.gz"):
         list(ds.loader(8))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"field \\?'label\\?': file\] \[[^]]*out_0\.bin\.gz\]"):
-        list(native_dataset(ds, 8, block_length=block).as_numpy_iterator())
+        list(native_dataset(ds, 8, block_length=block, shuffle=shuffle, seed=1).as_numpy_iterator())  # type: ignore[arg-type]
 
 
 def test_native_dataset_checks_counts_before_building(tmp_path: Path) -> None:
@@ -286,6 +291,108 @@ def test_native_dataset_checks_counts_before_building(tmp_path: Path) -> None:
     )
     with pytest.raises(stoker.PairingError):
         native_dataset(ds, 4)
+
+
+# -- native_dataset(shuffle="files") --------------------------------------------------
+
+
+def _labels(tfds: tf.data.Dataset) -> list[int]:
+    return [int(x) for b in tfds.as_numpy_iterator() for x in b["label"]]
+
+
+def test_files_shuffle_permutes_groups_and_their_blocks_each_epoch_and_repeats_for_a_seed(
+    sample: stoker.Dataset,
+) -> None:
+    """One group at a time (cycle_length=1): each epoch is every record once, each group's
+    records come together in blocks of 8 whose order is not the file's, and the next epoch
+    opens the groups in another order; the same seed gives the same batches."""
+    kw = {"cycle_length": 1, "block_length": 8, "shuffle": "files", "epochs": 2}
+    labels = _labels(native_dataset(sample, 16, seed=11, **kw))  # type: ignore[arg-type]
+    assert labels == _labels(native_dataset(sample, 16, seed=11, **kw))  # type: ignore[arg-type]
+    assert labels != _labels(native_dataset(sample, 16, seed=12, **kw))  # type: ignore[arg-type]
+    n = len(sample)
+    epochs = [labels[:n], labels[n:]]
+    groups = []
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(n))
+        order = [epoch[i] // 64 for i in range(0, n, 64)]  # 64 records a group, read one at a time
+        assert [x // 64 for x in epoch] == [g for g in order for _ in range(64)]
+        blocks = [epoch[i] // 8 for i in range(0, n, 8)]
+        assert all(epoch[i : i + 8] == list(range(b * 8, b * 8 + 8)) for i, b in zip(range(0, n, 8), blocks))
+        assert blocks != sorted(blocks)  # within groups, blocks out of file order
+        groups.append(order)
+    assert epochs[0] != epochs[1]
+    assert sorted(groups[0]) == sorted(groups[1]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", ["raw", "gzip", "zlib"])
+def test_files_shuffle_reads_every_record_of_each_kind_of_file_once_with_its_pair(tmp_path: Path, kind: str) -> None:
+    """Headers, footers, big-endian values, short last blocks and an empty group: the shuffled
+    batches hold the loader's records, each record with its own partner."""
+    counts, record = [7, 0, 12, 1, 5], 6
+    paths = _write_kind(tmp_path, kind, counts, record)
+    (tmp_path / "pair").mkdir()
+    pairs = _write_kind(tmp_path / "pair", "raw", counts, 2)
+    ds = stoker.Dataset(
+        x=stoker.Field(paths, "uint16", (3,), header_bytes=_HEADER, footer_bytes=_FOOTER, byte_order="big"),
+        y=stoker.Field(pairs, "uint16", header_bytes=_HEADER, footer_bytes=_FOOTER),
+    )
+
+    def records(batches: Iterable[Mapping[str, np.ndarray]]) -> list[tuple[bytes, int]]:
+        return [(b["x"][i].tobytes(), int(b["y"][i])) for b in batches for i in range(len(b["y"]))]
+
+    expected = records(ds.loader(4))
+    got = records(native_dataset(ds, 4, block_length=3, shuffle="files", seed=5, epochs=2).as_numpy_iterator())
+    assert sorted(got) == sorted(expected * 2)
+    assert got[: len(expected)] != expected  # not the file order
+
+
+def test_files_shuffle_forever_keeps_drawing_new_epochs(sample: stoker.Dataset) -> None:
+    n = len(sample)
+    forever = native_dataset(sample, 16, cycle_length=1, shuffle="files", seed=3, epochs=None)
+    labels = [int(x) for b in forever.take(3 * n // 16).as_numpy_iterator() for x in b["label"]]
+    epochs = [labels[k * n : (k + 1) * n] for k in range(3)]
+    assert all(sorted(e) == list(range(n)) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"shuffle": "global", "seed": 1}, "must be False or 'files'.*shuffle='global', seed=...\\).to_tf"),
+        ({"shuffle": "files"}, "needs seed= an integer"),
+        ({"shuffle": "files", "seed": -1}, "needs seed= an integer"),
+        ({"shuffle": "files", "seed": True}, "needs seed= an integer"),
+    ],
+)
+def test_native_dataset_refuses_a_shuffle_it_cannot_draw(
+    sample: stoker.Dataset, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(stoker.SpecError, match=message):
+        native_dataset(sample, 16, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.remote
+def test_a_field_tensorflow_cannot_open_is_a_spec_error_naming_it_and_the_path_that_works(tmp_path: Path) -> None:
+    """An fsspec URL (memory:// here, s3:// alike) builds a Dataset fine; native_dataset refuses it
+    at the call, naming the field, and loader.to_tf() reads it."""
+    import fsspec  # the [remote] extra, which make test installs
+
+    sample = small_sample(tmp_path, pairs=2, records=16, inrez=4)
+    mem = fsspec.filesystem("memory")
+    base = f"memory:///stoker-{tmp_path.name}"
+    for p in tmp_path.glob("out_*"):
+        mem.pipe(f"{base}/{p.name}", p.read_bytes())
+    try:
+        ds = stoker.Dataset(image=sample.fields["image"], label=stoker.Field(f"{base}/out_*.bin.gz", "float32"))
+        with pytest.raises(
+            stoker.SpecError, match=r"field 'label' is at 'memory:///.*out_0000\.bin\.gz', a memory:// URL"
+        ) as e:
+            native_dataset(ds, 8)
+        assert e.value.field == "label" and "use ds.loader(...).to_tf()" in str(e.value)
+        assert sorted(int(x) for b in ds.loader(8).to_tf() for x in b["label"].numpy()) == list(range(32))
+    finally:
+        mem.rm(base, recursive=True)
 
 
 # -- semantics against FixedLengthRecordDataset -----------------------------------------
@@ -375,20 +482,48 @@ def test_bfloat16_fields_reach_tensorflow_with_their_bits(tmp_path: Path) -> Non
 # -- tf.data service ----------------------------------------------------------------
 
 
-def test_tf_data_service_delivers_every_record_once(sample: stoker.Dataset) -> None:
-    service = tf.data.experimental.service
-    dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
+@pytest.fixture(scope="module")
+def service() -> Iterator[str]:
+    """A tf.data service dispatcher and 2 workers at fixed ports (static sharding needs their list)."""
+    data = tf.data.experimental.service
+    sockets = [socket.socket() for _ in range(2)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    dispatcher = data.DispatchServer(data.DispatcherConfig(port=0, worker_addresses=addresses))
     address = dispatcher.target.split("://")[1]
-    workers = [service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0)) for _ in range(2)]
+    workers = []
     try:
-        native = native_dataset(sample, 16)
-        distributed = native.apply(service.distribute(processing_mode="distributed_epoch", service=dispatcher.target))
-        batches = list(distributed.as_numpy_iterator())
+        for port in ports:
+            config = data.WorkerConfig(dispatcher_address=address, port=port, worker_address="127.0.0.1:%port%")
+            workers.append(data.WorkerServer(config))
+        yield dispatcher.target
     finally:
         for w in workers:
             w.stop()
         dispatcher.stop()
+
+
+SHARDING = tf.data.experimental.service.ShardingPolicy
+
+
+@pytest.mark.parametrize("mode", ["distributed_epoch", SHARDING.FILE_OR_DATA])
+@pytest.mark.parametrize(
+    ("epochs", "kwargs"),
+    [(1, {}), (1, {"shuffle": "files", "seed": 4}), (2, {"shuffle": "files", "seed": 4, "block_length": 8})],
+)
+def test_tf_data_service_delivers_every_record_once_per_epoch(
+    sample: stoker.Dataset, service: str, mode: object, epochs: int, kwargs: dict[str, object]
+) -> None:
+    """Two workers: groups handed out as they ask (distributed_epoch), or each worker its own
+    share of a graph they all build alike (a static sharding policy)."""
+    native = native_dataset(sample, 16, epochs=epochs, **kwargs)  # type: ignore[arg-type]
+    distributed = native.apply(tf.data.experimental.service.distribute(processing_mode=mode, service=service))
+    batches = list(distributed.as_numpy_iterator())
     labels = np.concatenate([b["label"] for b in batches])
     images = np.concatenate([b["image"] for b in batches])
-    assert sorted(labels.astype(int).tolist()) == list(range(len(sample)))
+    assert sorted(labels.astype(int).tolist()) == sorted(list(range(len(sample))) * epochs)
     np.testing.assert_array_equal(expected_label(images), labels)  # each image with its own label

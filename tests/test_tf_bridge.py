@@ -7,13 +7,17 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import tensorflow as tf  # make test installs TF; a missing TF fails loudly, never skips
+from tensorflow.python.data.ops import iterator_ops
+from tensorflow.python.data.util import structure
 from tensorflow.python.eager import context
+from tensorflow.python.ops import gen_dataset_ops
 
 import stoker
 import stoker.tf as stf
@@ -296,6 +300,65 @@ def test_an_unaligned_array_from_a_transform_is_copied_and_correct(sample: stoke
     for (whole, part), e in zip(got, expected, strict=True):
         np.testing.assert_array_equal(whole, e)
         np.testing.assert_array_equal(part, e[1:5])
+
+
+def _rename_next_internal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorFlow's eager iterator with its ``_next_internal`` method under another name."""
+    owned = iterator_ops.OwnedIterator
+    monkeypatch.setattr(owned, "_next_element", owned._next_internal, raising=False)
+    monkeypatch.delattr(owned, "_next_internal")
+
+    def next_(self: Any) -> Any:
+        try:
+            return self._next_element()
+        except tf.errors.OutOfRangeError:
+            raise StopIteration from None
+
+    monkeypatch.setattr(owned, "__next__", next_)
+
+
+def _rename_flat_output_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorFlow's eager iterator keeping its output types in an attribute of another name."""
+    owned = iterator_ops.OwnedIterator
+    create = owned._create_iterator
+
+    def create_(self: Any, dataset: tf.data.Dataset) -> None:
+        create(self, dataset)
+        self._output_types = self.__dict__.pop("_flat_output_types")
+
+    def next_internal(self: Any) -> Any:
+        values = gen_dataset_ops.iterator_get_next(
+            self._iterator_resource, output_types=self._output_types, output_shapes=self._flat_output_shapes
+        )
+        return structure.from_compatible_tensor_list(self._element_spec, values)
+
+    monkeypatch.setattr(owned, "_create_iterator", create_)
+    monkeypatch.setattr(owned, "_next_internal", next_internal)
+
+
+@pytest.mark.parametrize(
+    ("renamed", "rename"),
+    [("_next_internal", _rename_next_internal), ("_flat_output_types", _rename_flat_output_types)],
+)
+def test_a_tensorflow_that_renamed_an_iterator_internal_gets_the_plain_dataset_when_to_tf_is_called(
+    sample: stoker.Dataset, monkeypatch: pytest.MonkeyPatch, renamed: str, rename: Callable[[pytest.MonkeyPatch], None]
+) -> None:
+    """stoker's eager iterator reads OwnedIterator's internals; a TensorFlow without one of them
+    gets to_tf's dataset as TensorFlow's own (with a warning), not a failure at the first next()."""
+    rename(monkeypatch)
+    monkeypatch.setattr(stf, "_eager_missing", [])  # probed again, on this "TensorFlow"
+    monkeypatch.setattr(stf, "_warned_eager", [])
+    loader = sample.loader(20, cast={"image": "float32"}, with_index=True)
+    with pytest.warns(RuntimeWarning, match=f"has no OwnedIterator.{renamed} .*TensorFlow's own iterator"):
+        tfds = loader.to_tf()
+    assert not isinstance(tfds, stf._EagerBatches)
+    assert type(iter(tfds)) is iterator_ops.OwnedIterator
+    expected = [{k: v.copy() for k, v in b.items()} for b in loader]
+    got = _values(tfds)
+    assert len(got) == len(expected) == 10
+    for a, e in zip(got, expected, strict=True):
+        for k in e:
+            np.testing.assert_array_equal(a[k], e[k])
 
 
 @pytest.mark.parametrize("missing", ["_MapDataset", "_GeneratorDataset"])

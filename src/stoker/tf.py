@@ -427,7 +427,7 @@ def _missing_eager() -> str:
     if _Unchanged is None:
         return "tf.data's iterator modules"
     if not _eager_missing:
-        missing = [n for n in ("_next_internal",) if not callable(getattr(_OwnedIterator, n, None))]
+        missing = [f"OwnedIterator.{n}" for n in ("_next_internal",) if not callable(getattr(_OwnedIterator, n, None))]
         if not callable(getattr(_context.context().executor, "is_async", None)):
             missing.append("Executor.is_async")
         if not missing:
