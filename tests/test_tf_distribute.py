@@ -217,3 +217,36 @@ def test_distributed_dataset_refuses_what_it_cannot_spread_evenly(
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     with pytest.raises(stoker.SpecError, match=message):
         stf.distributed_dataset(strategy, sample, batch, **kwargs)  # type: ignore[arg-type]
+
+
+def test_keras_fit_over_distributed_dataset_trains_on_every_record_once_per_epoch(sample: stoker.Dataset) -> None:
+    """Keras' fit on one worker: map_func gives it (x, y); each fit epoch is a pass of the loader."""
+    import keras
+
+    seen: list[list[int]] = []
+
+    def record(labels: tf.Tensor) -> tf.Tensor:
+        seen[-1].extend(int(x) for x in labels.numpy())
+        return labels
+
+    class Recording(keras.Model):  # type: ignore[misc]
+        def train_step(self, data: Any) -> Any:
+            tf.py_function(record, [data[1]], tf.float32)
+            return super().train_step(data)
+
+    class Epochs(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            seen.append([])
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        inputs = keras.Input((8, 8, 1))
+        model = Recording(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+    data = stf.distributed_dataset(
+        strategy, sample, 20, shuffle="global", seed=7, map_func=lambda b: (tf.cast(b["image"], tf.float32), b["label"])
+    )
+    model.fit(data, epochs=2, verbose=0, shuffle=False, callbacks=[Epochs()])
+    assert len(seen) == 2
+    for labels in seen:
+        assert sorted(labels) == list(range(RECORDS))
