@@ -124,13 +124,14 @@ def test_what_would_lose_records_across_workers_is_a_spec_error_on_every_worker(
     cluster: list[dict[str, Any]],
 ) -> None:
     for task, worker in enumerate(cluster):
-        seeds, shards, differ, batch = worker["errors"]
+        seeds, shards, differ, batch, scoped = worker["errors"]
         assert seeds.startswith("SpecError: to_tf: an unsharded loader with shuffle='global'")
         assert f"(seed={task})" in seeds and "TF_CONFIG: 2 workers" in seeds and "shard=(task_index" in seeds
         assert shards.startswith("SpecError: to_tf: the loader is shard 0 of 4, but this process is one of 2 workers")
         assert differ.startswith("SpecError: distributed_dataset: the workers' loaders differ in seed")
         assert f"seed={task}" in differ
         assert "global_batch_size=21 must be a positive multiple of the strategy's 2 replicas" in batch
+        assert "unsharded loader" in scoped and "(the MultiWorkerMirroredStrategy in scope)" in scoped
 
 
 # -- in this process -------------------------------------------------------------------

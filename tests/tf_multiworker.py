@@ -85,6 +85,16 @@ def refused(tf: Any, stoker: Any, strategy: Any, ds: Any, task: int, result: dic
             errors.append("")
         except stoker.StokerError as e:
             errors.append(f"{type(e).__name__}: {e}")
+    # The strategy in scope tells as TF_CONFIG does (a cluster resolver of another kind, say).
+    config = os.environ.pop("TF_CONFIG")
+    try:
+        with strategy.scope():
+            ds.loader(20, shuffle="global", seed=task).to_tf()
+        errors.append("")
+    except stoker.StokerError as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        os.environ["TF_CONFIG"] = config
     result["errors"] = errors
     # An unsharded loader in one order on every worker: each keeps its part of each batch.
     unsharded = ds.loader(20, epochs=2)

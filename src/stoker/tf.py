@@ -1,6 +1,6 @@
 """TensorFlow adapter: a loader as a ``tf.data.Dataset``, and a pure-graph tf.data pipeline.
 
-Two ways in, for two needs:
+Two ways in, for two needs, and a third for ``tf.distribute``:
 
 - :func:`to_tf` (``loader.to_tf()``): stoker's engine feeds ``tf.data`` through one op,
   ``StokerNextBatch`` (``_tfbridge.c``, compiled at first use against TensorFlow's C API):
@@ -12,6 +12,8 @@ Two ways in, for two needs:
   ``tf.numpy_function`` does the same with ~0.5 ms more CPU per batch (see :func:`bridge`).
   Measured on W1 (2 cores): ``from_generator`` converting numpy batches ≈ 13k records/s,
   yielding DLPack tensors (:func:`as_tensor`) ≈ 1.9 ms of TF CPU per batch.
+- :func:`distributed_dataset`: ``to_tf()`` of each worker's own shard under a ``tf.distribute``
+  strategy, each record once per epoch over all replicas.
 - :func:`native_dataset`: the same records in the same order as ``ds.loader(...)`` with
   ``shuffle=False``, as a serializable tf.data graph (TPU, tf.data service), built the
   way tf.data is fastest: per-group zip inside an interleave, whole blocks per element,
@@ -364,10 +366,9 @@ def _cluster() -> tuple[int, str] | None:
     """
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
-        resolver = getattr(strategy, "cluster_resolver", None)
-        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and resolver is not None:
-            spec = resolver.cluster_spec().as_dict()
-            workers = len(spec.get("chief", [])) + len(spec.get("worker", []))
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            # Every worker holds as many replicas as this one (the strategy requires it).
+            workers = strategy.num_replicas_in_sync // max(1, len(strategy.extended.worker_devices))
             return (workers, "the MultiWorkerMirroredStrategy in scope") if workers > 1 else None
     try:
         config = json.loads(os.environ.get("TF_CONFIG") or "{}")
