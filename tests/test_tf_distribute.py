@@ -100,13 +100,14 @@ def test_every_record_once_per_epoch_across_two_workers_and_a_new_order_in_the_s
 
 
 @pytest.mark.slow
-def test_distributed_dataset_iterated_again_is_a_fresh_pass_with_every_record_once(
+def test_distributed_dataset_iterated_again_is_the_next_epoch_with_every_record_once_in_a_new_order(
     cluster: list[dict[str, Any]],
 ) -> None:
     passes = cluster[0]["passes"]
     assert passes == cluster[1]["passes"]
     for labels in passes:
         _epochs(labels, 1)
+    assert passes[0] != passes[1]  # the second pass is the next epoch, in its own order
 
 
 @pytest.mark.slow
@@ -186,7 +187,9 @@ def test_a_tf_config_without_several_mirrored_workers_leaves_to_tf_alone(
     assert sum(int(b["label"].shape[0]) for b in tfds) == 200
 
 
-def test_distributed_dataset_on_one_worker_delivers_every_record_once_per_pass(sample: stoker.Dataset) -> None:
+def test_distributed_dataset_on_one_worker_delivers_every_record_once_per_pass_in_the_loaders_order(
+    sample: stoker.Dataset,
+) -> None:
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     dist = stf.distributed_dataset(
         strategy, sample, 16, shuffle="global", seed=2, cast={"image": "float32"}, map_func=lambda b: b["label"]
@@ -196,11 +199,15 @@ def test_distributed_dataset_on_one_worker_delivers_every_record_once_per_pass(s
     def step(labels: Any) -> tf.Tensor:
         return strategy.gather(strategy.run(tf.identity, args=(labels,)), axis=0)
 
+    passes = []
     for _ in range(2):
         labels = np.concatenate([step(b).numpy() for b in dist]).astype(int)
         assert sorted(labels.tolist()) == list(range(200))
-    expected = np.concatenate([b["label"] for b in sample.loader(16, shuffle="global", seed=2)])
-    np.testing.assert_array_equal(labels, expected)  # the loader's order: one worker, one shard
+        passes.append(labels)
+    loader = sample.loader(16, shuffle="global", seed=2)
+    for labels in passes:  # the loader's order, pass by pass: one worker, one shard
+        np.testing.assert_array_equal(labels, np.concatenate([b["label"] for b in loader]))
+    assert (passes[0] != passes[1]).any()
 
 
 @pytest.mark.parametrize(
@@ -221,7 +228,8 @@ def test_distributed_dataset_refuses_what_it_cannot_spread_evenly(
 
 
 def test_keras_fit_over_distributed_dataset_trains_on_every_record_once_per_epoch(sample: stoker.Dataset) -> None:
-    """Keras' fit on one worker: map_func gives it (x, y); each fit epoch is a pass of the loader."""
+    """Keras' fit on one worker: map_func gives it (x, y); each fit epoch is a pass of the loader,
+    which goes on with the next epoch's order."""
     import keras
 
     seen: list[list[int]] = []
@@ -251,3 +259,4 @@ def test_keras_fit_over_distributed_dataset_trains_on_every_record_once_per_epoc
     assert len(seen) == 2
     for labels in seen:
         assert sorted(labels) == list(range(RECORDS))
+    assert seen[0] != seen[1]  # each fit epoch a pass of the loader, the next epoch's order

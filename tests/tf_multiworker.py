@@ -64,7 +64,7 @@ def loops(tf: Any, stoker: Any, strategy: Any, ds: Any, task: int, result: dict[
     result["keras_path"] = run(strategy.experimental_distribute_dataset(sharded.to_tf().map(xy)))
     dist = stoker.tf.distributed_dataset(strategy, ds, 20, shuffle="global", seed=7, epochs=2)
     result["distributed_dataset"] = run(dist)
-    # Iterated again: a pass per iteration, each record once in each.
+    # Iterated again: a pass per iteration, the next epoch, each record once in each.
     once = stoker.tf.distributed_dataset(strategy, ds, 20, shuffle="files", seed=3, window=4, map_func=xy)
     result["passes"] = [run(once), run(once)]
 
