@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import tensorflow as tf  # make test installs TF; a missing TF fails loudly, nev
 import stoker
 import stoker.tf as stf
 from conftest import small_sample
+from netns import run_loopback_only
 
 pytestmark = pytest.mark.tf
 
@@ -47,32 +46,25 @@ def _free_ports(n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(sample: stoker.Dataset, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
-    """What each of 2 MultiWorkerMirroredStrategy workers on 127.0.0.1 saw (tf_multiworker.py "all")."""
+def cluster(sample: stoker.Dataset, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each of 2 MultiWorkerMirroredStrategy workers saw (tf_multiworker.py "all"), run in a
+    loopback-only network namespace: their gRPC servers bind every interface."""
     out = tmp_path_factory.mktemp("cluster")
     data = Path(sample.files[0]["image"].path).parent
     ports = ",".join(map(str, _free_ports(2)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop("TF_CONFIG", None)
-    procs = []
-    try:
-        for task in range(2):
-            with open(out / f"log{task}.txt", "w") as log:
-                command = [sys.executable, str(HERE / "tf_multiworker.py"), "all", str(task), ports, str(data)]
-                procs.append(subprocess.Popen([*command, str(out / f"w{task}.json")], stdout=log, stderr=log, env=env))
-        for proc in procs:
-            proc.wait(timeout=WORKER_TIMEOUT)
-        results = []
-        for task, proc in enumerate(procs):
-            log = (out / f"log{task}.txt").read_text()[-3000:]
-            assert proc.returncode == 0, f"worker {task} exited {proc.returncode}:\n{log}"
-            results.append(json.loads((out / f"w{task}.json").read_text()))
-        yield results
-    finally:
-        for proc in procs:  # a worker left waiting on its peer
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+    commands, logs = [], []
+    for task in range(2):
+        commands.append([sys.executable, str(HERE / "tf_multiworker.py"), "all", str(task), ports, str(data)])
+        commands[-1].append(str(out / f"w{task}.json"))
+        logs.append(out / f"log{task}.txt")
+    rcs = run_loopback_only(commands, logs, timeout=WORKER_TIMEOUT, env=env)
+    results = []
+    for task, rc in enumerate(rcs):
+        assert rc == 0, f"worker {task} exited {rc}:\n{logs[task].read_text()[-3000:]}"
+        results.append(json.loads((out / f"w{task}.json").read_text()))
+    return results
 
 
 def _epochs(labels: list[int], epochs: int) -> list[list[int]]:
