@@ -683,8 +683,17 @@ def _version() -> str:
     return f"stoker {__version__} ({kernels}; Python {sys.version.split()[0]})"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions wrapped as argparse wraps them; epilogs (the examples) kept line for line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    raw = argparse.RawDescriptionHelpFormatter
+    raw = _HelpFormatter
     parser = argparse.ArgumentParser(
         prog="stoker",
         description="Feed accelerators from fixed-length record files.",
