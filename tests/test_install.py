@@ -147,15 +147,16 @@ def test_the_wheel_installs_into_a_new_venv_and_imports_its_kernels(tmp_path: Pa
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     python = venv / "bin" / "python"
+    # Nothing of this process's paths: the new venv sees only what is installed into it.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     # The wheel alone (its one dependency, numpy, at the version running this test: a wheel pip
     # already holds or finds where the machine's pip configuration points).
     install = subprocess.run(
         [*pip, "--python", str(python), "install", "--quiet", "--no-deps", "--only-binary=:all:", str(wheel),
          f"numpy=={np.__version__}"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     run = subprocess.run(
         [str(python), "-c", _IN_THE_NEW_VENV, str(tmp_path / "data")],
         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
