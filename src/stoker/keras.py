@@ -13,9 +13,9 @@ Limits, each refused with a SpecError naming the fix rather than worked around:
 - Keras' own workers must stay off (``workers=1``, no multiprocessing, which this adapter
   sets): stoker's threads already prepare batches ahead.
 - A Keras epoch is one epoch of the loader (``len(loader)`` batches); the adapter reads the
-  loader's epochs one after the other, so give the loader ``epochs=None`` (or at least fit's
-  epochs) and each Keras epoch gets the loader's next epoch (a new order where it shuffles);
-  when the loader's epochs run out, it starts a new pass, which repeats its first epoch.
+  loader's epochs one after the other, and where a pass ends it starts the loader's next pass,
+  which goes on with the next epochs: each Keras epoch gets a new order where the loader
+  shuffles (unless ``reshuffle_each_iteration=False``).
 - Batches are numpy arrays on the host: no zero-copy handoff to the device here (see
   :mod:`stoker.jax` and :mod:`stoker.torch` for training loops of your own).
 - On the TensorFlow backend use ``loader.to_tf()``: Keras reads a PyDataset's first batches
