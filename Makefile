@@ -1,23 +1,40 @@
 # The two commands of the README: `make demo` and `make test` do all set-up from nothing.
 PY ?= python3.11
+# What CI installs: the extras' floors, pinned to known-good releases (see constraints/ci.txt).
+CONSTRAINTS := constraints/ci.txt
+# The frameworks a user installs themselves (no extra names them), and torchdata for the
+# StatefulDataLoader test; versions from $(CONSTRAINTS).
+FRAMEWORKS := tensorflow-cpu torchdata
+
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make demo` needs numpy and isal only: its own venv, so it never pulls a framework.
+DEMO_VENV := .venv-demo
+DEMO_BIN := $(DEMO_VENV)/bin
+DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint bench venv wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml setup.py src/stoker/_kernels.c | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,tf,torch,jax,ray,remote,bench]'
+$(STAMP): pyproject.toml setup.py src/stoker/_kernels.c $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev,torch,jax,ray,keras,remote,bench]' $(FRAMEWORKS)
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/stoker bench
+$(DEMO_BIN)/python:
+	$(PY) -m venv $(DEMO_VENV) || python3 -m venv $(DEMO_VENV)
+
+$(DEMO_STAMP): pyproject.toml setup.py src/stoker/_kernels.c $(CONSTRAINTS) | $(DEMO_BIN)/python
+	$(DEMO_BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[fast]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_BIN)/stoker bench
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
@@ -28,5 +45,17 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/w1.py
 	$(BIN)/python benchmarks/compare.py
 
+# A wheel with the compiled kernels (STOKER_REQUIRE_KERNELS: a missing compiler fails the build
+# instead of leaving them out), repaired to a manylinux tag by auditwheel where it runs.
+wheel: $(STAMP)
+	rm -rf dist/raw && mkdir -p dist
+	STOKER_REQUIRE_KERNELS=1 $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w dist/raw .
+	if $(BIN)/auditwheel --version >/dev/null 2>&1; then \
+		PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/auditwheel repair --wheel-dir dist dist/raw/*.whl; \
+	else \
+		echo "auditwheel not available: keeping the platform wheel"; cp dist/raw/*.whl dist/; \
+	fi
+	ls dist/*.whl
+
 clean:
-	rm -rf $(VENV) .stoker-cache .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) dist build .stoker-cache .pytest_cache .mypy_cache .ruff_cache

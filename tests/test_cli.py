@@ -33,9 +33,10 @@ def test_a_sample_dir_tells_the_commands_its_frame_size(sample: Path, capsys) ->
     assert "image (int8[8, 8, 1], 64 B/record)" in out and "total: 100 records" in out and "in sync" in out
     assert main(["index", str(sample)]) == 0
     assert "indexed 4 files of 2 groups (100 records)" in capsys.readouterr().out
-    assert main(["inspect", str(sample), "--inrez", "16"]) != 0  # --inrez still overrides; 16x16 does not fit
-    err = capsys.readouterr().err
-    assert "img_0000.bin" in err and "256-byte records" in err
+    assert main(["inspect", str(sample), "--inrez", "16"]) == 1  # --inrez still overrides; 16x16 does not fit
+    out = capsys.readouterr().out
+    assert "layout: the `stoker sample` layout with --inrez 16" in out
+    assert "img_0000.bin (3.1 KiB, ?, CORRUPT)" in out and "256-byte records" in out
 
 
 def test_inspect_a_sample_dir_reports_groups_records_and_sync(sample: Path, capsys) -> None:
@@ -56,7 +57,11 @@ def test_inspect_with_fields_and_with_config_print_the_same(sample: Path, capsys
         '[fields.label]\nfiles = "out_*.bin.gz"\ndtype = "float32"\ncompression = "gzip"\n'
     )
     assert main(["inspect", "--config", str(cfg)]) == 0
-    assert capsys.readouterr().out == by_fields
+    by_config = capsys.readouterr().out
+    # The same table; only the layout line says where the fields came from.
+    assert by_fields.startswith("layout: from --field\n")
+    assert by_config.startswith(f"layout: from --config {cfg}\n")
+    assert by_config.split("\n", 1)[1] == by_fields.split("\n", 1)[1]
     assert "total: 100 records" in by_fields
 
 
@@ -98,19 +103,26 @@ def test_missing_files_print_spec_error_naming_the_glob(tmp_path: Path, capsys) 
     assert err.startswith("SpecError: ") and str(tmp_path / "empty" / "img_*.bin") in err
 
 
-def test_corrupt_raw_file_prints_corrupt_data_error_naming_the_file(sample: Path, capsys) -> None:
+def test_a_corrupt_raw_file_is_marked_in_its_row_and_the_other_groups_still_show(sample: Path, capsys) -> None:
     with open(sample / "img_0001.bin", "ab") as f:
         f.write(b"xyz")
-    err = _mistake(["inspect", str(sample), "--inrez", "8"], capsys)
-    assert err.startswith("CorruptDataError: ") and "img_0001.bin" in err
+    assert main(["inspect", str(sample), "--inrez", "8"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+0\s+50\s+img_0000\.bin \(3\.1 KiB, raw\)\s+out_0000\.bin\.gz \(\d+ B, gzip\)$", out, re.M), (
+        out
+    )
+    assert re.search(r"^\s+1\s+CORRUPT\s+img_0001\.bin \(3\.1 KiB, \?, CORRUPT\)\s+out_0001", out, re.M), out
+    assert "total: 50 records" in out
+    assert "group 1: CorruptDataError: field 'image'" in out and "img_0001.bin" in out and "offset 3200" in out
 
 
-def test_raw_count_mismatch_prints_pairing_error_naming_both_files(tmp_path: Path, capsys) -> None:
+def test_a_raw_count_mismatch_is_a_mismatch_row_naming_both_files(tmp_path: Path, capsys) -> None:
     (tmp_path / "a_0.bin").write_bytes(bytes(8))
     (tmp_path / "b_0.bin").write_bytes(bytes(12))
-    err = _mistake(["inspect", "--field", f"a={tmp_path}/a_*.bin:int32", "--field",
-                    f"b={tmp_path}/b_*.bin:int32"], capsys)  # fmt: skip
-    assert err.startswith("PairingError: ") and "a_0.bin" in err and "b_0.bin" in err
+    assert main(["inspect", "--field", f"a={tmp_path}/a_*.bin:int32", "--field", f"b={tmp_path}/b_*.bin:int32"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+0\s+MISMATCH\s+a_0\.bin \(8 B, raw\)\s+b_0\.bin \(12 B, raw\)$", out, re.M), out
+    assert "group 0: PairingError: " in out and "2 records in" in out and "3 records in" in out
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from stoker.machine import (
     cgroup_cpu_limit,
     cgroup_memory_limit,
     cores_phrase,
+    default_memory_budget,
     max_map_count,
     physical_memory,
 )
@@ -184,3 +185,30 @@ def test_the_soft_descriptor_limit_is_set_within_the_hard_one() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "(200, 300) True (250, 300) False (250, 300)"
+
+
+@pytest.mark.parametrize(
+    ("memory", "budget"),
+    [(128 << 30, 32 << 30), (16 << 30, 4 << 30), (2 << 30, 512 << 20), (1 << 30, 512 << 20), (512 << 20, 256 << 20),
+     (0, 512 << 20)],
+)  # fmt: skip
+def test_the_default_memory_budget_is_a_quarter_of_memory_and_at_least_512mib(memory: int, budget: int) -> None:
+    assert default_memory_budget(memory) == budget
+
+
+def test_a_loader_takes_its_memory_budget_from_the_memory_the_process_may_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    import stoker
+    import stoker.machine
+
+    np.zeros(64, np.float32).tofile(tmp_path / "x.bin")
+    ds = stoker.Dataset(x=stoker.Field(str(tmp_path / "x.bin"), "float32"))
+    with ds.loader(8) as loader:
+        assert loader.memory_budget == default_memory_budget() == default_memory_budget(physical_memory())
+    # physical_memory() is the RAM bounded by the cgroup's limit (tested above): an 8 GiB container.
+    monkeypatch.setattr(stoker.machine, "physical_memory", lambda: 8 << 30)
+    with ds.loader(8) as loader, ds.loader(8, memory_budget="1GiB") as given:
+        assert loader.memory_budget == 2 << 30 and given.memory_budget == 1 << 30

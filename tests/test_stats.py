@@ -1111,3 +1111,34 @@ def test_batches_kept_from_assemblies_are_named_as_buffers_made_anew(
         f"batch buffers made anew instead of recycled: {s.buffers_made} for 400 batches "
         f"(assembled {k} at a time: a batch kept keeps its assembly's buffer), "
     ), v
+
+
+def test_a_short_run_is_not_held_down_and_shows_no_prefetch_deeper_than_its_data(tmp_path: Path) -> None:
+    # 4 batches of 16: a budget of ten batches (prefetch 4) holds a longer run down, not this one.
+    ds = build(tmp_path, [32] * 2, {"wide": WIDE_RAW, "label": LAB_GZ})
+    batch_bytes = 16 * (64 * 64 * 2 + 4)
+    budget = 10 * batch_bytes + 100
+    with ds.loader(16, threads=2, memory_budget=budget) as loader:
+        it = iter(loader)
+        next(it)
+        s = loader.stats()
+        assert s.prefetch == 4 and not s.prefetch_limited and "held down" not in str(s)
+        assert not verdict(s).startswith("memory_budget-bound")
+    # Four small batches: the default prefetch (in assemblies of many batches) is shown as deep as the data.
+    with ds.loader(16, threads=2) as loader:
+        assert loader.prefetch > 4
+        assert "prefetch=4)" in repr(loader)
+        assert sum(1 for _ in loader) == 4
+        s = loader.stats()
+        assert s.prefetch == 4 and not s.prefetch_limited
+    # Forever: no end to the data, so the prefetch shown is the loader's.
+    with ds.loader(16, threads=2, epochs=None) as loader:
+        assert f"prefetch={loader.prefetch})" in repr(loader)
+    # A run longer than the budget allows is held down once batches flow, and not before.
+    long = build(tmp_path / "long", [400] * 2, {"wide": WIDE_RAW, "label": LAB_GZ})
+    with long.loader(16, threads=2, memory_budget=budget) as loader:
+        assert not loader.stats().prefetch_limited
+        it = iter(loader)
+        next(it)
+        s = loader.stats()
+        assert s.prefetch == 4 and s.prefetch_limited and "prefetch=4 (held down by memory_budget" in str(s)

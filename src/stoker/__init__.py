@@ -51,20 +51,31 @@ __all__ = [
     "write_sample",
 ]
 
-__version__ = "0.1.0"
-
 # Submodules reachable as attributes after a bare ``import stoker``, imported on first use so that
 # ``import stoker`` needs numpy alone (the adapters import their framework when they load).
 _LAZY_SUBMODULES = frozenset(
-    {"autotune", "doctor", "jax", "kernels", "order", "ray", "testing", "tf", "torch", "transforms"}
+    {"autotune", "doctor", "jax", "keras", "kernels", "order", "ray", "testing", "tf", "torch", "transforms"}
 )
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str) -> ModuleType | str:
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
+    if name == "__version__":
+        return _version()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY_SUBMODULES})
+    return sorted({*globals(), *_LAZY_SUBMODULES, "__version__"})
+
+
+def _version() -> str:
+    """``stoker.__version__``: the installed package's metadata (pyproject.toml's version), looked
+    up on first use so that ``import stoker`` reads no metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stoker")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"

@@ -476,6 +476,9 @@ class _CatalogView(Catalog):
         selected = self.records[g]
         return len(selected) if selected is not None else self._root.count(int(self.groups[g]))
 
+    def settled(self) -> bool:
+        return all(r is not None for r in self.records) or self._root.settled()
+
     def root(self) -> Catalog:
         return self._root
 
@@ -663,7 +666,8 @@ def split(ds: Dataset, fractions: Mapping[str, float], *, seed: int, by: str = "
     deals records. Units are permuted by a keyed permutation of ``seed`` (its own stream,
     independent of loader shuffles), cut in the order of ``fractions`` with sizes rounded by
     largest remainder, and each part keeps the dataset's order. The same seed and dataset
-    give the same parts on any machine.
+    give the same parts on any machine. A part that would be empty (2 groups cannot give a 10%
+    part by group) is a SpecError, never a silent empty subset.
 
     Example:
         >>> parts = ds.split({"train": 0.9, "val": 0.1}, seed=0, by="record")  # doctest: +SKIP
@@ -683,10 +687,19 @@ def split(ds: Dataset, fractions: Mapping[str, float], *, seed: int, by: str = "
     if by not in ("group", "record"):
         raise SpecError(f"by={by!r} must be 'group' or 'record'")
     total = ds.num_groups if by == "group" else len(ds)
+    sizes = _sizes([float(f) for f in fractions.values()], total)
+    empty = [name for name, size in zip(fractions, sizes, strict=True) if size == 0]
+    if empty:
+        unit = "groups" if by == "group" else "records"
+        instead = "split by='record', give them larger fractions" if by == "group" else "give them larger fractions"
+        raise SpecError(
+            f"split {dict(fractions)} of {total} {unit} (by={by!r}) leaves {', '.join(map(repr, empty))} empty "
+            f"(sizes {dict(zip(fractions, sizes, strict=True))}); {instead}, or leave them out"
+        )
     perm = Permutation(total, int(seed), 0, STREAM_SPLIT)(np.arange(total, dtype=np.int64))
     out: dict[str, Subset] = {}
     start = 0
-    for name, size in zip(fractions, _sizes([float(f) for f in fractions.values()], total), strict=True):
+    for name, size in zip(fractions, sizes, strict=True):
         part = np.sort(perm[start : start + size])
         start += size
         out[name] = select(ds, groups=part) if by == "group" else select(ds, records=part)

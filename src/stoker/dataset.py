@@ -122,7 +122,7 @@ class Dataset:
         cast: Any = None,
         threads: int | None = None,
         prefetch: int | None = None,
-        memory_budget: int | str = "512MiB",
+        memory_budget: int | str | None = None,
         with_index: bool = False,
         shuffle: Literal[False, "global", "files"] | None = False,
         seed: int | None = None,
@@ -151,10 +151,13 @@ class Dataset:
             threads, prefetch: worker threads and batches prepared ahead; None = chosen by
                 stoker. They never change what is delivered.
             memory_budget: bytes the engine may hold (batches in flight plus recycled buffers,
-                and small compressed files kept decoded). The default prefetch takes at most
-                half of the batches it holds, so large batches may leave workers idle:
-                ``loader.stats()`` then says ``held down by memory_budget`` and
-                :func:`stoker.doctor.verdict` names a budget that gives every worker a batch.
+                and small compressed files kept decoded), as ``"2GiB"`` or an int. None (the
+                default): a quarter of the memory this process may use, container limits
+                included, at least 512 MiB (:func:`stoker.machine.default_memory_budget`). The
+                default prefetch takes at most half of the batches it holds, so large batches
+                may leave workers idle: ``loader.stats()`` then says ``held down by
+                memory_budget`` and :func:`stoker.doctor.verdict` names a budget that gives
+                every worker a batch.
             with_index: add ``__group__`` and ``__index__`` arrays (int64) to audit pairing.
             shuffle: False (the interleave order), "global" (a seeded permutation of all
                 records per epoch, random access) or "files" (group order permuted per epoch,
@@ -221,6 +224,24 @@ class Dataset:
 
         return read_one(self, i)
 
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
+        """Records at ``indices`` as a list of ``{field: array}``, all read by one :meth:`read`.
+
+        Batched map-style access: torch's DataLoader calls it with each batch's indices (automatic
+        batching or a ``batch_sampler``; its default ``collate_fn`` stacks the list back into a
+        batch), Grain's MapDataset through ``_getitems``. Each record's arrays are views of one
+        bulk read, so a batch costs one gather, not one read per record.
+
+        Example:
+            >>> loader = torch.utils.data.DataLoader(ds, batch_size=256, shuffle=True)  # doctest: +SKIP
+        """
+        batch = self.read(indices)
+        n = len(next(iter(batch.values())))
+        return [{k: v[j, ...] for k, v in batch.items()} for j in range(n)]
+
+    # Grain's name for the same thing (its SupportsBatchedReadRandomAccessDataSource protocol).
+    _getitems = __getitems__
+
     def read(self, indices: Any, *, cast: Any = None) -> dict[str, np.ndarray]:
         """Records at ``indices`` (any order, repeats allowed) as ``{field: (k, *shape)}``.
 
@@ -242,6 +263,9 @@ class Dataset:
 
     def split(self, fractions: Mapping[str, float], *, seed: int, by: str = "group") -> dict[str, Subset]:
         """Disjoint, complete, deterministic subsets; see :func:`stoker.access.split`.
+
+        A part that would hold nothing (``{"train": 0.9, "val": 0.1}`` over 2 groups) is a
+        SpecError naming it: split by record, or give it a larger fraction.
 
         Example:
             >>> parts = ds.split({"train": 0.9, "val": 0.1}, seed=0)  # doctest: +SKIP

@@ -26,7 +26,7 @@ from .index import IndexLookup, apply_index
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
 from .remote import Probe, is_remote
 from .seekpoints import SeekPoint
-from .spec import Field
+from .spec import Field, shape_hint
 
 __all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
 
@@ -357,8 +357,10 @@ class Catalog:
         infos = self.files[g]
         detail = "; ".join(f"field {n!r}: {c} records in {infos[n].path!r}" for n, c in counts.items())
         first = next(iter(counts))
+        hint = shape_hint(self.fields, counts)
         return PairingError(
-            f"group {g} has different record counts per field: {detail}; no record of this group is yielded",
+            f"group {g} has different record counts per field: {detail}; no record of this group is yielded"
+            + (f"; hint: {hint}" if hint else ""),
             field=first, path=infos[first].path,
         )  # fmt: skip
 
@@ -376,6 +378,10 @@ class Catalog:
 
     def counts(self) -> list[int]:
         return [self.count(g) for g in range(self.num_groups)]
+
+    def settled(self) -> bool:
+        """Whether every group's count is known, so that counting them reads no file."""
+        return None not in self._counts
 
     def root(self) -> Catalog:
         """The catalog of the whole dataset (a subset's view answers with its parent's)."""

@@ -31,7 +31,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -221,11 +221,14 @@ def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry]) -> li
     return written
 
 
-def write_index(dataset: Dataset, *, spacing: int = seekpoints.SPACING) -> list[Path]:
+def write_index(
+    dataset: Dataset, *, spacing: int = seekpoints.SPACING, progress: Callable[[str], None] | None = None
+) -> list[Path]:
     """Index every file of ``dataset`` (decompressing each compressed file once); returns the files written.
 
     Existing entries of other files in the same index file are kept. ``spacing``: decompressed
-    bytes between seek points inside a member or zlib stream.
+    bytes between seek points inside a member or zlib stream. ``progress(path)`` is called
+    after each file is scanned.
 
     Example:
         >>> ds = stoker.Dataset(image=..., label=..., index="ignore")  # doctest: +SKIP
@@ -235,9 +238,12 @@ def write_index(dataset: Dataset, *, spacing: int = seekpoints.SPACING) -> list[
     if isinstance(spacing, bool) or not isinstance(spacing, int) or spacing <= 0:
         raise SpecError(f"{spacing=} must be a positive number of bytes")
     catalog = dataset._catalog.root()
-    entries = {
-        (g, n): scan(n, info, spacing=spacing) for g, infos in enumerate(catalog.files) for n, info in infos.items()
-    }
+    entries = {}
+    for g, infos in enumerate(catalog.files):
+        for n, info in infos.items():
+            entries[(g, n)] = scan(n, info, spacing=spacing)
+            if progress is not None:
+                progress(info.path)
     return [Path(p) for p in _save(catalog, entries)]
 
 

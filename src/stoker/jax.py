@@ -31,7 +31,7 @@ from .order import shard_from_rank
 
 # What jax.device_put runs for a host array once its Python is done: one C++ call that places
 # the array on a device (on the CPU, aliases it). See _DirectPut. Internal to JAX (checked on
-# the version the [jax] extra installs); a JAX that moves any of it gets jax.device_put.
+# the version constraints/ci.txt pins); a JAX that moves any of it gets jax.device_put.
 try:
     from jax._src import core as _core
     from jax._src import dispatch as _dispatch

@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import mmap
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "maps_hold_descriptors",
     "permute",
     "set_isa",
+    "slow_path_warning",
     "willneed_records",
 ]
 
@@ -53,6 +55,7 @@ try:
     _kernels = importlib.import_module("stoker._kernels")
 except ImportError:  # pragma: no cover - built without a C compiler
     _kernels = None
+_said_slow = False  # the missing kernels are said once per process (slow_path_warning)
 
 # Outputs at least this large are streamed past the cache; smaller ones (labels, a few
 # records) stay cached, where the next step may read them soon.
@@ -121,6 +124,23 @@ def compiled() -> bool:
     return _kernels is not None
 
 
+def slow_path_warning() -> None:
+    """Say once per process that the kernels are missing and numpy does their work: the same
+    values, several times slower on casts, which an install without a C compiler would
+    otherwise leave for the user to discover in their throughput."""
+    global _said_slow
+    if _said_slow:
+        return
+    _said_slow = True
+    warnings.warn(
+        "stoker's compiled kernels (stoker._kernels) are not installed, so batches are copied and cast by "
+        "numpy, the slow path (same values, several times slower on casts). Reinstall stoker where a C "
+        "compiler is found (e.g. apt-get install gcc python3-dev) or from a wheel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def file_sizes(fds: list[int]) -> list[int]:
     """:func:`file_size` of each descriptor, in one call where the kernels are built (a global
     shuffle's batch checks every file it reads from: hundreds on W1-big)."""
@@ -176,7 +196,10 @@ def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
 
 def _dtype_codes(dst: np.ndarray, src: np.dtype) -> tuple[str, str] | None:
     """:func:`_codes` for contiguous records of dtype ``src``."""
-    if _kernels is None or not (dst.flags.c_contiguous and dst.flags.writeable):
+    if _kernels is None:
+        slow_path_warning()
+        return None
+    if not (dst.flags.c_contiguous and dst.flags.writeable):
         return None
     if is_bfloat16(dst.dtype):
         if is_bfloat16(src):  # a copy: the kernel moves their bits as uint16
@@ -199,6 +222,7 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     lookups for the addresses, were ~5% of a worker's time.
     """
     if _kernels is None:
+        slow_path_warning()
         np.copyto(dst, src, casting="unsafe")
     elif (
         not _kernels.cast_into(dst, src, STREAM_MIN_BYTES)

@@ -31,6 +31,7 @@ from .dataset import resolve_cast
 from .engine import ALIGNMENT, AlignedPool, Allocator, Executor, OrderedMap, Stopped, ThreadExecutor, run_finalizer
 from .errors import SpecError, StateError, SupersededError
 from .fetch import Fetcher, parallel_reads
+from .machine import default_memory_budget
 from .order import even_length, fingerprint, shard_length, validate_shard
 from .plan import (
     BatchPlan,
@@ -117,7 +118,7 @@ class Loader:
         cast: Any = None,
         threads: int | None = None,
         prefetch: int | None = None,
-        memory_budget: int | str = "512MiB",
+        memory_budget: int | str | None = None,
         with_index: bool = False,
         shuffle: Shuffle | None = False,
         seed: int | None = None,
@@ -159,6 +160,8 @@ class Loader:
         if pad_last:
             self.dtypes[VALID_KEY] = np.dtype(bool)
             self.shapes[VALID_KEY] = ()
+        if memory_budget is None:  # scales with the machine: see stoker.machine.default_memory_budget
+            memory_budget = default_memory_budget()
         self.memory_budget = parse_bytes(memory_budget)
         self._remote = any(is_remote(i.path) for infos in dataset.files for i in infos.values())
         self.threads = _positive("threads", threads) or default_threads()
@@ -530,7 +533,7 @@ class Loader:
         """
         return self._counters.snapshot(
             threads=self.threads,
-            prefetch=self.prefetch,
+            prefetch=self._shown_prefetch(),
             batch_size=self.batch_size,
             record_bytes={n: f.record_bytes for n, f in self.dataset.fields.items()},
             dtypes={n: self.dtypes[n].name for n in self.dataset.fields},
@@ -544,8 +547,7 @@ class Loader:
             coalesced=self._parts,
             cycle_length=self.cycle_length,
             block_length=self.block_length,
-            prefetch_limited=self._tune_prefetch
-            and self.prefetch < self._parts * wanted_prefetch(self.threads, self._parts * self.batch_bytes),
+            prefetch_limited=self._held_down(),
             buffers_made=getattr(self._pool, "allocated", 0),
         )
 
@@ -617,8 +619,29 @@ class Loader:
     def __repr__(self) -> str:
         return (
             f"Loader(batch_size={self.batch_size}, epochs={self.epochs}, cycle_length={self.cycle_length}, "
-            f"block_length={self.block_length}, threads={self.threads}, prefetch={self.prefetch})"
+            f"block_length={self.block_length}, threads={self.threads}, prefetch={self._shown_prefetch()})"
         )
+
+    def _pass_batches(self) -> int | None:
+        """Batches a pass yields, where that is known without reading a file (None: not yet
+        known, or it never ends)."""
+        if self.epochs is None or not self.dataset._catalog.settled():
+            return None
+        return len(self) * self.epochs
+
+    def _shown_prefetch(self) -> int:
+        """Batches that can be in flight: ``prefetch``, and no more than the data holds."""
+        data = self._pass_batches()
+        return self.prefetch if data is None else min(self.prefetch, data)
+
+    def _held_down(self) -> bool:
+        """Whether memory_budget held a prefetch stoker chose below its default, with batches
+        delivered and more data than the prefetch it allowed (else there is nothing to hold)."""
+        if not self._tune_prefetch or self._counters.batches == 0:
+            return False
+        data = self._pass_batches()
+        wanted = self._parts * wanted_prefetch(self.threads, self._parts * self.batch_bytes)
+        return self.prefetch < wanted and (data is None or data > self.prefetch)
 
 
 class UserPosition:

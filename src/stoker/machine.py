@@ -24,6 +24,7 @@ __all__ = [
     "cores_phrase",
     "cgroup_cpu_limit",
     "cgroup_memory_limit",
+    "default_memory_budget",
     "descriptor_limits",
     "max_map_count",
     "physical_memory",
@@ -38,6 +39,8 @@ T = TypeVar("T", int, float)
 _V1_UNLIMITED = 1 << 62
 # Linux's default vm.max_map_count: memory mappings a process may hold.
 DEFAULT_MAX_MAP_COUNT = 65530
+# memory_budget's floor where the machine has the memory for it (the fixed default it replaces).
+MIN_MEMORY_BUDGET = 512 << 20
 
 
 def available_cores() -> int:
@@ -67,6 +70,24 @@ def physical_memory() -> int:
     if limit is None:
         return ram
     return min(ram, limit) if ram else limit
+
+
+def default_memory_budget(memory: int | None = None) -> int:
+    """A loader's ``memory_budget`` by default: a quarter of the memory this process may use
+    (``physical_memory()``, a container's limit included), at least 512 MiB (half of the memory
+    where that is below 1 GiB; 512 MiB where it is unknown).
+
+    A fixed 512 MiB held W1's batch of 1024 to a prefetch of 3 on a 16-core host, where each
+    worker needs a batch to fill. tf.data's autotune lets its buffers take half of the RAM;
+    stoker takes a quarter, leaving the rest to the page cache that holds the files it reads
+    and to the framework's own host memory. It is a bound, not an allocation: the default
+    prefetch stays at a few batches more than the workers (stoker.autotune.wanted_prefetch),
+    so only large batches come near it.
+    """
+    memory = physical_memory() if memory is None else memory
+    if memory <= 0:
+        return MIN_MEMORY_BUDGET
+    return max(min(MIN_MEMORY_BUDGET, memory // 2), memory // 4)
 
 
 def descriptor_limits() -> tuple[int, int]:

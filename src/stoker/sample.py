@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from .errors import SpecError
+from .index import INDEX_NAME
 
-__all__ = ["CONFIG_NAME", "cached_sample", "expected_label", "sample_config", "write_sample"]
+__all__ = ["CONFIG_NAME", "cached_sample", "expected_label", "sample_config", "sample_files", "write_sample"]
 
 CONFIG_NAME = "stoker.toml"
+_COMPLETE = ".complete"  # cached_sample's marker, written last
+# What a sample writes into its directory, besides CONFIG_NAME and the index `stoker index` adds.
+_OWN = re.compile(r"(img_\d+\.bin|out_\d+\.bin\.gz)")
 
 
 def expected_label(image: np.ndarray) -> np.ndarray:
@@ -37,8 +43,16 @@ def write_sample(
     records: int = 4096,
     inrez: int = 128,
     compresslevel: int = 1,
+    replace: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Write ``pairs`` image files (``img_0000.bin``) and gzip label files (``out_0000.bin.gz``)."""
+    """Write ``pairs`` image files (``img_0000.bin``) and gzip label files (``out_0000.bin.gz``).
+
+    A directory that already holds a sample's files (or their index) is refused: writing beside
+    them would leave old files and a stale index among the new ones. ``replace=True`` removes
+    those first, and only those (:func:`sample_files`). ``progress(pairs_done, pairs)`` is
+    called after each pair is written.
+    """
     for name, value in (("pairs", pairs), ("records", records), ("inrez", inrez)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SpecError(f"{name}={value!r} must be a positive integer")
@@ -47,6 +61,17 @@ def write_sample(
     if pairs * records >= 1 << 24:
         raise SpecError(f"pairs*records={pairs * records} must stay below 2**24 so float32 labels are exact")
     out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"{str(out)!r} is not a directory: write_sample writes a directory of files", path=str(out))
+    old = sample_files(out)
+    if old and not replace:
+        shown = ", ".join(p.name for p in old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
+        raise SpecError(
+            f"{str(out)!r} already holds a sample's files ({shown}); pass replace=True to replace them",
+            path=str(out),
+        )
+    for p in old:
+        p.unlink()
     out.mkdir(parents=True, exist_ok=True)
     frame = inrez * inrez
     rng = np.random.default_rng(0)
@@ -68,8 +93,20 @@ def write_sample(
         with gzip.open(out / f"out_{g:04d}.bin.gz", "wb", compresslevel=compresslevel) as f:
             f.write(labels.tobytes())
         base += records
+        if progress is not None:
+            progress(g + 1, pairs)
     (out / CONFIG_NAME).write_text(sample_config(inrez))
     return out
+
+
+def sample_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The files of ``directory`` that a sample wrote (images, labels, its config) or that index
+    them (the index of `stoker index`), sorted; none where it does not exist."""
+    out = Path(directory)
+    if not out.is_dir():
+        return []
+    own = {CONFIG_NAME, INDEX_NAME, _COMPLETE}
+    return sorted(p for p in out.iterdir() if (p.name in own or _OWN.fullmatch(p.name)) and not p.is_dir())
 
 
 def sample_config(inrez: int) -> str:
@@ -88,12 +125,20 @@ def sample_config(inrez: int) -> str:
     )
 
 
-def cached_sample(directory: str | os.PathLike[str], *, pairs: int = 16, records: int = 4096, inrez: int = 128) -> Path:
+def cached_sample(
+    directory: str | os.PathLike[str],
+    *,
+    pairs: int = 16,
+    records: int = 4096,
+    inrez: int = 128,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """``write_sample`` once: reuse ``directory`` when an earlier call finished writing it."""
     out = Path(directory)
-    marker = out / ".complete"  # written last, so a half-written sample is never reused
+    marker = out / _COMPLETE  # written last, so a half-written sample is never reused
     if not marker.exists():
         print(f"generating the sample dataset once into {out} ...", file=sys.stderr)
-        write_sample(out, pairs=pairs, records=records, inrez=inrez)
+        # A half-written one goes.
+        write_sample(out, pairs=pairs, records=records, inrez=inrez, replace=True, progress=progress)
         marker.write_text("ok\n")
     return out

@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import SpecError
 
-__all__ = ["Compression", "Field", "is_float", "parse_bytes", "resolve_dtype"]
+__all__ = ["Compression", "Field", "is_float", "parse_bytes", "resolve_dtype", "shape_hint"]
 
 Compression = Literal["auto", "gzip", "zlib"] | None
 _COMPRESSIONS = ("auto", "gzip", "zlib", None)
@@ -209,3 +209,51 @@ class Field:
     def native_dtype(self) -> np.dtype:
         """The dtype batches hold when no cast is asked for: stored type, native byte order."""
         return self.dtype.newbyteorder("=")
+
+
+def shape_hint(fields: Mapping[str, Field], counts: Mapping[str, int | None]) -> str:
+    """Where one field's record count is a whole multiple of another's, the shapes that would make
+    them agree (a ``(64, 64, 1)`` field over 128x128 frames counts 4x its partner's records);
+    "" where no count is a multiple of another."""
+    known = {n: c for n, c in counts.items() if c}
+    if len(known) < 2:
+        return ""
+    fewest = min(known.values())
+    hints = []
+    for name, count in known.items():
+        ratio, rest = divmod(count, fewest)
+        if rest or ratio < 2:
+            continue
+        partner = next(n for n, c in known.items() if c == fewest)
+        f = fields[name]
+        larger = _scaled(f.shape, ratio)
+        hint = (
+            f"field {name!r} counts {ratio}x the records of field {partner!r}: if its records are {ratio}x larger, "
+            f"shape={larger} ({f.record_bytes * ratio} bytes a record) fits"
+        )
+        smaller = _scaled_down(fields[partner].shape, ratio)
+        if smaller is not None:
+            hint += f", or shape={smaller} for field {partner!r} if its records are {ratio}x smaller"
+        hints.append(hint)
+    return "; ".join(hints)
+
+
+def _scaled(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """``shape`` holding ``k`` times the values: both leading sides scaled where ``k`` is a square
+    (frames), else the first."""
+    if not shape:
+        return (k,)
+    side = math.isqrt(k)
+    if len(shape) >= 2 and side * side == k:
+        return (shape[0] * side, shape[1] * side, *shape[2:])
+    return (shape[0] * k, *shape[1:])
+
+
+def _scaled_down(shape: tuple[int, ...], k: int) -> tuple[int, ...] | None:
+    """``shape`` holding ``k`` times fewer values, as :func:`_scaled` would undo; None where none does."""
+    side = math.isqrt(k)
+    if len(shape) >= 2 and side * side == k and shape[0] % side == 0 and shape[1] % side == 0:
+        return (shape[0] // side, shape[1] // side, *shape[2:])
+    if shape and shape[0] % k == 0:
+        return (shape[0] // k, *shape[1:]) if shape[0] > k or len(shape) > 1 else ()
+    return None

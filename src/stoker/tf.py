@@ -47,7 +47,7 @@ import tensorflow as tf
 
 # tf.data's map with use_inter_op_parallelism and preserve_cardinality exposed, and the
 # generator dataset with init/next/finalize functions that from_generator is built on:
-# internal to TensorFlow (checked on the version stoker's [tf] extra pins). A TensorFlow
+# internal to TensorFlow (checked on the version constraints/ci.txt pins). A TensorFlow
 # that moves either gets from_generator and the public map -> take_while -> map chain
 # instead (see to_tf), with a warning.
 try:
@@ -594,7 +594,7 @@ def _public_chain(
         _warned_public.append(True)
         warnings.warn(
             f"stoker.tf: TensorFlow {tf.__version__} has no tf.data {_missing_internals()} (stoker is checked on "
-            "the version its [tf] extra pins); to_tf uses public map/take_while with tf.numpy_function "
+            "the version its CI pins); to_tf uses public map/take_while with tf.numpy_function "
             "instead (same batches, more CPU per batch)",
             RuntimeWarning,
             stacklevel=4,

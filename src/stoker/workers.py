@@ -33,6 +33,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import threading
 import traceback
 import weakref
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from .plan import BatchPlan
     from .transforms import Stage
 
-__all__ = ["ProcessExecutor", "SharedPool", "WorkerError"]
+__all__ = ["ProcessExecutor", "SharedPool", "WorkerError", "require_linux"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -89,8 +90,19 @@ def _forget(address: int, fd: int) -> None:
     os.close(fd)
 
 
+def require_linux() -> None:
+    """Refuse, before anything starts, where the batches' shared memory cannot be made: it is
+    Linux's memfd (``os.memfd_create``), and passing its descriptors is Linux's too."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        raise SpecError(
+            f"workers='process' needs Linux (it shares batches through os.memfd_create), and this is "
+            f"{sys.platform!r}; use workers='thread' (the default) here"
+        )
+
+
 def _memfd_region(nbytes: int) -> mmap.mmap:
     """A fresh shared region; its descriptor is kept (for sending) until the region is unmapped."""
+    require_linux()
     fd = os.memfd_create("stoker-batch", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
@@ -406,6 +418,7 @@ class ProcessExecutor:
     """
 
     def __init__(self, processes: int, stage: Stage, catalog: Catalog, *, context: str = "spawn") -> None:
+        require_linux()
         if processes < 1:
             raise SpecError(f"{processes=} must be a positive integer")
         self.processes = processes
