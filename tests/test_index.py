@@ -61,7 +61,7 @@ def test_write_index_writes_one_versioned_file_beside_the_data(tmp_path: Path) -
     entry = doc["files"]["img_0003.bin.gz"]
     st = os.stat(tmp_path / "img_0003.bin.gz")
     assert (entry["size"], entry["mtime_ns"], entry["records"]) == (st.st_size, st.st_mtime_ns, 21)
-    assert entry["members"] == [[0, 0]] and entry["decompressed_bytes"] == 21 * 36
+    assert [m[:2] for m in entry["members"]] == [[0, 0]] and entry["decompressed_bytes"] == 21 * 36
     assert doc["files"]["lab_0003.bin.zz"]["records"] == 21
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [INDEX_NAME]  # no temp left
 
@@ -191,15 +191,25 @@ def test_malformed_entry_is_an_error_naming_index_and_file(tmp_path: Path) -> No
     assert e.value.path == str(index)
 
 
-def test_entry_that_is_not_whole_records_under_the_field_is_an_error_naming_the_file(tmp_path: Path) -> None:
+def test_entry_whose_size_is_not_whole_records_is_the_index_s_fault_when_its_check_fails(tmp_path: Path) -> None:
     ds = compressed(tmp_path)
     (index,) = stoker.write_index(ds)
     doc = json.loads(index.read_text())
     doc["files"]["img_0004.bin.gz"]["decompressed_bytes"] += 1
     index.write_text(json.dumps(doc))
-    with pytest.raises(stoker.CorruptDataError, match=r"img_0004\.bin\.gz.*per its index") as e:
+    with pytest.raises(stoker.StaleIndexError, match=r"stoker-index\.json.*img_0004\.bin\.gz.*rebuild") as e:
         stoker.Dataset(ds.fields)
-    assert e.value.path == ds.files[4]["image"].path and e.value.field == "image"
+    assert e.value.path == str(index) and e.value.field == "image"
+
+
+def test_entry_that_is_not_whole_records_under_a_changed_field_is_the_data_s_error(tmp_path: Path) -> None:
+    """The index is right (its check holds): the field's layout no longer fits the file."""
+    ds = compressed(tmp_path)
+    stoker.write_index(ds)
+    fields = {"image": stoker.Field(str(tmp_path / "img_*.bin.gz"), "int8", (5,)), "label": ds.fields["label"]}
+    with pytest.raises(stoker.CorruptDataError, match=r"img_0000\.bin\.gz.*per its index") as e:
+        stoker.Dataset(fields)
+    assert e.value.path == ds.files[0]["image"].path and not isinstance(e.value, stoker.StaleIndexError)
 
 
 def test_index_mode_is_validated(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from conftest import FieldPlan, build, encode, field_for, make_values, reference
 from stoker import access, batch, index, inflate, seekpoints
 from stoker.access import RecordReader
 from stoker.cli import main
+from stoker.files import FileInfo
 from stoker.index import INDEX_NAME
 from stoker.seekpoints import SeekPoint
 
@@ -64,6 +65,12 @@ def compress(data: bytes, how: str, level: int) -> bytes:
     raise ValueError(how)
 
 
+def windows_of(ds: stoker.Dataset, g: int = 0, name: str = "x") -> str:
+    """The windows file the index names for field ``name`` of group ``g``."""
+    (path,) = {p.window.path for p in ds._catalog.seek_points[(g, name)] if p.window is not None}
+    return path
+
+
 def indexed(tmp_path: Path, plans: dict[str, FieldPlan], counts: list[int] = COUNTS) -> stoker.Dataset:
     write_dataset(tmp_path, counts, plans)
     fields = {n: field_for(tmp_path, p) for n, p in plans.items()}
@@ -94,16 +101,12 @@ def test_every_seek_point_decodes_exactly_what_plain_decompression_gives(
     path = tmp_path / "f.z"
     path.write_bytes(compress(data, how, level))
     kind = "zlib" if how == "zlib" else "gzip"
-    found = seekpoints.scan_file(str(path), kind, spacing=spacing)
-    assert found.decompressed_bytes == len(data)
-    spans = seekpoints.write_windows(seekpoints.windows_path(str(path)), 1, 2, [p[3] for p in found.points])
-    doc = {
-        "members": [list(m) for m in found.members],
-        "points": [[c, b, d, off, n] for (c, b, d, _), (off, n) in zip(found.points, spans, strict=True)],
-        "windows": os.path.basename(seekpoints.windows_path(str(path))),
-    }
-    info = type("Info", (), {"size": 1, "mtime_ns": 2, "path": str(path)})
-    points = index.seek_points_of(info, doc)  # type: ignore[arg-type]
+    st_ = path.stat()
+    info = FileInfo(str(path), st_.st_size, st_.st_mtime_ns, kind, None)
+    entry = index.scan("f", info, str(tmp_path), spacing=spacing)
+    assert entry.decompressed_bytes == len(data)
+    _, points = index.parse_entry(str(tmp_path / INDEX_NAME), info, entry.to_json(0))
+    assert all(p.check is not None for p in points)  # every point is verified when used
     assert [p.decompressed for p in points] == sorted(p.decompressed for p in points)
     for point in points:
         want = int(rng.integers(0, 70_000))
@@ -127,7 +130,7 @@ def test_index_holds_block_points_and_reads_equal_the_files_at_random_records(tm
     assert len(inner) >= 5 and all(0 <= p.bits < 8 for p in inner)
     gaps = np.diff([p.decompressed for p in inner])
     assert (gaps >= SPACING).all()
-    assert (tmp_path / f".stoker-windows.{Path(ds.files[0]['x'].path).name}").exists()
+    assert (tmp_path / inner[0].window.path).exists() and inner[0].window.path.startswith(str(tmp_path))  # type: ignore[union-attr]
     ref = np.concatenate([r["x"] for r in reference(ds)])
     reader = RecordReader(ds._catalog, cache_bytes=0)  # every read from a seek point
     rng = np.random.default_rng(5)
@@ -202,7 +205,7 @@ def test_select_of_records_reads_through_seek_points(
 
 def test_a_missing_windows_file_is_an_error_naming_it_when_used(tmp_path: Path) -> None:
     ds = indexed(tmp_path, {"x": IMG})
-    sidecar = seekpoints.windows_path(ds.files[0]["x"].path)
+    sidecar = windows_of(ds)
     os.unlink(sidecar)
     assert len(ds) == sum(COUNTS)  # opening never reads windows
     reader = RecordReader(ds._catalog, cache_bytes=0)
@@ -214,7 +217,7 @@ def test_a_missing_windows_file_is_an_error_naming_it_when_used(tmp_path: Path) 
 @pytest.mark.parametrize("damage", ["other-data", "garbage"])
 def test_a_windows_file_that_does_not_match_is_an_error_naming_it(tmp_path: Path, damage: str) -> None:
     ds = indexed(tmp_path, {"x": IMG})
-    sidecar = Path(seekpoints.windows_path(ds.files[0]["x"].path))
+    sidecar = Path(windows_of(ds))
     blob = bytearray(sidecar.read_bytes())
     if damage == "other-data":  # a windows file written for another version of the data file
         blob[8:16] = (12345).to_bytes(8, "little")

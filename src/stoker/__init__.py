@@ -25,6 +25,7 @@ from .errors import (
     StateError,
     StokerError,
     SupersededError,
+    WriteError,
 )
 from .files import Group
 from .index import write_index
@@ -47,6 +48,7 @@ __all__ = [
     "StokerError",
     "Subset",
     "SupersededError",
+    "WriteError",
     "write_index",
     "write_sample",
 ]

@@ -43,6 +43,7 @@ from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, fill_paddin
 from .dataset import Dataset, resolve_cast
 from .errors import CorruptDataError, RecordIndexError, SpecError
 from .files import Catalog, FileInfo, Group, open_local
+from .index import count_disagrees
 from .inflate import Inflater
 from .kernels import gather_records, gathers, map_address
 from .order import Permutation
@@ -270,7 +271,7 @@ class RecordReader:
             with self._lock:
                 arr = self._cache.get(key)
             if arr is None:
-                arr = self._decode_whole(name, spec, info, n)
+                arr = self._decode_whole(name, spec, info, g, n)
                 with self._lock:
                     self._cache[key] = arr
                     self._cached += arr.nbytes
@@ -279,23 +280,29 @@ class RecordReader:
                         self._cached -= old.nbytes
         return arr
 
-    def _decode_whole(self, name: str, spec: Field, info: FileInfo, n: int) -> np.ndarray:
+    def _decode_whole(self, name: str, spec: Field, info: FileInfo, g: int, n: int) -> np.ndarray:
         assert info.compression is not None
         buf = np.empty(n * spec.record_bytes, np.uint8)
+        index_file = self.catalog.root().index_file(g, name)
         with Inflater(info.path, info.compression, field=name, storage_options=spec.storage_options) as inf:
             got = inf.skip(spec.header_bytes) + inf.readinto(memoryview(buf))  # type: ignore[arg-type]
             if got < spec.header_bytes + len(buf):
-                raise self._short(name, spec, info, n, inf.produced)
+                at = max(0, (inf.produced - spec.header_bytes) // spec.record_bytes)
+                found = f"ends at decompressed offset {inf.produced}, inside record {at}"
+                raise count_disagrees(index_file, info, name, g, n, found, record=at, offset=inf.produced) or _short(
+                    name, spec, info, n, inf.produced
+                )
             if inf.skip(spec.footer_bytes) != spec.footer_bytes or not inf.at_end():
+                found = f"does not end after {n} records and footer_bytes={spec.footer_bytes}"
+                lie = count_disagrees(index_file, info, name, g, n, found, record=n, offset=inf.produced)
+                if lie is not None:
+                    raise lie
                 raise CorruptDataError(
                     f"field {name!r}: {info.path!r} does not end after its {n} records and footer_bytes="
                     f"{spec.footer_bytes} (decompressed offset {inf.produced})",
                     field=name, path=info.path, index=n, offset=inf.produced,
                 )  # fmt: skip
         return buf.view(spec.dtype).reshape(n, *spec.shape)
-
-    def _short(self, name: str, spec: Field, info: FileInfo, n: int, produced: int) -> CorruptDataError:
-        return _short(name, spec, info, n, produced)
 
     def _seek_read(
         self, name: str, spec: Field, info: FileInfo, g: int, local: np.ndarray, dst: np.ndarray, rows: np.ndarray

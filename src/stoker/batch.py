@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 
 from .engine import Allocator, StopFlag, Stopped, flush_wake
-from .errors import CorruptDataError, ReadError, StokerError
+from .errors import CorruptDataError, ReadError, StaleIndexError, StokerError
 from .fetch import Fetcher
 from .files import Catalog, FileInfo, open_local
+from .index import count_disagrees
 from .inflate import Inflater, TruncatedStreamError
 from .kernels import (
     address,
@@ -1448,7 +1449,7 @@ class Assembler:
                         self._finish_stream(name, spec, info, Run(group, 0, expected, 0, True), stream)
                     except TruncatedStreamError:
                         raise
-                    except CorruptDataError as e:
+                    except (CorruptDataError, StaleIndexError) as e:
                         if e.__cause__ is not None:  # the decoder's own error (bad CRC, bad data)
                             raise
                         final_err = e  # whole records, then more data: raised at the group's end
@@ -1504,10 +1505,14 @@ class Assembler:
             self.counters.add("cast", name, time.perf_counter() - t)
         stream.pos += span
 
-    def _stream_short(
-        self, name: str, spec: Field, info: FileInfo, run: Run, inf: Inflater, pos: int
-    ) -> CorruptDataError:
+    def _stream_short(self, name: str, spec: Field, info: FileInfo, run: Run, inf: Inflater, pos: int) -> StokerError:
         expected = self.catalog.count(run.group)
+        lie = count_disagrees(
+            self.catalog.index_file(run.group, name), info, name, run.group, expected,
+            f"ends after {pos} whole records (decompressed offset {inf.produced})", record=pos, offset=inf.produced,
+        )  # fmt: skip
+        if lie is not None:
+            return lie
         return CorruptDataError(
             f"field {name!r}: {info.compression} stream {info.path!r} ends after {pos} whole records "
             f"(decompressed offset {inf.produced}), but group {run.group} has {expected} records "
@@ -1535,6 +1540,13 @@ class Assembler:
                 field=name, path=info.path, index=stream.pos, offset=inf.produced,
             )  # fmt: skip
         if not inf.at_end():
+            lie = count_disagrees(
+                self.catalog.index_file(run.group, name), info, name, run.group, expected,
+                f"holds more than {stream.pos} records (data continues at decompressed offset "
+                f"{end + spec.footer_bytes})", record=stream.pos, offset=end + spec.footer_bytes,
+            )  # fmt: skip
+            if lie is not None:
+                raise lie
             raise CorruptDataError(
                 f"field {name!r}: {info.path!r} holds more than the {stream.pos} records of group {run.group} "
                 f"(data continues at decompressed offset {end + spec.footer_bytes}); its gzip trailer "

@@ -463,6 +463,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     written = write_index(
         ds,
         spacing=SPACING if args.spacing is None else args.spacing,
+        index_dir=args.index_dir,
         progress=lambda path: bar.step(os.path.basename(path)),
     )
     nfiles = ds.num_groups * len(ds.fields)
@@ -760,6 +761,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="decompressed bytes between seek points inside a gzip member or zlib stream (default 1 MiB)",
+    )
+    p.add_argument(
+        "--index-dir",
+        default=None,
+        help="keep the index here instead of beside the data (for read-only data; default $STOKER_INDEX_DIR); "
+        "read it with Dataset(..., index_dir=) or the same variable",
     )
     _add_field_args(p)
     p.set_defaults(run=cmd_index)

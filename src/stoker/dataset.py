@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,9 +35,11 @@ class Dataset:
         pair_key: a regex whose first group (or whole match) taken from each basename must be
             equal across a group's files; default: the numbers in the basenames must agree
             where both carry numbers. ``""`` disables the check.
-        index: the persistent index beside the data (:mod:`stoker.index`): "auto" uses it
-            where it matches the files and raises StaleIndexError where it does not;
-            "rebuild" rewrites stale or missing entries; "ignore" never reads it.
+        index: the persistent index (:mod:`stoker.index`): "auto" uses it where it matches
+            the files and raises StaleIndexError where it does not; "rebuild" rewrites stale,
+            missing or malformed entries; "ignore" never reads it.
+        index_dir: where the index lives: None (default) means ``$STOKER_INDEX_DIR`` if set,
+            else beside the data; a directory keeps indexes of read-only data there.
 
     Example:
         >>> ds = Dataset(image=Field("data/img_*.bin", "int8", (128, 128, 1)),
@@ -52,6 +55,7 @@ class Dataset:
         *,
         pair_key: str | None = None,
         index: str = "auto",
+        index_dir: str | os.PathLike[str] | None = None,
         **named: Field,
     ) -> None:
         merged: dict[str, Field] = {}
@@ -74,7 +78,7 @@ class Dataset:
             raise SpecError(f"pair_key={pair_key!r} must be a regular expression string or None")
         self.fields: dict[str, Field] = merged
         self.pair_key = pair_key
-        self._catalog = Catalog(merged, pair_key=pair_key, index=index)
+        self._catalog = Catalog(merged, pair_key=pair_key, index=index, index_dir=index_dir)
 
     @property
     def num_groups(self) -> int:

@@ -14,6 +14,7 @@ __all__ = [
     "StateError",
     "StokerError",
     "SupersededError",
+    "WriteError",
 ]
 
 
@@ -86,3 +87,7 @@ class RecordIndexError(StokerError, IndexError):
 
 class SupersededError(StokerError, RuntimeError):
     """A loader's iterator was used after a newer ``iter(loader)`` ended its pass (one pass at a time)."""
+
+
+class WriteError(StokerError, OSError):
+    """The operating system refused a write stoker must make: the persistent index in a read-only directory."""

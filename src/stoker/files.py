@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CorruptDataError, PairingError, ReadError, SpecError
-from .index import IndexLookup, apply_index
+from .index import IndexLookup, apply_index, resolve_index_dir
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
 from .remote import Probe, is_remote
 from .seekpoints import SeekPoint
@@ -293,8 +293,18 @@ def _keys_agree(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
 class Catalog:
     """All groups of a Dataset; record counts settled lazily and thread-safely."""
 
-    def __init__(self, fields: Mapping[str, Field], *, pair_key: str | None = None, index: str = "auto") -> None:
+    def __init__(
+        self,
+        fields: Mapping[str, Field],
+        *,
+        pair_key: str | None = None,
+        index: str = "auto",
+        index_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.fields = dict(fields)
+        # Where the persistent index lives (None: beside the data); see stoker.index.
+        self.index_dir = resolve_index_dir(index_dir)
+        lookup = IndexLookup(index, self.index_dir)
         paths = {name: expand_files(name, spec) for name, spec in self.fields.items()}
         lengths = {name: len(p) for name, p in paths.items()}
         if len(set(lengths.values())) > 1:
@@ -319,7 +329,6 @@ class Catalog:
                         "(pass pair_key=REGEX to choose what must agree, or pair_key='' to disable)",
                         field=other, path=paths[other][g],
                     )  # fmt: skip
-        lookup = IndexLookup(index)
         probes = {name: _probe_remote(name, self.fields[name], paths[name]) for name in names}
         self.files: list[dict[str, FileInfo]] = [
             {n: _inspect(n, self.fields[n], paths[n][g], lookup, probes[n].get(paths[n][g])) for n in names}
@@ -391,6 +400,11 @@ class Catalog:
         """Record what a matching persistent index says of field ``name`` of group ``g``."""
         self._exact[(g, name)] = records
         self.seek_points[(g, name)] = seek_points
+
+    def index_file(self, g: int, name: str) -> str | None:
+        """The persistent index file that gave group ``g``'s count of field ``name``, if one did."""
+        points = self.seek_points.get((g, name))
+        return points[0].index_file if points else None
 
     def trusted_hint(self, g: int, name: str) -> bool:
         """True when field ``name`` of group ``g`` is counted only by its trailer so far."""

@@ -1,13 +1,14 @@
-"""A persistent index beside the data: record counts and seek points, no decompression to open.
+"""A persistent index of the data: record counts and seek points, no decompression to open.
 
 ``write_index(ds)`` (or ``stoker index DIR``) writes one small JSON file, ``.stoker-index.json``,
-in every directory that holds the dataset's files. Per file it records the size and
-``mtime_ns`` it was indexed at, the record count, and for gzip/zlib files the decompressed
-size, the start of every gzip member as ``(compressed offset, decompressed offset)``, and
-periodic seek points inside members and zlib streams: the first deflate block boundary
-after every ``spacing`` bytes of output (1 MiB by default) as ``(byte, bit, decompressed
-offset)`` plus the 32 KiB window before it, kept compressed in a sidecar file
-``.stoker-windows.NAME`` (see :mod:`stoker.seekpoints`).
+per directory that holds the dataset's files: beside them, or under ``index_dir`` (the
+argument, ``stoker index --index-dir``, or the ``STOKER_INDEX_DIR`` environment variable) in a
+folder named for the data directory, for data on read-only storage. Per file it records the
+size and ``mtime_ns`` it was indexed at, the record count, and for gzip/zlib files the
+decompressed size, the start of every gzip member, and periodic seek points inside members
+and zlib streams: the first deflate block boundary after every ``spacing`` bytes of output
+(1 MiB by default) plus the 32 KiB window before it, kept compressed in a sidecar file
+``.stoker-windows.NAME.BUILD`` beside the index (see :mod:`stoker.seekpoints`).
 
 A Dataset built afterwards takes the record counts of compressed files from the index
 when the file's size and mtime still match, so opening 10,000 compressed groups
@@ -18,26 +19,43 @@ through ctypes, the index holds member starts only (one seek point per gzip memb
 
 Trust: an entry whose file changed size or mtime is stale. ``Dataset(..., index="auto")``
 (the default) raises :class:`~stoker.errors.StaleIndexError` naming the file; an index file
-of another format version raises naming the index file. ``index="rebuild"`` rewrites stale,
-missing and old entries (decompressing only those files); ``index="ignore"`` never reads it.
-A windows file that does not match its data file raises naming the windows file, when used.
-Files are written atomically (temp file, fsync, ``os.replace``); windows before the index.
+of another format version, or one that is not well formed (any value of the wrong type or out
+of range) raises naming the index file and the entry. ``index="rebuild"`` rewrites stale,
+missing, malformed and old entries (decompressing only those files); ``index="ignore"`` never
+reads it. What the index says is checked when it is used, not believed: every seek point
+carries a check of its numbers, the file's decompressed size and the first KiB decoded from it;
+every window its CRC-32 and the build of its sidecar; and a count from the index is confirmed
+at the end of the stream as a gzip trailer's would be. A point, window or count that does not
+hold is a StaleIndexError naming the index, never wrong records.
+
+One generation at a time: a rebuild writes its windows under new names (the build is a hash
+of their contents), then the index (temp file, fsync, atomic rename), and only then removes
+the windows files no entry names any more. Killed at any moment, the index on disk names
+windows files that exist and belong to it.
 """
 
 from __future__ import annotations
 
+import array
 import bisect
 import contextlib
+import hashlib
+import itertools
 import json
 import os
+import re
+import reprlib
+import stat
+import struct
 import tempfile
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import seekpoints
-from .errors import CorruptDataError, SpecError, StaleIndexError
+from .errors import CorruptDataError, SpecError, StaleIndexError, WriteError
 from .inflate import Inflater
 from .remote import is_remote
 from .seekpoints import SeekPoint, WindowRef
@@ -48,22 +66,39 @@ if TYPE_CHECKING:
     from .spec import Field
 
 __all__ = [
+    "ENV_INDEX_DIR",
     "INDEX_NAME",
     "INDEX_VERSION",
     "IndexEntry",
     "IndexLookup",
     "IndexMode",
     "apply_index",
+    "count_disagrees",
+    "entry_check",
+    "index_home",
     "index_path",
+    "parse_entry",
+    "resolve_index_dir",
     "write_index",
 ]
 
 INDEX_NAME = ".stoker-index.json"  # a dot file, so globs like "data/*" never match it
-# 2: seek points inside members ("points", "windows"); version 1 files are rebuilt or refused.
-INDEX_VERSION = 2
+# 3: a check on every seek point, windows files named per build. Versions 1 (member starts
+# only) and 2 (unchecked points) are refused, naming the file; index="rebuild" replaces them.
+INDEX_VERSION = 3
+ENV_INDEX_DIR = "STOKER_INDEX_DIR"
 _FORMAT = "stoker-index"
 IndexMode = Literal["auto", "rebuild", "ignore"]
 _MODES = ("auto", "rebuild", "ignore")
+_MAX_OFFSET = 1 << 62  # past any real file: a larger number in an index is a lie, not an offset
+_CRC_MAX = 0xFFFF_FFFF
+_ENTRY = struct.Struct("<QqQQQ")  # size, mtime_ns, decompressed size, members, points: what entry_check covers
+_BUILD = re.compile(r"[0-9a-f]{32}")
+# A windows file of this store: NAME, optionally .BUILD, optionally .RANDOM.tmp (an unfinished write).
+_WINDOWS_FILE = re.compile(r"\.stoker-windows\.(.+?)(?:\.[0-9a-f]{32}(?:\.[a-z0-9_]+\.tmp)?)?")
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
 
 
 @dataclass(frozen=True)
@@ -74,104 +109,252 @@ class IndexEntry:
     mtime_ns: int
     compression: str | None
     decompressed_bytes: int  # == size for raw files
-    # (compressed offset, decompressed offset) of each gzip member start; ((0, 0),) for zlib.
-    members: tuple[tuple[int, int], ...]
-    # (byte, bit, decompressed offset, window offset, window length) of each block seek point;
-    # the windows live in the sidecar file named ``windows`` (a basename), None when no point.
-    points: tuple[tuple[int, int, int, int, int], ...] = ()
+    # (compressed offset, decompressed offset, check) of each gzip member start; one for zlib.
+    members: tuple[tuple[int, int, int], ...] = ()
+    # (byte, bit, decompressed offset, window offset, window length, window CRC-32, check) of
+    # each block seek point; the windows live in the sidecar ``windows`` of build ``build``.
+    points: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
     windows: str | None = None
+    build: str | None = None
 
     def to_json(self, records: int) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "size": self.size,
             "mtime_ns": self.mtime_ns,
             "compression": self.compression,
             "records": records,
             "decompressed_bytes": self.decompressed_bytes,
-            "members": [list(m) for m in self.members],
-            # Only where there are points: 10,000 small files parse measurably faster without.
-            **({"points": [list(p) for p in self.points], "windows": self.windows} if self.points else {}),
         }
+        if self.compression is not None:
+            doc["members"] = [list(m) for m in self.members]
+            doc["check"] = entry_check(
+                self.size, self.mtime_ns, self.decompressed_bytes, self.members, self.points, self.build
+            )
+        if self.points:  # only where there are points: 10,000 small files parse measurably faster without
+            doc.update(points=[list(p) for p in self.points], windows=self.windows, build=self.build)
+        return doc
 
 
-def index_path(data_file: str) -> str:
-    """The index file that covers ``data_file``: ``.stoker-index.json`` in its directory."""
-    return os.path.join(os.path.dirname(os.path.abspath(data_file)), INDEX_NAME)
+def resolve_index_dir(index_dir: str | os.PathLike[str] | None) -> str | None:
+    """Where indexes live: ``index_dir``, else ``$STOKER_INDEX_DIR``, else None (beside the data)."""
+    if index_dir is None:
+        index_dir = os.environ.get(ENV_INDEX_DIR) or None
+        if index_dir is None:
+            return None
+    if isinstance(index_dir, bool) or not isinstance(index_dir, (str, os.PathLike)):
+        raise SpecError(f"index_dir={index_dir!r} must be a directory path (str or os.PathLike) or None")
+    path = os.fspath(index_dir)
+    if not isinstance(path, str) or not path:
+        raise SpecError(f"index_dir={index_dir!r} must be a non-empty directory path")
+    return os.path.abspath(path)
+
+
+def index_home(data_dir: str, index_dir: str | None = None) -> str:
+    """The directory holding the index (and windows files) of the data files in ``data_dir``:
+    ``data_dir`` itself, or a folder of ``index_dir`` named for it (its name and a hash of its path)."""
+    data_dir = os.path.abspath(data_dir)
+    if index_dir is None:
+        return data_dir
+    key = hashlib.sha256(os.fsencode(data_dir)).hexdigest()[:16]
+    return os.path.join(index_dir, f"{os.path.basename(data_dir) or 'root'}-{key}")
+
+
+def index_path(data_file: str, index_dir: str | None = None) -> str:
+    """The index file that covers ``data_file`` (``index_dir`` as :func:`resolve_index_dir` gives it)."""
+    return os.path.join(index_home(os.path.dirname(os.path.abspath(data_file)), index_dir), INDEX_NAME)
+
+
+def _unreadable(path: str, why: str) -> StaleIndexError:
+    return StaleIndexError(
+        f"index file {path!r} {why}; rebuild it with `stoker index` or Dataset(..., index='rebuild')", path=path
+    )
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number an index holds")
 
 
 def _load(path: str) -> dict[str, Any] | None:
     """The index file's entries by basename; None when there is no index file."""
     try:
-        with open(path, "rb") as f:
-            doc = json.load(f)
+        # O_NONBLOCK: a FIFO in its place opens at once (and is refused below) instead of blocking.
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        raise StaleIndexError(
-            f"index file {path!r} cannot be read ({e}); rebuild it with `stoker index`", path=path
-        ) from e
+    except OSError as e:
+        raise _unreadable(path, f"cannot be read ({e.strerror})") from e
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise _unreadable(path, "is not a regular file")
+            data = f.read()
+    except OSError as e:
+        raise _unreadable(path, f"cannot be read ({e.strerror})") from e
+    try:
+        doc = json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
+        raise _unreadable(path, f"cannot be read ({type(e).__name__}: {_REPR.repr(str(e))})") from e
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("files"), dict):
         raise StaleIndexError(f"{path!r} is not a stoker index file; remove it or rebuild it", path=path)
     if doc.get("version") != INDEX_VERSION:
         raise StaleIndexError(
-            f"index file {path!r} has format version {doc.get('version')!r}, this stoker reads version "
+            f"index file {path!r} has format version {_REPR.repr(doc.get('version'))}, this stoker reads version "
             f"{INDEX_VERSION}; rebuild it with `stoker index` or Dataset(..., index='rebuild')",
             path=path,
         )
     return doc["files"]
 
 
-def scan(name: str, info: FileInfo, *, spacing: int = seekpoints.SPACING) -> IndexEntry:
-    """Index one file: decompress it once to find its size, member starts and seek points."""
+def scan(name: str, info: FileInfo, home: str, *, spacing: int = seekpoints.SPACING) -> IndexEntry:
+    """Index one file: decompress it once to find its size, member starts and seek points; a
+    windows file, if any, is written in ``home`` (the index's directory)."""
     if info.compression is None:
-        return IndexEntry(info.size, info.mtime_ns, None, info.size, ((0, 0),))
-    points: tuple[tuple[int, int, int, int, int], ...] = ()
-    windows = None
+        return IndexEntry(info.size, info.mtime_ns, None, info.size)
+    points: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
+    windows = build = None
     if seekpoints.available() and not is_remote(info.path):
         found = seekpoints.scan_file(info.path, info.compression, spacing=spacing, field=name)
-        total, members = found.decompressed_bytes, found.members
+        total, heads = found.decompressed_bytes, found.members
         if found.points:
-            sidecar = seekpoints.windows_path(info.path)
-            spans = seekpoints.write_windows(sidecar, info.size, info.mtime_ns, [p[3] for p in found.points])
-            points = tuple((c, b, d, off, n) for (c, b, d, _), (off, n) in zip(found.points, spans, strict=True))
-            windows = os.path.basename(sidecar)
+            windows, build, spans = seekpoints.write_windows(
+                home, os.path.basename(info.path), info.size, info.mtime_ns, [p[3] for p in found.points]
+            )
+            points = tuple(
+                (c, b, d, off, n, crc, seekpoints.point_check(c, b, d, total, head))
+                for (c, b, d, _, head), (off, n, crc) in zip(found.points, spans, strict=True)
+            )
     else:  # no libz (or a URL): member starts, found by the ordinary decoder
-        with Inflater(info.path, info.compression, field=name) as inf:
-            while inf.skip(1 << 30) == 1 << 30:
-                pass
-            total, members = inf.produced, tuple(inf.members)
+        total, heads = _member_heads(name, info)
+    members = tuple((c, d, seekpoints.point_check(c, 0, d, total, head)) for c, d, head in heads)
     st = os.stat(info.path)
     if st.st_size != info.size or st.st_mtime_ns != info.mtime_ns:
         raise StaleIndexError(f"field {name!r}: {info.path!r} changed while it was being indexed", field=name,
                               path=info.path)  # fmt: skip
-    return IndexEntry(info.size, info.mtime_ns, info.compression, total, members, points, windows)
+    return IndexEntry(info.size, info.mtime_ns, info.compression, total, members, points, windows, build)
 
 
-_FILE_START = (SeekPoint(0, 0),)
+def _member_heads(name: str, info: FileInfo) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """(decompressed size, (compressed, decompressed, head CRC) of each member) by plain decoding."""
+    assert info.compression is not None
+    heads = seekpoints.Heads()
+    found: list[tuple[int, int, int]] = []
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with Inflater(info.path, info.compression, field=name) as inf:
+        while True:
+            at = inf.produced
+            n = inf.readinto(view)
+            for c, d in inf.members[len(found) :]:  # members that began in this chunk
+                found.append((c, d, heads.add(d)))
+            heads.feed(view[:n], at)
+            if n < len(buf):
+                break
+        total = inf.produced
+    return total, tuple((c, d, heads.crcs[k]) for c, d, k in found)
 
 
-def seek_points_of(info: FileInfo, doc: Mapping[str, Any]) -> tuple[SeekPoint, ...]:
-    """The seek points an index entry gives, sorted by decompressed offset (raises on malformed)."""
-    members = doc["members"]
+class _Malformed(Exception):
+    """One value of an index entry that cannot be what the index format says."""
+
+
+def _num(value: Any, where: str, hi: int = _MAX_OFFSET) -> int:
+    if type(value) is not int or not 0 <= value <= hi:  # type(): a bool or a float is no offset
+        raise _Malformed(f"{where} is {_REPR.repr(value)}, not an integer in 0..{hi}")
+    return value
+
+
+def _list(value: Any, where: str, length: int | None = None) -> list[Any]:
+    if type(value) is not list or (length is not None and len(value) != length):
+        raise _Malformed(f"{where} is {_REPR.repr(value)}, not a list" + (f" of {length}" if length else ""))
+    return value
+
+
+def parse_entry(index_file: str, info: FileInfo, doc: Any) -> tuple[int, tuple[SeekPoint, ...]]:
+    """(decompressed size, seek points sorted by decompressed offset) of an entry that matched
+    ``info``; a StaleIndexError naming the index file and the entry where a value cannot be right."""
+    try:
+        return _parse(index_file, info, doc)
+    except _Malformed as e:
+        raise StaleIndexError(
+            f"index {index_file!r} has a malformed entry for {info.path!r} (entry "
+            f"{os.path.basename(info.path)!r}): {e}; rebuild it with `stoker index` or Dataset(..., index='rebuild')",
+            path=index_file,
+        ) from None
+
+
+def _parse(index_file: str, info: FileInfo, doc: Any) -> tuple[int, tuple[SeekPoint, ...]]:
+    if not isinstance(doc, dict):
+        raise _Malformed(f"it is {_REPR.repr(doc)}, not an object")
+    last = max(0, info.size - 1)
+    total = _num(doc.get("decompressed_bytes"), "decompressed_bytes")
+    members = _list(doc.get("members"), "members")
+    if not 0 < len(members) <= info.size:
+        raise _Malformed(f"members holds {len(members)} member starts for a file of {info.size} bytes")
+    heads: list[tuple[int, int, int]] = []
+    for k, m in enumerate(members):
+        c, d, check = _list(m, f"members[{k}]", 3)
+        c, d = _num(c, f"members[{k}][0]", last), _num(d, f"members[{k}][1]", total)
+        if not k and (c, d) != (0, 0):
+            raise _Malformed(f"members[0] = {[c, d]}, not the file's start [0, 0]")
+        if k and (c <= heads[-1][0] or d < heads[-1][1]):
+            raise _Malformed(f"members[{k}] = {[c, d]} does not follow members[{k - 1}]")
+        heads.append((c, d, _num(check, f"members[{k}][2]", _CRC_MAX)))
     raw = doc.get("points")
-    if len(members) == 1 and not raw:
-        return _FILE_START  # the common case, once per file when opening: no objects built
-    members = [(int(a), int(b)) for a, b in members]
-    # One member: its start is the file's start, no member seek point worth keeping.
-    found = [SeekPoint(c, d) for c, d in members] if len(members) > 1 else [SeekPoint(0, 0)]
+    raw = [] if raw is None else _list(raw, "points")
+    points: list[tuple[int, int, int, int, int, int, int]] = []
+    build = sidecar = None
     if raw:
-        sidecar = os.path.join(os.path.dirname(os.path.abspath(info.path)), str(doc["windows"]))
-        starts = [c for c, _ in members]
-        for c, bit, d, off, n in raw:
-            k = bisect.bisect_right(starts, int(c))
-            found.append(
-                SeekPoint(
-                    int(c), int(d), int(bit), WindowRef(sidecar, int(off), int(n), info.size, info.mtime_ns),
-                    members[k] if k < len(members) else None,
-                )
-            )  # fmt: skip
-        found.sort(key=lambda p: p.decompressed)
-    return tuple(found)
+        build = doc.get("build")
+        if type(build) is not str or not _BUILD.fullmatch(build):
+            raise _Malformed(f"build is {_REPR.repr(build)}, not 32 hex digits")
+        expected = seekpoints.windows_name(os.path.basename(info.path), build)
+        if doc.get("windows") != expected:  # a basename beside the index, never a path to elsewhere
+            raise _Malformed(f"windows is {_REPR.repr(doc.get('windows'))}, not {expected!r}")
+        sidecar = os.path.join(os.path.dirname(index_file), expected)
+    for k, p in enumerate(raw):
+        at = f"points[{k}]"
+        c, bits, d, offset, length, crc, check = _list(p, at, 7)
+        offset = _num(offset, f"{at}[3]")
+        if offset < seekpoints.HEADER_BYTES:
+            raise _Malformed(f"{at}[3] = {offset} lies inside the windows file's header")
+        points.append((
+            _num(c, f"{at}[0]", last), _num(bits, f"{at}[1]", 7), _num(d, f"{at}[2]", total), offset,
+            _num(length, f"{at}[4]", seekpoints.MAX_PACKED), _num(crc, f"{at}[5]", _CRC_MAX),
+            _num(check, f"{at}[6]", _CRC_MAX),
+        ))  # fmt: skip
+    check = _num(doc.get("check"), "check", _CRC_MAX)
+    if check != entry_check(info.size, info.mtime_ns, total, heads, points, build):
+        raise _Malformed(f"check {check} is not the CRC-32 of its values: the entry was changed after it was written")
+    starts = [SeekPoint(c, d, check=k, total=total, index_file=index_file) for c, d, k in heads]
+    if not points:
+        return total, tuple(starts)
+    assert sidecar is not None and build is not None
+    member_offsets = [c for c, _, _ in heads]
+    found = list(starts)
+    for c, bits, d, offset, length, crc, check in points:
+        window = WindowRef(sidecar, offset, length, crc, build, info.size, info.mtime_ns)
+        j = bisect.bisect_right(member_offsets, c)
+        after = (heads[j][0], heads[j][1]) if j < len(heads) else None
+        found.append(SeekPoint(c, d, bits, window, after, check, total, index_file))
+    found.sort(key=lambda p: p.decompressed)
+    return total, tuple(found)
+
+
+def entry_check(
+    size: int,
+    mtime_ns: int,
+    total: int,
+    members: Iterable[Iterable[int]],
+    points: Iterable[Iterable[int]],
+    build: str | None,
+) -> int:
+    """CRC-32 of an entry's values, written with it: an entry changed by anything but stoker's
+    writer (a flipped digit, an edit, another entry's numbers) is refused when the Dataset opens."""
+    members, points = list(members), list(points)
+    crc = zlib.crc32(_ENTRY.pack(size, mtime_ns, total, len(members), len(points)))
+    crc = zlib.crc32(array.array("Q", itertools.chain.from_iterable(members)), crc)
+    crc = zlib.crc32(array.array("Q", itertools.chain.from_iterable(points)), crc)
+    return zlib.crc32((build or "").encode(), crc)
 
 
 def records_of(name: str, spec: Field, info: FileInfo, entry: IndexEntry) -> int:
@@ -185,6 +368,24 @@ def records_of(name: str, spec: Field, info: FileInfo, entry: IndexEntry) -> int
             field=name, path=info.path,
         )  # fmt: skip
     return body // spec.record_bytes
+
+
+def ensure_writable(home: str, data_dir: str) -> None:
+    """Before any work: ``home`` can hold the index of ``data_dir`` (made if missing), or a
+    WriteError naming it that says where else the index can go."""
+    try:
+        os.makedirs(home, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".stoker-index.", suffix=".probe", dir=home)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = "the data directory" if os.path.abspath(home) == os.path.abspath(data_dir) else "index directory"
+        raise WriteError(
+            f"cannot write the index of {data_dir!r}: {where} {home!r} is not writable ({e.strerror or e}); "
+            f"keep the index elsewhere with `stoker index --index-dir DIR`, Dataset(..., index_dir=DIR) or "
+            f"{ENV_INDEX_DIR}=DIR",
+            path=home,
+        ) from e
 
 
 def _write_atomic(path: str, doc: Mapping[str, Any]) -> None:
@@ -203,32 +404,60 @@ def _write_atomic(path: str, doc: Mapping[str, Any]) -> None:
         raise
 
 
-def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry]) -> list[str]:
+def _remove_old_windows(home: str, files: Mapping[str, Any], bases: Iterable[str]) -> None:
+    """Remove the windows files of ``bases`` in ``home`` that no entry of the new index names:
+    older builds, version-2 sidecars, and unfinished writes of an interrupted run."""
+    keep = {e.get("windows") for e in files.values() if isinstance(e, dict)}
+    bases = set(bases)
+    try:
+        names = os.listdir(home)
+    except OSError:
+        return
+    for name in names:
+        m = _WINDOWS_FILE.fullmatch(name)
+        if m and m.group(1) in bases and name not in keep:
+            with contextlib.suppress(OSError):  # gone already, or not ours to remove: harmless
+                os.unlink(os.path.join(home, name))
+
+
+def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry], index_dir: str | None) -> list[str]:
     """Merge ``entries`` into the index file of each directory they live in; returns the paths."""
-    by_file: dict[str, dict[str, dict[str, Any]]] = {}
+    by_file: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
     for (g, name), entry in entries.items():
         info = catalog.files[g][name]
         records = records_of(name, catalog.fields[name], info, entry)
-        by_file.setdefault(index_path(info.path), {})[os.path.basename(info.path)] = entry.to_json(records)
+        data_dir, base = os.path.split(os.path.abspath(info.path))
+        by_file.setdefault(index_path(info.path, index_dir), (data_dir, {}))[1][base] = entry.to_json(records)
     written = []
-    for path, new in sorted(by_file.items()):
+    for path, (data_dir, new) in sorted(by_file.items()):
         try:
             old = _load(path) or {}
         except StaleIndexError:
             old = {}  # an older or unreadable index is replaced whole
-        _write_atomic(path, {"format": _FORMAT, "version": INDEX_VERSION, "files": {**old, **new}})
+        files = {**old, **new}
+        doc: dict[str, Any] = {"format": _FORMAT, "version": INDEX_VERSION, "files": files}
+        if index_dir is not None:  # for whoever looks into the index directory
+            doc["data_dir"] = data_dir
+        _write_atomic(path, doc)  # the switch: from here on the new windows files are the ones named
+        _remove_old_windows(os.path.dirname(path), files, new)
         written.append(path)
     return written
 
 
 def write_index(
-    dataset: Dataset, *, spacing: int = seekpoints.SPACING, progress: Callable[[str], None] | None = None
+    dataset: Dataset,
+    *,
+    spacing: int = seekpoints.SPACING,
+    index_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Path]:
-    """Index every file of ``dataset`` (decompressing each compressed file once); returns the files written.
+    """Index every local file of ``dataset`` (decompressing each compressed file once); returns the files written.
 
     Existing entries of other files in the same index file are kept. ``spacing``: decompressed
-    bytes between seek points inside a member or zlib stream. ``progress(path)`` is called
-    after each file is scanned.
+    bytes between seek points inside a member or zlib stream. ``index_dir``: where the index
+    goes (default: the Dataset's ``index_dir``, else ``$STOKER_INDEX_DIR``, else beside the data).
+    Every index directory is checked writable before any file is decompressed (a WriteError
+    naming it otherwise). ``progress(path)`` is called after each file is scanned.
 
     Example:
         >>> ds = stoker.Dataset(image=..., label=..., index="ignore")  # doctest: +SKIP
@@ -238,23 +467,33 @@ def write_index(
     if isinstance(spacing, bool) or not isinstance(spacing, int) or spacing <= 0:
         raise SpecError(f"{spacing=} must be a positive number of bytes")
     catalog = dataset._catalog.root()
+    where = resolve_index_dir(index_dir) if index_dir is not None else catalog.index_dir
+    local = [(g, n, info) for g, infos in enumerate(catalog.files) for n, info in infos.items()
+             if not is_remote(info.path)]  # fmt: skip
+    homes: dict[str, str] = {}
+    for _, _, info in local:
+        data_dir = os.path.dirname(os.path.abspath(info.path))
+        homes.setdefault(data_dir, index_home(data_dir, where))
+    for data_dir, home in sorted(homes.items()):
+        ensure_writable(home, data_dir)
     entries = {}
-    for g, infos in enumerate(catalog.files):
-        for n, info in infos.items():
-            entries[(g, n)] = scan(n, info, spacing=spacing)
-            if progress is not None:
-                progress(info.path)
-    return [Path(p) for p in _save(catalog, entries)]
+    for g, n, info in local:
+        entries[(g, n)] = scan(n, info, homes[os.path.dirname(os.path.abspath(info.path))], spacing=spacing)
+        if progress is not None:
+            progress(info.path)
+    return [Path(p) for p in _save(catalog, entries, where)]
 
 
 class IndexLookup:
     """The index files of one Dataset being opened, loaded once per directory."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, index_dir: str | None = None) -> None:
         if mode not in _MODES:
             raise SpecError(f"index={mode!r} must be one of {list(_MODES)}")
         self.mode = mode
+        self.index_dir = index_dir
         self._directories: dict[str, tuple[str, dict[str, Any] | None]] = {}
+        self._writable: set[str] = set()
         # Entries matches() found to vouch for a file, by path: apply_index takes them as they are.
         self.vouched: dict[str, dict[str, Any]] = {}
 
@@ -262,7 +501,7 @@ class IndexLookup:
         """(index file path, its entries by basename or None) for a directory of data files."""
         known = self._directories.get(directory)
         if known is None:
-            path = os.path.join(os.path.abspath(directory), INDEX_NAME)
+            path = os.path.join(index_home(directory, self.index_dir), INDEX_NAME)
             try:
                 files = _load(path) if self.mode != "ignore" else None
             except StaleIndexError:
@@ -271,6 +510,14 @@ class IndexLookup:
                 files = {}  # older or unreadable: every entry is rebuilt
             known = self._directories[directory] = (path, files)
         return known
+
+    def writable(self, index_file: str, directory: str) -> str:
+        """The directory of ``index_file``, checked once that it can be written (see ensure_writable)."""
+        home = os.path.dirname(index_file)
+        if home not in self._writable:
+            ensure_writable(home, os.path.abspath(directory))
+            self._writable.add(home)
+        return home
 
     def matches(self, path: str, st: os.stat_result, compression: str) -> bool:
         """True when an entry vouches for this file as it is now (its header need not be read)."""
@@ -291,56 +538,87 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
     """Give ``catalog`` the counts and seek points of matching index entries (see module doc).
 
     Runs once per file of a Dataset being opened, so it stays on plain dicts: one index
-    file per directory, entries checked field by field without building objects.
+    file per directory, entries checked field by field.
     """
     mode = lookup.mode
     if mode == "ignore":
         return
     rebuild: dict[tuple[int, str], IndexEntry] = {}
-    layout = {n: (f.header_bytes + f.footer_bytes, f.record_bytes) for n, f in catalog.fields.items()}
     vouched = lookup.vouched
     for g, infos in enumerate(catalog.files):
         for name, info in infos.items():
             if info.compression is None:
                 continue  # raw counts come from the size: nothing to gain, nothing to trust
             doc = vouched.get(info.path)  # matched size, mtime and compression when the file was stat'ed
+            directory, base = os.path.split(info.path)
             if doc is None or doc.get("compression") != info.compression:
                 if is_remote(info.path):
-                    continue  # no index files beside remote objects (nothing is written to a bucket)
-                directory, base = os.path.split(info.path)
+                    continue  # no index of remote objects (nothing is written to a bucket)
                 path, files = lookup.directory(directory)
                 doc = files.get(base) if files is not None else None
                 if not isinstance(doc, dict):
                     if mode != "rebuild":
                         continue  # a file no index covers: counted as without an index
-                    entry = rebuild[(g, name)] = scan(name, info)
-                    doc = entry.to_json(0)
+                    doc = None
                 elif (doc.get("size"), doc.get("mtime_ns"), doc.get("compression")) != (
                     info.size, info.mtime_ns, info.compression,
                 ):  # fmt: skip
                     if mode != "rebuild":
                         raise StaleIndexError(
                             f"field {name!r}: index {path!r} is stale for {info.path!r} (indexed at size "
-                            f"{doc.get('size')}, mtime_ns {doc.get('mtime_ns')}, compression "
-                            f"{doc.get('compression')}; now size {info.size}, mtime_ns {info.mtime_ns}, compression "
-                            f"{info.compression}); rebuild it with `stoker index` or Dataset(..., index='rebuild')",
+                            f"{_REPR.repr(doc.get('size'))}, mtime_ns {_REPR.repr(doc.get('mtime_ns'))}, compression "
+                            f"{_REPR.repr(doc.get('compression'))}; now size {info.size}, mtime_ns {info.mtime_ns}, "
+                            f"compression {info.compression}); rebuild it with `stoker index` or "
+                            "Dataset(..., index='rebuild')",
                             field=name, path=info.path,
                         )  # fmt: skip
-                    entry = rebuild[(g, name)] = scan(name, info)
-                    doc = entry.to_json(0)
-            try:
-                total = int(doc["decompressed_bytes"])
-                points = seek_points_of(info, doc)
-            except (KeyError, TypeError, ValueError) as e:
-                path = index_path(info.path)
-                raise StaleIndexError(
-                    f"index {path!r} has a malformed entry for {info.path!r} ({e!r}); rebuild it", path=path
-                ) from e
-            framing, record_bytes = layout[name]
-            records, rest = divmod(total - framing, record_bytes)
-            if rest or records < 0:  # raises, naming the file
-                entry = IndexEntry(info.size, info.mtime_ns, info.compression, total, ((0, 0),))
-                records_of(name, catalog.fields[name], info, entry)
+                    doc = None
+            path = lookup.directory(directory)[0]
+            parsed = None
+            if doc is not None:
+                try:
+                    parsed = parse_entry(path, info, doc)
+                except StaleIndexError:
+                    if mode != "rebuild":
+                        raise
+            if parsed is None:  # rebuild: missing, stale or malformed
+                entry = rebuild[(g, name)] = scan(name, info, lookup.writable(path, directory))
+                parsed = parse_entry(path, info, entry.to_json(0))
+            total, points = parsed
+            spec = catalog.fields[name]
+            records, rest = divmod(total - spec.header_bytes - spec.footer_bytes, spec.record_bytes)
+            if rest or records < 0:
+                _not_whole_records(name, spec, info, total, points[0])
             catalog.set_indexed(g, name, records, points)
     if rebuild:
-        _save(catalog, rebuild)
+        _save(catalog, rebuild, lookup.index_dir)
+
+
+def _not_whole_records(name: str, spec: Field, info: FileInfo, total: int, start: SeekPoint) -> None:
+    """Raise for an entry whose size is not whole records: the index's fault if its check of the
+    file's start fails (it binds the size), else the data's (a CorruptDataError naming the file)."""
+    with Inflater(info.path, info.compression or "gzip", field=name, start=start) as inf:
+        inf.skip(1)  # verifies the start's check first: a StaleIndexError naming the index if it lies
+    records_of(name, spec, info, IndexEntry(info.size, info.mtime_ns, info.compression, total))
+
+
+def count_disagrees(
+    index_file: str | None, info: FileInfo, name: str, group: int, records: int, found: str, *, record: int, offset: int
+) -> StaleIndexError | None:
+    """The error for a stream that holds other than the ``records`` an index gave its group,
+    confirmed at the stream's end as a gzip trailer's count would be: the index's fault when
+    the file is still as it was indexed (``found`` says what the stream holds), else None
+    (the data changed: the caller's CorruptDataError stands)."""
+    if index_file is None:
+        return None
+    try:
+        st = os.stat(info.path)
+    except OSError:
+        return None
+    if (st.st_size, st.st_mtime_ns) != (info.size, info.mtime_ns):
+        return None
+    return StaleIndexError(
+        f"field {name!r}: {info.path!r} {found}, but its index {index_file!r} gives group {group} {records} records; "
+        "rebuild the index with `stoker index` or Dataset(..., index='rebuild')",
+        field=name, path=index_file, index=record, offset=offset,
+    )  # fmt: skip

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from .errors import CorruptDataError, ReadError
+from .errors import CorruptDataError, ReadError, StaleIndexError, StokerError
 from .remote import RemoteReader, is_remote
-from .seekpoints import PrimedInflate, SeekPoint, load_window
+from .seekpoints import CHECK_BYTES, PrimedInflate, SeekPoint, load_window, point_check, stale_point
 
 _zlib: ModuleType
 try:  # pragma: no cover - which branch runs depends on the install
@@ -82,30 +82,14 @@ class Inflater:
         self._close_lock = threading.Lock()
         self._in_offset = start[0]  # compressed bytes read so far
         point = start if isinstance(start, SeekPoint) else None
+        # A point an index vouches for: its check is verified before any byte from it is handed out.
+        self._check = point if point is not None and point.check is not None else None
+        self._index = point.index_file if point is not None else None
         # Decoding from a block boundary: raw deflate primed with the window, until its member
         # ends (then on at ``_next_member``).
         self._raw = False
         self._next_member: tuple[int, int] | None = None
         self._d: Any
-        if point is not None and point.window is not None:
-            try:
-                window = load_window(point.window, field=field)
-            except BaseException:
-                self.close()
-                raise
-            self._raw, self._next_member = True, point.next_member
-            start = (point.compressed, point.decompressed)
-            if point.bits:  # the block starts inside byte ``compressed``: libz, primed with its bits
-                first = self._pread(1)
-                if not first:
-                    self.close()
-                    raise self._corrupt("truncated: the file ends at a seek point of its index")
-                self._in_offset += 1
-                self._d = PrimedInflate(point.bits, first[0], window)
-            else:
-                self._d = _zlib.decompressobj(wbits=-15, zdict=window)  # a raw stream's zdict is set at once
-        else:
-            self._d = _zlib.decompressobj(_WBITS[kind])
         self._tail = b""  # compressed input not yet consumed by the decompressor
         self._out = b""  # decompressed bytes not yet handed out
         self._out_pos = 0
@@ -114,6 +98,37 @@ class Inflater:
         # (compressed offset, decompressed offset) of every member start seen so far.
         self.members: list[tuple[int, int]] = [(start[0], start[1])]
         self._eof = False
+        try:
+            if point is not None and point.window is not None:
+                self._enter_block(point)
+            else:
+                self._d = _zlib.decompressobj(_WBITS[kind])
+        except BaseException:
+            self.close()
+            raise
+
+    def _enter_block(self, point: SeekPoint) -> None:
+        """Start at a block boundary: raw deflate primed with the point's window (and bits)."""
+        assert point.window is not None
+        window = load_window(point.window, field=self.field, index=point.index_file)
+        self._raw, self._next_member = True, point.next_member
+        if point.bits:  # the block starts inside byte ``compressed``: libz, primed with its bits
+            first = self._pread(1)
+            if not first:
+                raise self._at_point(point, "truncated: the file ends at a seek point of its index")
+            self._in_offset += 1
+            try:
+                self._d = PrimedInflate(point.bits, first[0], window)
+            except zlib.error as e:
+                raise self._at_point(point, f"the decoder cannot be primed there ({e})") from e
+        else:
+            self._d = _zlib.decompressobj(wbits=-15, zdict=window)  # a raw stream's zdict is set at once
+
+    def _at_point(self, point: SeekPoint, why: str) -> StokerError:
+        """A point that does not hold: the index's fault where one vouched for it, else the data's."""
+        if point.check is not None:
+            return stale_point(point, self.path, self.field, why)
+        return self._corrupt(why)
 
     def close(self) -> None:
         """Close the file; idempotent and safe to race (a descriptor is closed exactly once)."""
@@ -163,6 +178,30 @@ class Inflater:
 
     def _refill(self, want: int) -> bool:
         """Decompress until at least some output is buffered; False at end of stream."""
+        if self._check is not None:
+            return self._refill_checked()
+        return self._refill_plain(want)
+
+    def _refill_checked(self) -> bool:
+        """The first bytes from a vouched-for seek point: decoded, verified, only then handed out."""
+        point, self._check = self._check, None
+        assert point is not None and point.check is not None
+        parts: list[bytes] = []
+        got = 0
+        try:
+            while got < CHECK_BYTES and self._refill_plain(CHECK_BYTES - got):
+                parts.append(self._out)
+                got += len(self._out)
+        except CorruptDataError as e:  # the data decoded from the start checks out: the point is wrong
+            raise stale_point(point, self.path, self.field, f"the data does not decode from there ({e})") from e
+        head = b"".join(parts)
+        crc = zlib.crc32(memoryview(head)[:CHECK_BYTES])
+        if point_check(point.compressed, point.bits, point.decompressed, point.total, crc) != point.check:
+            raise stale_point(point, self.path, self.field, "what decodes from there is not what was indexed")
+        self._out, self._out_pos = head, 0
+        return bool(head)
+
+    def _refill_plain(self, want: int) -> bool:
         while not self._eof:
             if self._d.eof and self._raw:
                 self._end_raw()
@@ -202,13 +241,26 @@ class Inflater:
         return False
 
     def _end_raw(self) -> None:
-        """A stream entered at a block point ended: go on at the next member start, if any."""
+        """A stream entered at a block point ended: go on at the next member start, if any.
+
+        Where the next member starts is checked, not taken from the index: right after this
+        member's deflate data and its 8-byte trailer, at the decompressed offset decoded so far.
+        """
         end = self._next_member
         if end is None:
             self._eof = True  # the index's scan checked what follows the last member
             return
-        if self._decoded != end[1]:
-            raise self._corrupt(f"the member ends at decompressed offset {self._decoded}, not {end[1]} as indexed")
+        deflate_end = self._in_offset - len(self._d.unused_data) - len(self._tail)
+        if self._decoded != end[1] or (self.kind == "gzip" and deflate_end + 8 != end[0]):
+            why = (
+                f"its member ends at compressed offset {deflate_end} + an 8-byte trailer, decompressed offset "
+                f"{self._decoded}, but the index says the next member starts at {end[0]}, {end[1]}"
+            )
+            raise StaleIndexError(
+                f"field {self.field!r}: the index of {self.path!r} does not match it: {why}; rebuild it with "
+                "`stoker index` or Dataset(..., index='rebuild')",
+                field=self.field, path=self._index or self.path, offset=self._decoded,
+            )  # fmt: skip
         self._raw, self._next_member, self._tail = False, None, b""
         self._in_offset = end[0]
         self.members.append(end)
@@ -227,16 +279,14 @@ class Inflater:
         """Fill ``buf`` with the next decompressed bytes; returns the count (short only at end)."""
         n = len(buf)
         done = 0
-        try:
-            while done < n:
-                if self._out_pos >= len(self._out) and not self._refill(n - done):
-                    break
-                take = min(n - done, len(self._out) - self._out_pos)
-                buf[done : done + take] = self._out[self._out_pos : self._out_pos + take]
-                self._out_pos += take
-                done += take
-        finally:
-            self.produced += done  # also when the stream fails: what was handed out counts
+        while done < n:
+            if self._out_pos >= len(self._out) and not self._refill(n - done):
+                break
+            take = min(n - done, len(self._out) - self._out_pos)
+            buf[done : done + take] = self._out[self._out_pos : self._out_pos + take]
+            self._out_pos += take
+            done += take
+            self.produced += take  # as it goes: an error raised by the next refill names this offset
         return done
 
     def skip(self, n: int) -> int:
@@ -248,7 +298,7 @@ class Inflater:
             take = min(n - done, len(self._out) - self._out_pos)
             self._out_pos += take
             done += take
-        self.produced += done
+            self.produced += take
         return done
 
     def at_end(self) -> bool:

@@ -17,9 +17,17 @@ on incompressible data, found by tests/test_seekpoints.py's property test.) See
 :class:`stoker.inflate.Inflater`.
 
 Windows are stored zlib-compressed in a small sidecar file per data file
-(``.stoker-windows.NAME``) beside the index, and read only when a point is used, so opening
-a dataset never touches them. Where libz cannot be loaded (:func:`available` is False) the
-index holds member starts only, as gzip itself would allow.
+(``.stoker-windows.NAME.BUILD``) beside the index, and read only when a point is used, so
+opening a dataset never touches them. Where libz cannot be loaded (:func:`available` is False)
+the index holds member starts only, as gzip itself would allow.
+
+Nothing an index says is taken on trust where it decides which bytes are records. Every point
+carries a check (:func:`point_check`): a CRC-32 over the point's own numbers, the file's
+decompressed size, and the first :data:`CHECK_BYTES` decoded from it, verified before any of
+those bytes is handed out; every window carries its CRC-32 and is inflated with a size limit;
+a sidecar's header names the data file (size, mtime) and the build (a hash of its contents)
+the index entry was written with. So a point off by a byte, a window of another point, a
+sidecar of another generation or a wrong file size is a StaleIndexError, never wrong records.
 
 Why not ``indexed_gzip``: it does the same for gzip through the same zlib calls, but fails on
 zlib streams (measured: ``ZRAN_BUILD_INDEX_FAIL``), stores windows uncompressed, and would be a
@@ -32,7 +40,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import hashlib
 import os
+import stat
 import struct
 import tempfile
 import weakref
@@ -43,16 +53,21 @@ from typing import Any, NamedTuple
 from .errors import CorruptDataError, ReadError, StaleIndexError
 
 __all__ = [
+    "CHECK_BYTES",
+    "MAX_PACKED",
     "SPACING",
     "WINDOW",
+    "Heads",
     "PrimedInflate",
     "Scan",
     "SeekPoint",
     "WindowRef",
     "available",
     "load_window",
+    "point_check",
     "scan_file",
-    "windows_path",
+    "stale_point",
+    "windows_name",
     "write_windows",
 ]
 
@@ -62,17 +77,28 @@ SPACING = 1 << 20
 WINDOW = 32768  # deflate's largest back-reference distance
 _CHUNK = 512 * 1024  # compressed input per read while scanning (as in stoker.inflate)
 _OUT = 256 * 1024  # output buffer per inflate call while scanning (its contents are not kept)
-_MAGIC = b"STKWIN01"
-_HEADER = struct.Struct("<8sQQ")  # magic, data file size, data file mtime_ns
+# Decoded bytes after a point that its check covers: enough that a point a byte, a record or a
+# block off decodes to other bytes, few enough that verifying costs nothing next to a read.
+CHECK_BYTES = 1024
+# A compressed window is at most its 32 KiB plus zlib's stored-block overhead; anything longer
+# in an index is a lie, refused before it is read.
+MAX_PACKED = WINDOW + WINDOW // 64 + 64
+_MAGIC = b"STKWIN02"
+_HEADER = struct.Struct("<8sQQ16s")  # magic, data file size, data file mtime_ns, build
+_CHECKED = struct.Struct("<QBQQ")  # compressed, bits, decompressed, file's decompressed size
+HEADER_BYTES = _HEADER.size
 _Z_OK, _Z_STREAM_END, _Z_BUF_ERROR, _Z_BLOCK, _Z_NO_FLUSH = 0, 1, -5, 5, 0
 
 
 class WindowRef(NamedTuple):
-    """Where one seek point's window lies: its sidecar file, and the data file it was made from."""
+    """Where one seek point's window lies and what it must be: its sidecar file, the CRC-32 of
+    the window, the build both were written with, and the data file it was made from."""
 
     path: str
     offset: int
     length: int
+    crc: int
+    build: str
     data_size: int
     data_mtime_ns: int
 
@@ -90,14 +116,67 @@ class SeekPoint(NamedTuple):
     # A block point decodes raw deflate, which stops at its member's end: where the next member
     # starts as (compressed, decompressed), or None when none follows.
     next_member: tuple[int, int] | None = None
+    check: int | None = None  # point_check() of this point, None where nothing vouches for it
+    total: int = 0  # the file's decompressed size, as the index says (bound into ``check``)
+    index_file: str | None = None  # the index file the point came from, named by errors
+
+
+def point_check(compressed: int, bits: int, decompressed: int, total: int, head_crc: int) -> int:
+    """A point's check: CRC-32 of the first CHECK_BYTES decoded from it (``head_crc``, fewer
+    where the file ends sooner) continued over the point's numbers and the file's size, so no
+    number of it can change alone."""
+    return zlib.crc32(_CHECKED.pack(compressed, bits, decompressed, total), head_crc)
+
+
+def stale_point(point: SeekPoint, path: str, field: str | None, why: str) -> StaleIndexError:
+    """The error for a seek point that does not hold: names the index, the data file and the point."""
+    where = f"index {point.index_file!r}" if point.index_file else "the index"
+    return StaleIndexError(
+        f"field {field!r}: {where} does not match {path!r} at its seek point (compressed offset "
+        f"{point.compressed}, bit {point.bits}, decompressed offset {point.decompressed}): {why}; rebuild it "
+        "with `stoker index` or Dataset(..., index='rebuild')",
+        field=field, path=point.index_file or path, offset=point.decompressed,
+    )  # fmt: skip
 
 
 class Scan(NamedTuple):
-    """What one pass over a compressed file found."""
+    """What one pass over a compressed file found; ``head`` is the CRC-32 of the first
+    CHECK_BYTES decoded after a point (see :func:`point_check`)."""
 
     decompressed_bytes: int
-    members: tuple[tuple[int, int], ...]  # (compressed, decompressed) of each member start
-    points: tuple[tuple[int, int, int, bytes], ...]  # (byte, bit, decompressed, window) at block boundaries
+    members: tuple[tuple[int, int, int], ...]  # (compressed, decompressed, head) of each member start
+    # (byte, bit, decompressed, window, head) at block boundaries
+    points: tuple[tuple[int, int, int, bytes, int], ...]
+
+
+class Heads:
+    """CRC-32s of the first CHECK_BYTES decoded after each of a scan's points, fed its output in order."""
+
+    def __init__(self) -> None:
+        self.crcs: list[int] = []
+        self._open: list[tuple[int, int]] = []  # (slot in crcs, decompressed offset of its point)
+
+    def add(self, at: int) -> int:
+        """Start one at decompressed offset ``at``; returns its slot in ``crcs``."""
+        self.crcs.append(0)
+        self._open.append((len(self.crcs) - 1, at))
+        return len(self.crcs) - 1
+
+    def wanted(self, at: int) -> int:
+        """How many bytes of output from ``at`` on the open ones still need."""
+        return max((start + CHECK_BYTES - at for _, start in self._open), default=0)
+
+    def feed(self, data: bytes | memoryview, at: int) -> None:
+        """The decoded bytes at decompressed offsets ``at .. at + len(data)``."""
+        end = at + len(data)
+        still = []
+        for slot, start in self._open:
+            lo, hi = max(start, at) - at, min(start + CHECK_BYTES, end) - at
+            if hi > lo:
+                self.crcs[slot] = zlib.crc32(data[lo:hi], self.crcs[slot])
+            if start + CHECK_BYTES > end:
+                still.append((slot, start))
+        self._open = still
 
 
 class _ZStream(ctypes.Structure):
@@ -234,8 +313,9 @@ def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None
     try:
         in_pos = 0  # file offset of the next read
         total = member_out = last = 0
-        members = [(0, 0)]
-        points: list[tuple[int, int, int, bytes]] = []
+        heads = Heads()
+        members = [(0, 0, heads.add(0))]  # (compressed, decompressed, slot of its head CRC)
+        points: list[tuple[int, int, int, bytes, int]] = []
         while True:
             if strm.avail_in == 0:
                 data = os.pread(fd, chunk, in_pos)
@@ -246,12 +326,15 @@ def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None
                 in_pos += len(data)
             strm.next_out, strm.avail_out = ctypes.addressof(outbuf), out_size
             ret = lib.inflate(ctypes.byref(strm), _Z_BLOCK)
-            total += out_size - strm.avail_out
+            produced = out_size - strm.avail_out
+            if produced and (want := heads.wanted(total)) > 0:
+                heads.feed(ctypes.string_at(outbuf, min(produced, want)), total)
+            total += produced
             consumed = in_pos - strm.avail_in
             if ret == _Z_STREAM_END:
                 rest = os.pread(fd, 2, consumed)
                 if kind == "gzip" and rest == b"\x1f\x8b":
-                    members.append((consumed, total))
+                    members.append((consumed, total, heads.add(total)))
                     member_out = last = total
                     lib.inflateReset(ctypes.byref(strm))
                     in_pos, strm.avail_in = consumed, 0  # read on from the member start
@@ -269,9 +352,10 @@ def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None
                 wlen.value = WINDOW
                 if lib.inflateGetDictionary(ctypes.byref(strm), window, ctypes.byref(wlen)) != _Z_OK:
                     raise corrupt("inflateGetDictionary failed", consumed, total)
-                points.append((bitpos // 8, bitpos % 8, total, window.raw[: wlen.value]))
+                points.append((bitpos // 8, bitpos % 8, total, window.raw[: wlen.value], heads.add(total)))
                 last = total
-        return Scan(total, tuple(members), tuple(points))
+        crcs = heads.crcs
+        return Scan(total, tuple((c, d, crcs[k]) for c, d, k in members), tuple((*p[:4], crcs[p[4]]) for p in points))
     finally:
         lib.inflateEnd(ctypes.byref(strm))
         os.close(fd)
@@ -285,35 +369,46 @@ def _check_padding(fd: int, offset: int, corrupt: Callable[[str], CorruptDataErr
         offset += len(data)
 
 
-def windows_path(data_file: str) -> str:
-    """The sidecar holding the windows of ``data_file``'s seek points."""
-    directory, base = os.path.split(os.path.abspath(data_file))
-    return os.path.join(directory, f".stoker-windows.{base}")
+def windows_name(base: str, build: str) -> str:
+    """The sidecar holding the windows of data file ``base``'s points, in the build ``build``:
+    each build under its own name, so a new one never overwrites what an older index points into."""
+    return f".stoker-windows.{base}.{build}"
 
 
-def write_windows(path: str, data_size: int, data_mtime_ns: int, windows: Sequence[bytes]) -> list[tuple[int, int]]:
-    """Write ``windows`` (compressed) to ``path`` atomically; returns each one's (offset, length)."""
+def write_windows(
+    directory: str, base: str, data_size: int, data_mtime_ns: int, windows: Sequence[bytes]
+) -> tuple[str, str, list[tuple[int, int, int]]]:
+    """Write ``windows`` (compressed) beside the index in ``directory``, atomically, under a new name.
+
+    Returns (the file's basename, its build, each window's (offset, length, CRC-32)). The build is
+    a hash of everything written, so the same windows of the same data file get the same name.
+    """
+    packed = [zlib.compress(w, 1) for w in windows]
+    digest = hashlib.blake2b(struct.pack("<QQ", data_size, data_mtime_ns), digest_size=16)
+    for p in packed:
+        digest.update(p)
+    build = digest.hexdigest()
     spans = []
-    parts = [_HEADER.pack(_MAGIC, data_size, data_mtime_ns)]
     offset = _HEADER.size
-    for w in windows:
-        packed = zlib.compress(w, 1)
-        spans.append((offset, len(packed)))
-        parts.append(packed)
-        offset += len(packed)
-    fd, tmp = tempfile.mkstemp(prefix=".stoker-windows.", suffix=".tmp", dir=os.path.dirname(path))
+    for w, p in zip(windows, packed, strict=True):
+        spans.append((offset, len(p), zlib.crc32(w)))
+        offset += len(p)
+    name = windows_name(base, build)
+    fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(b"".join(parts))
+            f.write(_HEADER.pack(_MAGIC, data_size, data_mtime_ns, bytes.fromhex(build)))
+            for p in packed:
+                f.write(p)
             f.flush()
             os.fsync(f.fileno())
         readable_by_all(tmp)
-        os.replace(tmp, path)
+        os.replace(tmp, os.path.join(directory, name))
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    return spans
+    return name, build, spans
 
 
 def readable_by_all(path: str) -> None:
@@ -334,31 +429,46 @@ def _umask() -> int:
     return umask
 
 
-def load_window(ref: WindowRef, *, field: str | None = None) -> bytes:
-    """One seek point's window, checked against the data file it was made from."""
+def load_window(ref: WindowRef, *, field: str | None = None, index: str | None = None) -> bytes:
+    """One seek point's window, checked against its index entry: the sidecar's header (data file
+    and build), the window's size (inflated with a limit) and its CRC-32."""
 
     def bad(why: str, cause: BaseException | None = None) -> StaleIndexError:
         err = StaleIndexError(
-            f"field {field!r}: seek-point windows file {ref.path!r} {why}; rebuild the index with "
-            "`stoker index` or Dataset(..., index='rebuild')",
+            f"field {field!r}: seek-point windows file {ref.path!r} {why} (index {index!r}); rebuild the index "
+            "with `stoker index` or Dataset(..., index='rebuild')",
             field=field, path=ref.path,
         )  # fmt: skip
         err.__cause__ = cause
         return err
 
     try:
-        with open(ref.path, "rb") as f:
-            head = f.read(_HEADER.size)
-            f.seek(ref.offset)
-            packed = f.read(ref.length)
+        # O_NONBLOCK: a FIFO in its place opens at once (and is refused below) instead of blocking.
+        fd = os.open(ref.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise bad(f"cannot be read ({e.strerror})", e) from e
-    if len(head) < _HEADER.size or _HEADER.unpack(head) != (_MAGIC, ref.data_size, ref.data_mtime_ns):
-        raise bad("is not the one written with the index for this data file")
     try:
-        window = zlib.decompress(packed)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise bad("is not a regular file")
+        head = os.pread(fd, _HEADER.size, 0)
+        packed = os.pread(fd, ref.length, ref.offset)
+    except OSError as e:
+        raise bad(f"cannot be read ({e.strerror})", e) from e
+    finally:
+        os.close(fd)
+    if len(head) < _HEADER.size or _HEADER.unpack(head) != (
+        _MAGIC, ref.data_size, ref.data_mtime_ns, bytes.fromhex(ref.build),
+    ):  # fmt: skip
+        raise bad("is not the one written with the index for this data file")
+    if len(packed) != ref.length:
+        raise bad(f"ends before the window at offset {ref.offset} (length {ref.length})")
+    d = zlib.decompressobj()
+    try:
+        window = d.decompress(packed, WINDOW + 1)  # a window is at most 32 KiB: no bomb inflates past it
     except zlib.error as e:
         raise bad(f"is corrupt at offset {ref.offset}", e) from e
-    if not 0 < len(window) <= WINDOW:
-        raise bad(f"holds a window of {len(window)} bytes at offset {ref.offset}")
+    if not d.eof or d.unconsumed_tail or d.unused_data or not 0 < len(window) <= WINDOW:
+        raise bad(f"does not hold one window of at most {WINDOW} bytes at offset {ref.offset}")
+    if zlib.crc32(window) != ref.crc:
+        raise bad(f"holds a window at offset {ref.offset} whose CRC-32 is not the one indexed")
     return window
