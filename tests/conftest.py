@@ -8,10 +8,12 @@ independent reading of the same files.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import gzip
 import itertools
 import os
+import struct
 import threading
 import time
 import zlib
@@ -154,6 +156,18 @@ def gunzip_members(data: bytes) -> bytes:
             raise ValueError("truncated gzip member")
         data = d.unused_data
     return b"".join(out)
+
+
+def resign(entry: dict) -> None:
+    """Give an edited index entry the check of its new values, as if stoker's writer had written
+    them: what then stands between the edit and the records are the checks made when it is used."""
+    from stoker.index import entry_check
+
+    with contextlib.suppress(KeyError, TypeError, ValueError, OverflowError, AttributeError, struct.error):
+        entry["check"] = entry_check(
+            entry["size"], entry["mtime_ns"], entry["decompressed_bytes"], entry["members"],
+            entry.get("points", []), entry.get("build"),
+        )  # fmt: skip
 
 
 def reference(ds: stoker.Dataset) -> list[dict[str, np.ndarray]]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, FieldPlan, build, check_batches, reference
+from conftest import IMG, FieldPlan, build, check_batches, reference, resign
 from stoker import batch, inflate, seekpoints
 from stoker.cli import main
 from stoker.index import INDEX_NAME, INDEX_VERSION
@@ -191,13 +191,20 @@ def test_malformed_entry_is_an_error_naming_index_and_file(tmp_path: Path) -> No
     assert e.value.path == str(index)
 
 
-def test_entry_whose_size_is_not_whole_records_is_the_index_s_fault_when_its_check_fails(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signed", [False, True], ids=["edited", "edited-and-signed"])
+def test_entry_whose_size_is_not_whole_records_is_the_index_s_fault(tmp_path: Path, signed: bool) -> None:
+    """Edited alone, the entry's own check refuses it; signed again, the check of the file's start
+    (which binds the decompressed size) does: either way the index is named, not the data."""
     ds = compressed(tmp_path)
     (index,) = stoker.write_index(ds)
     doc = json.loads(index.read_text())
-    doc["files"]["img_0004.bin.gz"]["decompressed_bytes"] += 1
+    entry = doc["files"]["img_0004.bin.gz"]
+    entry["decompressed_bytes"] += 1
+    if signed:
+        resign(entry)
     index.write_text(json.dumps(doc))
-    with pytest.raises(stoker.StaleIndexError, match=r"stoker-index\.json.*img_0004\.bin\.gz.*rebuild") as e:
+    why = "does not match .*img_0004\\.bin\\.gz.*at its seek point" if signed else "malformed entry .*check"
+    with pytest.raises(stoker.StaleIndexError, match=rf"stoker-index\.json.*{why}.*rebuild") as e:
         stoker.Dataset(ds.fields)
     assert e.value.path == str(index) and e.value.field == "image"
 

@@ -12,10 +12,8 @@ deliver exactly the records the files hold, or end in a StokerError that names a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import struct
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -29,9 +27,9 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import stoker
-from conftest import FieldPlan, consume, field_for, reference, write_dataset
+from conftest import FieldPlan, consume, field_for, reference, resign, write_dataset
 from stoker import access, batch
-from stoker.index import INDEX_NAME, entry_check
+from stoker.index import INDEX_NAME
 
 PLANS = {
     "x": FieldPlan("img", "int32", (64,), kind="multi", header=3, footer=5),
@@ -110,16 +108,6 @@ def _replacement(data: st.DataObject, old: Any) -> Any:
     if isinstance(old, list) and old:
         choices += [old[:-1], [*old, old[-1]], old[::-1]]
     return data.draw(st.sampled_from(choices), label="new value")
-
-
-def resign(entry: dict[str, Any]) -> None:
-    """Give an edited entry the check of its new values, as if stoker's writer had written them:
-    what then stands between the edit and the records are the checks made when a point is used."""
-    with contextlib.suppress(KeyError, TypeError, ValueError, OverflowError, AttributeError, struct.error):
-        entry["check"] = entry_check(
-            entry["size"], entry["mtime_ns"], entry["decompressed_bytes"], entry["members"],
-            entry.get("points", []), entry.get("build"),
-        )  # fmt: skip
 
 
 def _damage_json(data: st.DataObject, index: Path, *, signed: bool) -> str:

@@ -269,15 +269,18 @@ def _list(value: Any, where: str, length: int | None = None) -> list[Any]:
     return value
 
 
-def parse_entry(index_file: str, info: FileInfo, doc: Any) -> tuple[int, tuple[SeekPoint, ...]]:
+def parse_entry(
+    index_file: str, info: FileInfo, doc: Any, field: str | None = None
+) -> tuple[int, tuple[SeekPoint, ...]]:
     """(decompressed size, seek points sorted by decompressed offset) of an entry that matched
     ``info``; a StaleIndexError naming the index file and the entry where a value cannot be right."""
     try:
         return _parse(index_file, info, doc)
     except _Malformed as e:
         raise StaleIndexError(
-            f"index {index_file!r} has a malformed entry for {info.path!r} (entry "
+            f"field {field!r}: index {index_file!r} has a malformed entry for {info.path!r} (entry "
             f"{os.path.basename(info.path)!r}): {e}; rebuild it with `stoker index` or Dataset(..., index='rebuild')",
+            field=field,
             path=index_file,
         ) from None
 
@@ -577,13 +580,13 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
             parsed = None
             if doc is not None:
                 try:
-                    parsed = parse_entry(path, info, doc)
+                    parsed = parse_entry(path, info, doc, name)
                 except StaleIndexError:
                     if mode != "rebuild":
                         raise
             if parsed is None:  # rebuild: missing, stale or malformed
                 entry = rebuild[(g, name)] = scan(name, info, lookup.writable(path, directory))
-                parsed = parse_entry(path, info, entry.to_json(0))
+                parsed = parse_entry(path, info, entry.to_json(0), name)
             total, points = parsed
             spec = catalog.fields[name]
             records, rest = divmod(total - spec.header_bytes - spec.footer_bytes, spec.record_bytes)
