@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import stoker
-from stoker.inflate import Inflater, decompressed_size, gzip_trailer_size
+from stoker.inflate import Inflater, TruncatedStreamError, decompressed_size, gzip_trailer_size
 
 DATA = bytes((i * 7 + i // 251) & 0xFF for i in range(300_000))
 
@@ -138,3 +138,38 @@ def test_a_member_whose_magic_is_cut_by_a_read_boundary_is_still_a_member(
         monkeypatch.setattr(inflate, "_CHUNK", chunk)
         assert _read_all(path, "gzip") == bytes(range(256)) * 40 + b"xyz" * 100, chunk
         assert decompressed_size(str(path), "gzip") == 256 * 40 + 300
+
+
+@pytest.mark.parametrize("how", ["readinto", "skip"])
+def test_a_truncation_error_names_the_offset_where_the_stream_stops(tmp_path: Path, how: str) -> None:
+    """Not the offset where the read that found it began (it said 0 though .index was 1483)."""
+    p = tmp_path / "cut.gz"
+    p.write_bytes(gzip.compress(DATA, 6)[: len(gzip.compress(DATA, 6)) // 2])
+    with Inflater(str(p), "gzip", field="f") as inf, pytest.raises(TruncatedStreamError) as e:
+        if how == "readinto":
+            inf.readinto(memoryview(bytearray(len(DATA))))
+        else:
+            inf.skip(len(DATA))
+    assert 0 < e.value.offset == inf.produced < len(DATA)  # type: ignore[operator]
+    assert f"decompressed offset {inf.produced})" in str(e.value)
+    assert DATA.startswith(zlib.decompressobj(31).decompress(p.read_bytes())[: inf.produced])
+
+
+def test_a_loader_s_truncation_error_agrees_with_its_record_index(tmp_path: Path) -> None:
+    """A group decoded whole: .index, .offset and the message tell the same place."""
+    import numpy as np
+
+    records = np.arange(3000 * 16, dtype="<i4").reshape(3000, 16)  # 64-byte records
+    good = gzip.compress(records.tobytes(), 6)
+    # Cut, with the trailer's size kept: the count is taken from it and the group decoded whole.
+    (tmp_path / "img_0.bin.gz").write_bytes(good[: len(good) // 2] + good[-4:])
+    (tmp_path / "lab_0.bin").write_bytes(np.arange(3000, dtype="<i4").tobytes())
+    ds = stoker.Dataset(
+        x=stoker.Field(str(tmp_path / "img_*.bin.gz"), "int32", (16,)),
+        y=stoker.Field(str(tmp_path / "lab_*.bin"), "int32"),
+    )
+    with pytest.raises(TruncatedStreamError) as e:
+        list(ds.loader(100))
+    err = e.value
+    assert err.index is not None and err.index > 0 and err.offset is not None
+    assert err.index == err.offset // 64 and f"decompressed offset {err.offset})" in str(err)

@@ -6,7 +6,9 @@ import gzip
 import json
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from isal import isal_zlib
 
 import stoker
-from conftest import FieldPlan, build, encode, field_for, make_values, reference, write_dataset
+from conftest import FieldPlan, build, consume, encode, field_for, make_values, reference, resign, write_dataset
 from stoker import access, batch, index, inflate, seekpoints
 from stoker.access import RecordReader
 from stoker.cli import main
@@ -378,3 +380,74 @@ def test_sharded_streams_jump_ahead_to_seek_points(
             assert np.array_equal(x, ref[g]["x"][i])
     # a shard skips the blocks of the others: it jumps to a point instead of inflating them
     assert any(inf.members[0][1] > SPACING for inf in opened.of(ds.files[0]["x"].path))
+
+
+def _shift(column: int, by: int, *, key: str = "points") -> Callable[[dict[str, Any]], None]:
+    def edit(entry: dict[str, Any]) -> None:
+        for p in entry[key][1 if key == "members" else 0 :]:
+            p[column] = (p[column] + by) % 8 if column == 1 and key == "points" else p[column] + by
+
+    return edit
+
+
+def _swap_windows(entry: dict[str, Any]) -> None:
+    points = entry["points"]
+    for a, b in zip(points[::2], points[1::2]):
+        a[3:6], b[3:6] = b[3:6], a[3:6]
+
+
+LIES: dict[str, tuple[FieldPlan, Callable[[dict[str, Any]], None]]] = {
+    "decompressed offset a record on": (IMG, _shift(2, 256)),
+    "decompressed offset a record back": (IMG, _shift(2, -256)),
+    "decompressed offset a byte on": (IMG, _shift(2, 1)),
+    "compressed offset a byte on": (IMG, _shift(0, 1)),
+    "bit one on": (IMG, _shift(1, 1)),
+    "another point's window": (IMG, _swap_windows),
+    "a member start a record on": (MULTI, _shift(1, 256, key="members")),
+    "a member start's byte on": (MULTI, _shift(0, 1, key="members")),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_a_seek_point_that_lies_is_a_stale_index_error_naming_the_index_on_every_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lie: str
+) -> None:
+    """Points edited as the review did, and the entry signed again as if stoker wrote it: random
+    access, a resume and a shard inside the file, and a global shuffle beyond memory_budget each
+    raise naming the index (the issue saw ds[750] give record 749's image with label 750)."""
+    plan, edit = LIES[lie]
+    ds = indexed(tmp_path, {"x": plan, "y": LAB})
+    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
+    monkeypatch.setattr(access, "DEFAULT_CACHE_BYTES", 0)  # random access from points, nothing held
+    loader = ds.loader(100, with_index=True, cycle_length=1)
+    it = iter(loader)
+    for _ in range(25):  # record 2500 of group 0, inside its one member
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    path = tmp_path / INDEX_NAME
+    doc = json.loads(path.read_text())
+    edit(doc["files"]["img_0000.bin.gz"])
+    resign(doc["files"]["img_0000.bin.gz"])
+    path.write_text(json.dumps(doc))
+    ds = stoker.Dataset(ds.fields)
+    ref = reference(ds)
+
+    def named(e: BaseException) -> None:
+        assert isinstance(e, stoker.StaleIndexError), repr(e)
+        assert e.path == str(path) and "img_0000.bin.gz" in str(e) and "stoker index" in str(e), e
+
+    with pytest.raises(stoker.StaleIndexError) as e:  # every point used: the lie is found
+        ds.read(np.arange(0, 3000, 7))
+    named(e.value)
+    try:  # one point used: right (that point may be true) or refused
+        assert np.array_equal(ds[2950]["x"], ref[0]["x"][2950])
+    except stoker.StaleIndexError as e:
+        named(e)
+    for kw in ({"state": state}, {"shard": (1, 2)}, dict(shuffle="global", seed=3, memory_budget="600KiB", prefetch=2)):
+        batches, err = consume(ds.loader(100, with_index=True, cycle_length=1, **kw), timeout=60)  # type: ignore[arg-type]
+        if err is not None:
+            named(err)
+        for b in batches:  # all of it without an error, or what came before the error: right
+            for g, i, x in zip(b["__group__"], b["__index__"], b["x"], strict=True):
+                assert np.array_equal(x, ref[g]["x"][i]), f"{lie}: wrong record {i} of group {g} ({kw})"

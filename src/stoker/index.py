@@ -193,7 +193,7 @@ def _load(path: str) -> dict[str, Any] | None:
     try:
         doc = json.loads(data, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
-        raise _unreadable(path, f"cannot be read ({type(e).__name__}: {_REPR.repr(str(e))})") from e
+        raise _unreadable(path, f"cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("files"), dict):
         raise StaleIndexError(f"{path!r} is not a stoker index file; remove it or rebuild it", path=path)
     if doc.get("version") != INDEX_VERSION:
