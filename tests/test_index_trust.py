@@ -550,3 +550,16 @@ def test_an_unwritable_index_dir_is_a_write_error_naming_it(tmp_path: Path, read
     with pytest.raises(stoker.WriteError, match=r"index directory .* is not writable") as e:
         stoker.write_index(stoker.Dataset(fields_of(src), index="ignore"), index_dir=view)
     assert e.value.path is not None and e.value.path.startswith(str(view))
+
+
+def test_rebuild_over_a_writable_and_a_read_only_directory_scans_nothing_before_refusing(
+    tmp_path: Path, read_only: Callable[[Path], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writable, src = tmp_path / "writable", tmp_path / "src"
+    write_dataset(writable, COUNTS, {"x": IMG})
+    write_dataset(src, COUNTS, {"y": LAB})
+    data = read_only(src)
+    scans = _scans(monkeypatch)
+    with pytest.raises(stoker.WriteError, match=re.escape(repr(str(data)))):
+        stoker.Dataset({"x": field_for(writable, IMG), "y": field_for(data, LAB)}, index="rebuild")
+    assert scans == [] and not (writable / INDEX_NAME).exists()

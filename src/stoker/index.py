@@ -496,7 +496,6 @@ class IndexLookup:
         self.mode = mode
         self.index_dir = index_dir
         self._directories: dict[str, tuple[str, dict[str, Any] | None]] = {}
-        self._writable: set[str] = set()
         # Entries matches() found to vouch for a file, by path: apply_index takes them as they are.
         self.vouched: dict[str, dict[str, Any]] = {}
 
@@ -513,14 +512,6 @@ class IndexLookup:
                 files = {}  # older or unreadable: every entry is rebuilt
             known = self._directories[directory] = (path, files)
         return known
-
-    def writable(self, index_file: str, directory: str) -> str:
-        """The directory of ``index_file``, checked once that it can be written (see ensure_writable)."""
-        home = os.path.dirname(index_file)
-        if home not in self._writable:
-            ensure_writable(home, os.path.abspath(directory))
-            self._writable.add(home)
-        return home
 
     def matches(self, path: str, st: os.stat_result, compression: str) -> bool:
         """True when an entry vouches for this file as it is now (its header need not be read)."""
@@ -546,7 +537,7 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
     mode = lookup.mode
     if mode == "ignore":
         return
-    rebuild: dict[tuple[int, str], IndexEntry] = {}
+    todo: list[tuple[int, str, FileInfo, str]] = []  # rebuild: files to scan, with their index file
     vouched = lookup.vouched
     for g, infos in enumerate(catalog.files):
         for name, info in infos.items():
@@ -585,16 +576,30 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
                     if mode != "rebuild":
                         raise
             if parsed is None:  # rebuild: missing, stale or malformed
-                entry = rebuild[(g, name)] = scan(name, info, lookup.writable(path, directory))
-                parsed = parse_entry(path, info, entry.to_json(0), name)
-            total, points = parsed
-            spec = catalog.fields[name]
-            records, rest = divmod(total - spec.header_bytes - spec.footer_bytes, spec.record_bytes)
-            if rest or records < 0:
-                _not_whole_records(name, spec, info, total, points[0])
-            catalog.set_indexed(g, name, records, points)
-    if rebuild:
-        _save(catalog, rebuild, lookup.index_dir)
+                todo.append((g, name, info, path))
+            else:
+                _set_indexed(catalog, g, name, info, parsed)
+    if not todo:
+        return
+    homes = {os.path.dirname(path): os.path.dirname(os.path.abspath(info.path)) for _, _, info, path in todo}
+    for home, data_dir in sorted(homes.items()):  # every directory written, checked before any file is scanned
+        ensure_writable(home, data_dir)
+    rebuilt = {}
+    for g, name, info, path in todo:
+        entry = rebuilt[(g, name)] = scan(name, info, os.path.dirname(path))
+        _set_indexed(catalog, g, name, info, parse_entry(path, info, entry.to_json(0), name))
+    _save(catalog, rebuilt, lookup.index_dir)
+
+
+def _set_indexed(
+    catalog: Catalog, g: int, name: str, info: FileInfo, parsed: tuple[int, tuple[SeekPoint, ...]]
+) -> None:
+    total, points = parsed
+    spec = catalog.fields[name]
+    records, rest = divmod(total - spec.header_bytes - spec.footer_bytes, spec.record_bytes)
+    if rest or records < 0:
+        _not_whole_records(name, spec, info, total, points[0])
+    catalog.set_indexed(g, name, records, points)
 
 
 def _not_whole_records(name: str, spec: Field, info: FileInfo, total: int, start: SeekPoint) -> None:
