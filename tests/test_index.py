@@ -15,6 +15,7 @@ import pytest
 import stoker
 from conftest import IMG, FieldPlan, build, check_batches, reference, resign
 from stoker import batch, inflate, seekpoints
+from stoker import index as index_module
 from stoker.cli import main
 from stoker.index import INDEX_NAME, INDEX_VERSION
 
@@ -313,3 +314,35 @@ def test_cli_index_replaces_a_stale_index(tmp_path: Path) -> None:
         stoker.Dataset(fields)
     assert main(["index", str(tmp_path), "--inrez", "4"]) == 0
     assert len(stoker.Dataset(fields)) == 10
+
+
+@pytest.mark.parametrize(
+    "where", [("decompressed_bytes",), ("members", 0, 0), ("members", 0, 1), ("members", 0, 2), ("check",)]
+)
+@pytest.mark.parametrize("by", [1, -1, 36])
+def test_an_edited_one_member_entry_is_refused_naming_the_index(
+    tmp_path: Path, where: tuple[Any, ...], by: int
+) -> None:
+    """The entry most files have (one member, no block point) is checked on a shorter path: the same rules."""
+    ds = compressed(tmp_path)
+    (path,) = stoker.write_index(ds)
+    doc = json.loads(path.read_text())
+    entry = doc["files"]["img_0003.bin.gz"]
+    assert "points" not in entry and len(entry["members"]) == 1
+    target: Any = entry
+    for k in where[:-1]:
+        target = target[k]
+    target[where[-1]] += by
+    path.write_text(json.dumps(doc))
+    with pytest.raises(stoker.StaleIndexError, match=r"entry 'img_0003\.bin\.gz'") as e:
+        stoker.Dataset(ds.fields)
+    assert e.value.path == str(path)
+
+
+def test_the_short_path_for_one_member_entries_gives_what_the_general_one_does(tmp_path: Path) -> None:
+    ds = compressed(tmp_path)
+    (path,) = stoker.write_index(ds)
+    for base, entry in json.loads(path.read_text())["files"].items():
+        info = next(i[n] for i in ds.files for n in i if i[n].path.endswith("/" + base))
+        general = index_module._parse(str(path), info, {**entry, "points": []})
+        assert index_module._parse(str(path), info, entry) == general and general[1][0].check is not None
