@@ -563,3 +563,17 @@ def test_rebuild_over_a_writable_and_a_read_only_directory_scans_nothing_before_
     with pytest.raises(stoker.WriteError, match=re.escape(repr(str(data)))):
         stoker.Dataset({"x": field_for(writable, IMG), "y": field_for(data, LAB)}, index="rebuild")
     assert scans == [] and not (writable / INDEX_NAME).exists()
+
+
+def test_a_data_file_with_a_name_near_the_limit_gets_windows_under_a_shortened_name(tmp_path: Path) -> None:
+    long = "img_" + "n" * 226 + "_0000.bin.gz"  # 242 bytes: a windows file named after it whole would not fit
+    write_dataset(tmp_path, [2000], {"x": IMG})
+    os.rename(tmp_path / "img_0000.bin.gz", tmp_path / long)
+    fields = {"x": stoker.Field(str(tmp_path / "img_*.bin.gz"), "int32", (64,), header_bytes=3, footer_bytes=5)}
+    for spacing in (SPACING, 40_000):  # and again: the first build's windows file is found and removed
+        stoker.write_index(stoker.Dataset(fields, index="ignore"), spacing=spacing)
+        assert windows_files(tmp_path) == named_windows(tmp_path) and len(named_windows(tmp_path)) == 1
+    assert all(len(n) <= 255 - 14 for n in windows_files(tmp_path))
+    ds = stoker.Dataset(fields)
+    with mock.patch.object(access, "DEFAULT_CACHE_BYTES", 0):
+        assert np.array_equal(ds.read(np.arange(0, 2000, 7))["x"], reference(ds)[0]["x"][::7])

@@ -419,14 +419,14 @@ def _remove_old_windows(home: str, files: Mapping[str, Any], bases: Iterable[str
     """Remove the windows files of ``bases`` in ``home`` that no entry of the new index names:
     older builds, version-2 sidecars, and unfinished writes of an interrupted run."""
     keep = {e.get("windows") for e in files.values() if isinstance(e, dict)}
-    bases = set(bases)
+    stems = {seekpoints.windows_stem(b) for b in bases}
     try:
         names = os.listdir(home)
     except OSError:
         return
     for name in names:
         m = _WINDOWS_FILE.fullmatch(name)
-        if m and m.group(1) in bases and name not in keep:
+        if m and m.group(1) in stems and name not in keep:
             with contextlib.suppress(OSError):  # gone already, or not ours to remove: harmless
                 os.unlink(os.path.join(home, name))
 

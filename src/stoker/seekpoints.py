@@ -87,6 +87,7 @@ _MAGIC = b"STKWIN02"
 _HEADER = struct.Struct("<8sQQ16s")  # magic, data file size, data file mtime_ns, build
 _CHECKED = struct.Struct("<QBQQ")  # compressed, bits, decompressed, file's decompressed size
 HEADER_BYTES = _HEADER.size
+_LONGEST_BASE = 255 - len(".stoker-windows.") - 33 - 14  # file name limit less prefix, .BUILD, .RANDOM.tmp
 _Z_OK, _Z_STREAM_END, _Z_BUF_ERROR, _Z_BLOCK, _Z_NO_FLUSH = 0, 1, -5, 5, 0
 
 
@@ -372,7 +373,15 @@ def _check_padding(fd: int, offset: int, corrupt: Callable[[str], CorruptDataErr
 def windows_name(base: str, build: str) -> str:
     """The sidecar holding the windows of data file ``base``'s points, in the build ``build``:
     each build under its own name, so a new one never overwrites what an older index points into."""
-    return f".stoker-windows.{base}.{build}"
+    return f".stoker-windows.{windows_stem(base)}.{build}"
+
+
+def windows_stem(base: str) -> str:
+    """``base`` as windows file names carry it: shortened with a hash of it where the name with a
+    build and a temp suffix would pass the 255 bytes a file name may have."""
+    if len(os.fsencode(base)) <= _LONGEST_BASE:
+        return base
+    return f"{base[:100]}~{hashlib.blake2b(os.fsencode(base), digest_size=8).hexdigest()}"
 
 
 def write_windows(
