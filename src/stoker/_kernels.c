@@ -18,7 +18,10 @@
 #include <stdint.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <semaphore.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -329,9 +332,11 @@ static void send_deferred(void) {
  * take 40-150 us of wall time per batch. Jobs this size or larger give it up while they run,
  * and send the thread's deferred wake-up once it is given up. */
 #define GIL_FREE_BYTES ((size_t)64 << 10)
+/* volatile: a guarded copy (GUARD_BEGIN) that faults returns through siglongjmp, and these
+ * must come back as they were. */
 #define RELEASE_GIL_IF_BIG(bytes)                                                  \
-    SignalObject *woke_ = NULL;                                                    \
-    PyThreadState *gil_ = NULL;                                                    \
+    SignalObject *volatile woke_ = NULL;                                           \
+    PyThreadState *volatile gil_ = NULL;                                           \
     if ((size_t)(bytes) >= GIL_FREE_BYTES) {                                       \
         woke_ = take_deferred();                                                   \
         gil_ = PyEval_SaveThread();                                                \
@@ -342,6 +347,113 @@ static void send_deferred(void) {
         if (gil_ != NULL) PyEval_RestoreThread(gil_); \
         Py_XDECREF(woke_);                         \
     } while (0)
+
+/* Faults in reads from memory maps. A file cut short under its map (truncated by another
+ * process between stoker's size check and its copy) raises SIGBUS at the first read of a page
+ * past its new end, which would kill the process. Every kernel reading memory the caller hands
+ * it runs under its thread's guard: a SIGBUS while the guard is set jumps back to it
+ * (siglongjmp; the loops hold no lock and allocate nothing), and the call raises MapFault, with
+ * the faulting address, once it holds the GIL again; stoker.batch turns that into the
+ * CorruptDataError naming the file. A SIGBUS anywhere else goes to the handler that was there
+ * before (faulthandler's, or the default: the process dies as it would have). The handler is
+ * installed by guard_maps(), which stoker calls before it maps a file, and stays. A handler
+ * installed later over it (faulthandler.enable()) reports the fault first, then passes it back
+ * by raise(): the guard still holds, without the address. */
+static __thread sigjmp_buf *guard_ = NULL; /* where this thread's fault jumps, while set */
+static __thread uintptr_t fault_at_ = 0;   /* the address of its last fault (0: not known) */
+static volatile sig_atomic_t armed_ = 0;   /* guards set in all threads: none, no thread-local read */
+static struct sigaction before_;           /* the SIGBUS handler before ours */
+static pthread_once_t guard_once_ = PTHREAD_ONCE_INIT;
+static PyObject *MapFault = NULL;
+
+static void on_sigbus(int sig, siginfo_t *info, void *context) {
+    sigjmp_buf *env = armed_ ? guard_ : NULL;
+    if (env != NULL) {
+        guard_ = NULL; /* a second fault before the guard is left goes on to the previous handler */
+        fault_at_ = info != NULL && info->si_code > 0 ? (uintptr_t)info->si_addr : 0;
+        siglongjmp(*env, 1);
+    }
+    if (before_.sa_flags & SA_SIGINFO) {
+        before_.sa_sigaction(sig, info, context);
+        return;
+    }
+    const int sent = info == NULL || info->si_code <= 0; /* by kill() or raise(), not by a fault */
+    if (before_.sa_handler == SIG_IGN && sent) return;
+    if (before_.sa_handler != SIG_DFL && before_.sa_handler != SIG_IGN) {
+        before_.sa_handler(sig);
+        return;
+    }
+    /* The default action: a fault recurs once this returns, a sent signal is sent again. */
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(sig, &dfl, NULL);
+    if (sent) raise(sig);
+}
+
+static void install_guard(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    /* SA_NODEFER: the jump leaves the handler without restoring the signal mask (sigsetjmp
+     * saves none: a system call per kernel call), so SIGBUS must not be blocked in it. */
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &before_);
+}
+
+/* The guard this thread had (nested calls restore it); the thread-local is touched here, outside
+ * any handler, so the handler's read of it allocates nothing. */
+static inline sigjmp_buf *guard_enter(void) {
+    sigjmp_buf *outer = guard_;
+    __atomic_add_fetch(&armed_, 1, __ATOMIC_SEQ_CST);
+    return outer;
+}
+
+static inline void guard_leave(sigjmp_buf *outer) {
+    guard_ = outer;
+    __atomic_sub_fetch(&armed_, 1, __ATOMIC_SEQ_CST);
+}
+
+/* GUARD_BEGIN(); loops reading caller memory; GUARD_END(); then, once the GIL is held,
+ * `if (faulted_) return map_fault();`. One pair per block. */
+#define GUARD_BEGIN()                                   \
+    volatile int faulted_ = 0;                          \
+    sigjmp_buf env_;                                    \
+    sigjmp_buf *const outer_ = guard_enter();           \
+    if (sigsetjmp(env_, 0) != 0) {                      \
+        faulted_ = 1;                                   \
+    } else {                                            \
+        guard_ = &env_;
+#define GUARD_END()                                     \
+    }                                                   \
+    guard_leave(outer_);
+
+/* guard_maps(): install the SIGBUS handler of the guard (once; later calls do nothing). */
+static PyObject *guard_maps(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    pthread_once(&guard_once_, install_guard);
+    Py_RETURN_NONE;
+}
+
+/* Raises MapFault for this thread's last fault (GIL held); NULL. */
+static PyObject *map_fault(void) {
+    char text[96];
+    snprintf(text, sizeof text, "bus error reading mapped memory at 0x%llx", (unsigned long long)fault_at_);
+    PyObject *e = PyObject_CallFunction(MapFault, "is", EIO, text);
+    if (e == NULL) return NULL;
+    PyObject *at = PyLong_FromUnsignedLongLong((unsigned long long)fault_at_);
+    if (at == NULL || PyObject_SetAttrString(e, "address", at) < 0) {
+        Py_XDECREF(at);
+        Py_DECREF(e);
+        return NULL;
+    }
+    Py_DECREF(at);
+    PyErr_SetObject(MapFault, e);
+    Py_DECREF(e);
+    return NULL;
+}
 
 /* Bytes per value of a dtype code the plain copies take, or 0 with a ValueError set. */
 static size_t copy_size(int code) {
@@ -402,9 +514,12 @@ static PyObject *normalize(PyObject *self, PyObject *args) {
     }
     if (kernel == NULL) Py_RETURN_FALSE;
     RELEASE_GIL_IF_BIG((size_t)j.n * (size_t)(j.O * j.M * j.I) * value_bytes(out_code));
+    GUARD_BEGIN();
     kernel(&j);
+    GUARD_END();
     if (j.stream) stream_fence();
     TAKE_GIL_BACK();
+    if (faulted_) return map_fault();
     Py_RETURN_TRUE;
 }
 
@@ -511,14 +626,15 @@ static int convert_run(int src_code, int out_code, const char *src, char *dst, P
         const size_t size = copy_size(src_code);
         if (size == 0) return -1;
         RELEASE_GIL_IF_BIG((size_t)n * size);
-        if (stream) {
+        GUARD_BEGIN();
+        if (stream)
             stream_bytes(dst, src, (size_t)n * size);
-            stream_fence();
-        } else {
+        else
             memcpy(dst, src, (size_t)n * size);
-        }
+        GUARD_END();
+        if (stream) stream_fence();
         TAKE_GIL_BACK();
-        return 0;
+        return faulted_ ? (map_fault(), -1) : 0;
     }
 #ifdef STOKER_X86
     if (out_code == 'e') {
@@ -528,15 +644,18 @@ static int convert_run(int src_code, int out_code, const char *src, char *dst, P
             return -1;
         }
         RELEASE_GIL_IF_BIG((size_t)n * 2);
+        GUARD_BEGIN();
         half(src, (uint16_t *)dst, n, stream);
+        GUARD_END();
         if (stream) stream_fence();
         TAKE_GIL_BACK();
-        return 0;
+        return faulted_ ? (map_fault(), -1) : 0;
     }
 #endif
     kernel_t kernel = pick_or_raise(src_code, out_code);
     if (kernel == NULL) return -1;
     RELEASE_GIL_IF_BIG((size_t)n * value_bytes(out_code));
+    GUARD_BEGIN();
 #ifdef STOKER_X86
     if (stream && out_code == 'f' && (src_code == 'b' || src_code == 'B') && has_avx2()) {
         (src_code == 'b' ? i8_f32_avx2 : u8_f32_avx2)(src, (float *)dst, n);
@@ -552,9 +671,10 @@ static int convert_run(int src_code, int out_code, const char *src, char *dst, P
         j.stream = stream;
         kernel(&j);
     }
+    GUARD_END();
     if (stream) stream_fence();
     TAKE_GIL_BACK();
-    return 0;
+    return faulted_ ? (map_fault(), -1) : 0;
 }
 
 /* The dtype code of a buffer this file converts (native order, one of b B h H e f d), or 0. */
@@ -668,19 +788,25 @@ static PyObject *gather_at(int src_code, int out_code, const int64_t *addr, cons
             return NULL;
         }
         RELEASE_GIL_IF_BIG((size_t)records * (size_t)elems * 2);
+        GUARD_BEGIN();
         for (Py_ssize_t k = 0; k < n; k++)
             loop((const char *)(uintptr_t)addr[k], (uint16_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems,
                  ENTRY_VALUES(k));
+        GUARD_END();
         TAKE_GIL_BACK();
+        if (faulted_) return map_fault();
         Py_RETURN_NONE;
     }
     if (src_code == 'E' && out_code == 'f') { /* bfloat16 records widened into float32 (see bf16_f32) */
         RELEASE_GIL_IF_BIG((size_t)records * (size_t)elems * 4);
+        GUARD_BEGIN();
         for (Py_ssize_t k = 0; k < n; k++)
             widen_bf16((const uint16_t *)((const char *)(uintptr_t)addr[k]),
                        (uint32_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems, ENTRY_VALUES(k), stream);
+        GUARD_END();
         if (stream) stream_fence();
         TAKE_GIL_BACK();
+        if (faulted_) return map_fault();
         Py_RETURN_NONE;
     }
 #ifdef STOKER_X86
@@ -691,11 +817,14 @@ static PyObject *gather_at(int src_code, int out_code, const int64_t *addr, cons
             return NULL;
         }
         RELEASE_GIL_IF_BIG((size_t)records * (size_t)elems * 2);
+        GUARD_BEGIN();
         for (Py_ssize_t k = 0; k < n; k++)
             half((const char *)(uintptr_t)addr[k], (uint16_t *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems,
                  ENTRY_VALUES(k), stream);
+        GUARD_END();
         if (stream) stream_fence();
         TAKE_GIL_BACK();
+        if (faulted_) return map_fault();
         Py_RETURN_NONE;
     }
 #endif
@@ -704,6 +833,7 @@ static PyObject *gather_at(int src_code, int out_code, const int64_t *addr, cons
         if (size == 0) return NULL;
         const size_t rec = size * (size_t)elems;
         RELEASE_GIL_IF_BIG((size_t)records * rec);
+        GUARD_BEGIN();
         for (Py_ssize_t k = 0; k < n; k++) {
             char *d = (char *)(uintptr_t)dst + (size_t)row[k] * rec;
             const char *s = (const char *)(uintptr_t)addr[k];
@@ -713,8 +843,10 @@ static PyObject *gather_at(int src_code, int out_code, const int64_t *addr, cons
             else
                 memcpy(d, s, bytes);
         }
+        GUARD_END();
         if (stream) stream_fence();
         TAKE_GIL_BACK();
+        if (faulted_) return map_fault();
         Py_RETURN_NONE;
     }
     kernel_t kernel = pick_or_raise(src_code, out_code);
@@ -728,11 +860,14 @@ static PyObject *gather_at(int src_code, int out_code, const int64_t *addr, cons
              : src_code == 'h' ? i16_f32_avx2 : src_code == 'H' ? u16_f32_avx2 : NULL;
     if (wide != NULL) {
         RELEASE_GIL_IF_BIG((size_t)records * (size_t)elems * 4);
+        GUARD_BEGIN();
         for (Py_ssize_t k = 0; k < n; k++)
             wide((const char *)(uintptr_t)addr[k], (float *)(uintptr_t)dst + (size_t)row[k] * (size_t)elems,
                  ENTRY_VALUES(k));
+        GUARD_END();
         stream_fence();
         TAKE_GIL_BACK();
+        if (faulted_) return map_fault();
         Py_RETURN_NONE;
     }
 #endif
@@ -762,14 +897,19 @@ static PyObject *gather_at(int src_code, int out_code, const int64_t *addr, cons
     j.rows = row;
     j.dst = (char *)(uintptr_t)dst;
     j.stream = stream;
+    int faulted = 0;
     {
         RELEASE_GIL_IF_BIG((size_t)records * (size_t)elems * value_bytes(out_code));
+        GUARD_BEGIN();
         kernel(&j);
+        GUARD_END();
         if (stream) stream_fence();
         TAKE_GIL_BACK();
+        faulted = faulted_;
     }
     PyMem_Free(each_addr);
     PyMem_Free(each_row);
+    if (faulted) return map_fault();
     Py_RETURN_NONE;
 #undef ENTRY_VALUES
 }
@@ -1204,8 +1344,11 @@ static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
         return NULL;
     }
     RELEASE_GIL_IF_BIG((size_t)n * 2);
+    GUARD_BEGIN();
     loop((const void *)(uintptr_t)src, (uint16_t *)(uintptr_t)dst, n);
+    GUARD_END();
     TAKE_GIL_BACK();
+    if (faulted_) return map_fault();
     Py_RETURN_NONE;
 }
 
@@ -1258,9 +1401,12 @@ static PyObject *from_bfloat16(PyObject *self, PyObject *args) {
         return NULL;
     }
     RELEASE_GIL_IF_BIG((size_t)n * 4);
+    GUARD_BEGIN();
     widen_bf16((const uint16_t *)(uintptr_t)src, (uint32_t *)(uintptr_t)dst, n, stream);
+    GUARD_END();
     if (stream) stream_fence();
     TAKE_GIL_BACK();
+    if (faulted_) return map_fault();
     Py_RETURN_NONE;
 }
 
@@ -1650,6 +1796,7 @@ static PyObject *flush(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"flush", flush, METH_NOARGS, "flush(): send this thread's deferred wake-up (Signal.post_later) now"},
     {"file_size", file_size, METH_O, "file_size(fd) -> int (fstat's st_size, GIL held)"},
+    {"guard_maps", guard_maps, METH_NOARGS, "guard_maps(): install the SIGBUS handler that turns faults in kernels into MapFault"},
     {"set_isa", set_isa, METH_O, "set_isa(level) -> int: hand-written loops allowed (0 none, 1 AVX2/F16C, 2 all; -1 asks); the level before"},
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"
@@ -1682,6 +1829,15 @@ PyMODINIT_FUNC PyInit__kernels(void) {
     Py_INCREF(&FileMapType);
     if (PyModule_AddObject(m, "FileMap", (PyObject *)&FileMapType) < 0) {
         Py_DECREF(&FileMapType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    MapFault = PyErr_NewExceptionWithDoc(
+        "stoker._kernels.MapFault",
+        "A bus error (SIGBUS) in a kernel's read of caller memory, such as a map of a file cut short; "
+        "`.address` is where.",
+        PyExc_OSError, NULL);
+    if (MapFault == NULL || PyModule_AddObjectRef(m, "MapFault", MapFault) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -45,7 +45,7 @@ from .errors import CorruptDataError, RecordIndexError, SpecError
 from .files import Catalog, FileInfo, Group, open_local
 from .index import count_disagrees
 from .inflate import Inflater
-from .kernels import gather_records, gathers, map_address
+from .kernels import MapFault, copy_records, gather_records, gathers, guard_maps, map_address
 from .order import Permutation
 from .remote import is_remote
 from .seekpoints import SeekPoint
@@ -138,7 +138,12 @@ class RecordReader:
             fd = open_local(name, info.path)
             try:
                 self._check_size(name, spec, info, fd, local)
-                m = _Mapped(fd, mmap.mmap(fd, info.size, access=mmap.ACCESS_READ))
+                guard_maps()
+                try:
+                    m = _Mapped(fd, mmap.mmap(fd, info.size, access=mmap.ACCESS_READ))
+                except ValueError:  # cut since the check: "mmap length is greater than file size"
+                    self._check_size(name, spec, info, fd, local)
+                    raise
             except BaseException:
                 os.close(fd)
                 raise
@@ -222,7 +227,10 @@ class RecordReader:
                         self._raw(name, spec, info, local, out[name], dst_rows)
             for name, (to, at) in gathered.items():
                 if to:
-                    done = gather_records(out[name], np.concatenate(to), np.concatenate(at), fields[name].dtype)
+                    try:
+                        done = gather_records(out[name], np.concatenate(to), np.concatenate(at), fields[name].dtype)
+                    except MapFault as e:  # a file cut short after its size was checked
+                        raise self._fault(name, fields[name], held, e) from e
                     assert done, "gathers() said the kernel applies"
         finally:
             for info, m in held:
@@ -241,14 +249,32 @@ class RecordReader:
             return
         m = self._acquire(name, spec, info, local)
         try:
-            n = (info.size - spec.header_bytes - spec.footer_bytes) // spec.record_bytes
-            src = np.frombuffer(m.map, spec.dtype, n * (spec.record_bytes // spec.dtype.itemsize), spec.header_bytes)
+            # numpy casts these, and its reads of a map cannot be guarded: copied out first.
+            raw = np.empty((len(local), spec.record_bytes), np.uint8)
             try:
-                dst[rows] = src.reshape(n, *spec.shape)[local]
-            finally:
-                del src
+                copy_records(raw, m.fd, m.address(), local * spec.record_bytes + spec.header_bytes)
+            except MapFault as e:
+                raise self._fault(name, spec, [(info, m)], e) from e
+            dst[rows] = raw.view(spec.dtype).reshape(len(local), *spec.shape)
         finally:
             self._release(info, m)
+
+    def _fault(self, name: str, spec: Field, held: Sequence[tuple[FileInfo, _Mapped]], e: OSError) -> CorruptDataError:
+        """The error for a MapFault reading ``held``'s maps: the file whose map holds the fault's
+        address (else the first now shorter than it was) was cut short."""
+        at = getattr(e, "address", 0)
+        info, m = next(
+            ((i, m) for i, m in held if 0 <= at - m.address() < i.size),
+            next(((i, m) for i, m in held if os.fstat(m.fd).st_size < i.size), held[0]),
+        )
+        size = os.fstat(m.fd).st_size
+        offset = at - m.address() if 0 <= at - m.address() < info.size else size
+        index = max(0, (offset - spec.header_bytes) // spec.record_bytes)
+        return CorruptDataError(
+            f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
+            f"was built (reading record {index}, byte offset {offset}, failed)",
+            field=name, path=info.path, index=index, offset=offset,
+        )  # fmt: skip
 
     def _compressed(
         self, name: str, spec: Field, info: FileInfo, g: int, local: np.ndarray, dst: np.ndarray, rows: np.ndarray

@@ -33,11 +33,13 @@ from .files import Catalog, FileInfo, open_local
 from .index import count_disagrees
 from .inflate import Inflater, TruncatedStreamError
 from .kernels import (
+    MapFault,
     address,
     cast_into,
+    cast_mapped,
+    copy_records,
     file_size,
     file_sizes,
-    gather_into,
     gather_records,
     gather_runs,
     gathers,
@@ -389,6 +391,15 @@ def _by_file(gather: Gather) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[t
     cuts = (np.flatnonzero(np.diff(groups)) + 1).tolist()
     spans = list(zip([0, *cuts], [*cuts, len(order)], strict=True)) if len(order) else []
     return order, groups, index, spans
+
+
+def _cut(name: str, info: FileInfo, size: int) -> CorruptDataError:
+    """The error for a raw file found ``size`` bytes long, shorter than when the Dataset was built."""
+    return CorruptDataError(
+        f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset was built; "
+        "the file was truncated after the Dataset was built",
+        field=name, path=info.path, offset=size,
+    )  # fmt: skip
 
 
 class _RawFile:
@@ -801,7 +812,11 @@ class Assembler:
                 if f.map is None or f.size < offset + nread or now < offset + nread:
                     raise self._truncated(name, info, spec, run, min(f.size, now))
                 mapped += (run.row, f.address() + offset, run.count, run.step * rb)
-            gather_runs(dst, mapped, spec.dtype)
+            try:
+                gather_runs(dst, mapped, spec.dtype)
+            except MapFault as e:
+                k = self._faulted(held, e)
+                raise self._map_fault(name, infos[k], spec, runs[k], held[k], e) from e
             for f, offset, nread in zip(held, offsets, spans, strict=True):
                 f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
@@ -809,6 +824,17 @@ class Assembler:
             with self._lock:  # every run in one lock round
                 for run, info, f in zip(runs, infos, held, strict=True):
                     self._released(epoch, info, f, run.final)
+
+    @staticmethod
+    def _faulted(held: Sequence[_RawFile], e: OSError) -> int:
+        """Which of ``held`` a MapFault ``e`` read from: the map holding its address, else the
+        first file now shorter than it was (their sizes read again), else the first."""
+        at = getattr(e, "address", 0)
+        for k, f in enumerate(held):
+            if f.map is not None and 0 <= at - f.address() < f.size:
+                return k
+        sizes = file_sizes([f.fd for f in held])
+        return next((k for k, (f, now) in enumerate(zip(held, sizes, strict=True)) if now < f.size), 0)
 
     def _gather(self, plan: BatchPlan, out: dict[str, np.ndarray]) -> None:
         assert plan.gather is not None
@@ -879,15 +905,20 @@ class Assembler:
                     if direct:
                         bases[k] = f.address() + spec.header_bytes
                         continue
-                    src = np.frombuffer(f.map, dtype=spec.dtype, count=n * (rb // spec.dtype.itemsize),
-                                        offset=spec.header_bytes).reshape(n, *spec.shape)  # fmt: skip
+                    # numpy casts these: the records are copied out of the map first (see _copy_mapped).
+                    rows = np.empty((b - a, rb), np.uint8)
                     try:
-                        gather_into(dst, order[a:b], src, index[a:b])
+                        copy_records(rows, f.fd, f.address(), index[a:b] * rb + spec.header_bytes)
+                    except MapFault as e:
+                        now = file_sizes([f.fd])[0]
+                        raise self._gather_truncated(name, info, spec, g, index[a:b], min(f.size, now)) from e
+                    try:
+                        dst[order[a:b]] = rows.view(spec.dtype).reshape(b - a, *spec.shape)
                     except BaseException as e:
                         e.add_note(_reading(name, info, g, int(index[a]), n))
                         raise
                     finally:
-                        del src
+                        del rows
                 elif info.compression is None:  # a remote file
                     dst[order[a:b]] = self._remote_records(name, spec, info, index[a:b])
                 elif name in self.seek_fields:
@@ -905,10 +936,13 @@ class Assembler:
             if direct and max(bases, default=-1) >= 0:
                 starts = np.repeat(np.asarray(bases, np.int64), [b - a for a, b in spans])
                 pick = starts >= 0
-                if pick.all():
-                    gather_records(dst, order, index * rb + starts, spec.dtype)
-                else:
-                    gather_records(dst, order[pick], index[pick] * rb + starts[pick], spec.dtype)
+                try:
+                    if pick.all():
+                        gather_records(dst, order, index * rb + starts, spec.dtype)
+                    else:
+                        gather_records(dst, order[pick], index[pick] * rb + starts[pick], spec.dtype)
+                except MapFault as e:
+                    raise self._gather_fault(name, spec, e, spans, group_of, infos, raw, held, index) from e
         finally:
             self._let_go(epoch, picked, held)
             kept.clear()
@@ -919,6 +953,21 @@ class Assembler:
         infos = [self.catalog.files[g][name] for g in groups]
         raw = [info.compression is None and not is_remote(info.path) for info in infos]
         return infos, raw, [info for info, r in zip(infos, raw, strict=True) if r]
+
+    def _gather_fault(
+        self, name: str, spec: Field, e: OSError, spans: list[tuple[int, int]], group_of: list[int],
+        infos: list[FileInfo], raw: list[bool], held: list[_RawFile], index: np.ndarray,
+    ) -> StokerError:  # fmt: skip
+        """The error for a MapFault in a gather's kernel call: the file it read from, cut short."""
+        k = self._faulted(held, e)
+        f = held[k]
+        j = [i for i, r in enumerate(raw) if r][k]  # held[k] is the k-th raw span's file
+        a, b = spans[j]
+        now = file_sizes([f.fd])[0]
+        if now < f.size:
+            return self._gather_truncated(name, infos[j], spec, group_of[j], index[a:b], now)
+        run = Run(group_of[j], int(index[a]), b - a, 0, False)
+        return self._map_fault(name, infos[j], spec, run, f, e)
 
     def _gather_truncated(
         self, name: str, info: FileInfo, spec: Field, g: int, local: np.ndarray, size: int
@@ -999,6 +1048,8 @@ class Assembler:
                 raise ReadError(
                     f"field {name!r}: cannot map {info.path!r}: {e.strerror}", field=name, path=info.path
                 ) from e
+            except ValueError as e:  # mmap.mmap (no kernels built): the file was cut since its fstat
+                raise _cut(name, info, os.fstat(fd).st_size) from e
         except BaseException:
             os.close(fd)
             raise
@@ -1128,26 +1179,61 @@ class Assembler:
             if not self._cast[name] and run.step == 1 and put is None and not f.reused:
                 self._pread(name, spec, info, run, f, dst, offset)
             else:
-                # A file cut short under a memory map would kill the process (SIGBUS) on
-                # access; check its size right before the copy so it becomes an error.
+                # A file cut short before this check fails here; one cut during the copy faults
+                # in a guarded kernel (MapFault), and numpy never reads the map (see _copy_mapped).
                 span = run.stop - run.start
                 if f.map is None or f.size < offset + span * rb or file_size(f.fd) < offset + span * rb:
                     raise self._truncated(name, info, spec, run, min(f.size, file_size(f.fd)))
-                src = np.frombuffer(f.map, dtype=spec.dtype, count=span * (rb // spec.dtype.itemsize),
-                                    offset=offset).reshape(span, *spec.shape)  # fmt: skip
-                if run.step != 1:
-                    src = src[:: run.step]
-                if put is None:
-                    cast_into(dst, src)
-                else:
-                    flush_wake()  # a transform's own code runs here
-                    put(src, dst, run.row)
-                del src
+                try:
+                    self._copy_mapped(spec, run, f, offset, dst, put)
+                except MapFault as e:
+                    raise self._map_fault(name, info, spec, run, f, e) from e
             nread = (run.stop - run.start) * rb
             f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
             self.counters.add("read+cast" if self._cast[name] or put else "read", name, time.perf_counter() - t)
             self._release(epoch, info, f, run.final)
+
+    def _copy_mapped(self, spec: Field, run: Run, f: _RawFile, offset: int, dst: np.ndarray, put: Any) -> None:
+        """Run ``run`` from ``f``'s map at byte ``offset`` into ``dst``, cast or transformed
+        (``put``), by a compiled kernel: a SIGBUS in its reads (the file cut short meanwhile)
+        raises MapFault. Where only numpy could do it, whose reads of a map cannot be guarded,
+        the records are first copied out of the map (stoker.kernels.copy_records)."""
+        rb = spec.record_bytes
+        span = run.stop - run.start
+        src = np.frombuffer(f.map, dtype=spec.dtype, count=span * (rb // spec.dtype.itemsize),
+                            offset=offset).reshape(span, *spec.shape)[:: run.step]  # fmt: skip
+        try:
+            if put is not None:
+                flush_wake()  # a transform's own code runs here
+                if put(src, dst, run.row, mapped=True):
+                    return
+            elif (run.step == 1 and cast_mapped(dst, src)) or gather_runs(
+                dst, (0, f.address() + offset, run.count, run.step * rb), spec.dtype
+            ):
+                return
+        finally:
+            del src
+        staged = self._staging(run.count * rb)
+        rows = np.frombuffer(staged, np.uint8, count=run.count * rb).reshape(run.count, rb)
+        copy_records(rows, f.fd, f.address(), offset + np.arange(run.count, dtype=np.int64) * (run.step * rb))
+        records = rows.view(spec.dtype).reshape(run.count, *spec.shape)
+        if put is not None:
+            put(records, dst, run.row)
+        else:
+            cast_into(dst, records)
+        del rows, records
+
+    def _map_fault(self, name: str, info: FileInfo, spec: Field, run: Run, f: _RawFile, e: OSError) -> StokerError:
+        """The error for a bus error reading ``f``'s map during run ``run``: the file cut short
+        (a CorruptDataError, as the size check gives) or, still whole, a failed read."""
+        e.__traceback__ = None  # its frames hold views of the map, which could then not be closed
+        now = file_size(f.fd)
+        if now < f.size:
+            return self._truncated(name, info, spec, run, now)
+        offset = getattr(e, "address", 0) - f.address()
+        offset = offset if 0 <= offset < f.size else spec.header_bytes + run.start * spec.record_bytes
+        return self._read_error(name, info, spec, run, offset, OSError(e.errno, "bus error reading its memory map"))
 
     def _pread(
         self, name: str, spec: Field, info: FileInfo, run: Run, f: _RawFile, dst: np.ndarray, offset: int

@@ -13,13 +13,20 @@ slower on W1's frames). Arrays in either spelling of the machine's byte order ("
 records into ml_dtypes' bfloat16 (``cast="bfloat16"``, ``Cast("bfloat16")``) take a kernel too,
 integers by the CPU's own conversion where it has AVX512_BF16; gathers into bfloat16 as well.
 Records stored as bfloat16 widen into float32 by a kernel loop too, in order and gathered.
+
+Reads from memory maps of files another process may cut short go through the kernels only,
+whose reads are guarded: a SIGBUS there raises :class:`MapFault` instead of killing the
+process (``_kernels.c``). numpy's copies cannot be guarded, so records numpy would cast from a
+map are first copied out by the kernels (or read with ``pread`` where they are not built).
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import importlib
+import itertools
 import mmap
 import os
 import warnings
@@ -32,15 +39,19 @@ from .spec import is_bfloat16
 
 __all__ = [
     "STREAM_MIN_BYTES",
+    "MapFault",
     "address",
     "cast_into",
+    "cast_mapped",
     "compiled",
+    "copy_records",
     "file_size",
     "file_sizes",
     "gather_into",
     "gather_records",
     "gather_runs",
     "gathers",
+    "guard_maps",
     "isa",
     "map_file",
     "maps_hold_descriptors",
@@ -56,6 +67,16 @@ try:
 except ImportError:  # pragma: no cover - built without a C compiler
     _kernels = None
 _said_slow = False  # the missing kernels are said once per process (slow_path_warning)
+
+
+class _MapFault(OSError):
+    """A bus error reading a memory map (a file cut short under it); ``address``: where."""
+
+    address: int
+
+
+# Raised by the kernels' guarded reads, and by copy_records without them, for the same fault.
+MapFault: type[OSError] = _kernels.MapFault if _kernels is not None else _MapFault
 
 # Outputs at least this large are streamed past the cache; smaller ones (labels, a few
 # records) stay cached, where the next step may read them soon.
@@ -163,8 +184,16 @@ def map_file(fd: int, size: int) -> Any:
     it is closed. Both give the buffer protocol, ``close()`` and ``madvise()``.
     """
     if _kernels is not None:
+        _kernels.guard_maps()
         return _kernels.FileMap(fd, size)
     return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+
+
+def guard_maps() -> None:
+    """Make faults in the kernels' reads of memory maps raise :class:`MapFault` (installs their
+    SIGBUS handler once; nothing without the kernels). Called before a file is mapped."""
+    if _kernels is not None:
+        _kernels.guard_maps()
 
 
 def maps_hold_descriptors() -> bool:
@@ -231,6 +260,40 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     ):
         _kernels.flush()  # numpy may give the GIL up: send a deferred wake-up first (stoker.engine)
         np.copyto(dst, src, casting="unsafe")
+
+
+def cast_mapped(dst: np.ndarray, src: np.ndarray) -> bool:
+    """:func:`cast_into` where a compiled kernel does the copy, whose reads of a map are guarded
+    (a SIGBUS raises :class:`MapFault`); False, with nothing read, where numpy would do it."""
+    if _kernels is None:
+        return False
+    return bool(_kernels.cast_into(dst, src, STREAM_MIN_BYTES) or _bfloat16_into(dst, src) or _widen_bf16(dst, src))
+
+
+def copy_records(out: np.ndarray, fd: int, mapped_at: int, offsets: np.ndarray) -> None:
+    """Row ``k`` of ``out`` (uint8, ``(n, record bytes)``) = the bytes at ``offsets[k]`` of the
+    file open as ``fd`` and mapped at address ``mapped_at``: the records numpy is to cast, copied
+    out of the map by the guarded kernel, or read with ``pread`` where it is not built. Bytes the
+    file no longer holds raise :class:`MapFault` (``.address``: where they would be mapped)."""
+    n, length = out.shape
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    if _kernels is not None:
+        if n:
+            # Not streamed past the cache: numpy reads them next.
+            _kernels.gather_records("B", "B", out, n, np.arange(n, dtype=np.int64), offsets + mapped_at, False)
+        return
+    # Records that follow one another in the file are read by one pread.
+    starts = [0, *(np.flatnonzero(np.diff(offsets) != length) + 1).tolist(), n]
+    for a, b in itertools.pairwise(starts):
+        view = memoryview(out[a:b].reshape(-1))  # type: ignore[arg-type]  # numpy arrays are buffers
+        at, done = int(offsets[a]), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], at + done)
+            if got == 0:
+                fault = MapFault(errno.EIO, f"file descriptor {fd} ends before byte {at + done}")
+                fault.address = mapped_at + at + done  # type: ignore[attr-defined]
+                raise fault
+            done += got
 
 
 def _elementwise(dst: np.ndarray, src: np.ndarray) -> bool:

@@ -44,7 +44,7 @@ import numpy as np
 from . import kernels as _compiled
 from .engine import Stopped
 from .errors import SpecError
-from .kernels import STREAM_MIN_BYTES, address, cast_into
+from .kernels import STREAM_MIN_BYTES, address, cast_into, cast_mapped
 from .spec import resolve_dtype
 
 if TYPE_CHECKING:
@@ -428,11 +428,14 @@ class OnePass:
             ops.append((int(n.divide), vector, vecs[0], vecs[1]))
         return OnePass(chain, src, tuple(shape), compute, out, (outer, units, unit, row), ops)
 
-    def run(self, x: np.ndarray, y: np.ndarray, draws: Mapping[int, Any], row0: int) -> None:
-        """Records ``x`` (rows ``row0..`` of the batch, any record stride) into ``y``."""
+    def run(self, x: np.ndarray, y: np.ndarray, draws: Mapping[int, Any], row0: int, *, mapped: bool = False) -> bool:
+        """Records ``x`` (rows ``row0..`` of the batch, any record stride) into ``y``; True.
+
+        Only the kernel reads ``x``, so it may be a memory map (``mapped``, see LoneCast.run).
+        """
         n = len(x)
         if n == 0:
-            return
+            return True
         if x.dtype != self.src or x.shape[1:] != self.record or not x[0].flags.c_contiguous:
             raise AssertionError(f"kernel planned for {self.src} {self.record}, got {x.dtype} {x.shape}")
         if y.shape != (n, *self.shape) or not y.flags.c_contiguous or y.dtype != self.out:
@@ -458,7 +461,7 @@ class OnePass:
             self.outer, self.units, self.unit, 0 if flips is None else address(flips), address(y), args,
             y.nbytes >= STREAM_MIN_BYTES,
         ):  # fmt: skip
-            return  # the row kernel narrowed each value in registers: no float32 scratch
+            return True  # the row kernel narrowed each value in registers: no float32 scratch
         per = (
             n if self.out == self.compute else max(1, SCRATCH_BYTES // (math.prod(self.shape) * self.compute.itemsize))
         )
@@ -474,6 +477,7 @@ class OnePass:
             )  # fmt: skip
             if scratch is not None:
                 self._narrow(y[a:b], dst)
+        return True
 
     def _narrow(self, y: np.ndarray, computed: np.ndarray) -> None:
         """The float32 scratch into the output's dtype: float16 by F16C where built (numpy
@@ -552,9 +556,16 @@ class LoneCast:
     def __init__(self, src: np.dtype, out: np.dtype) -> None:
         self.src, self.out = src, out
 
-    def run(self, x: np.ndarray, y: np.ndarray, draws: Mapping[int, Any], row0: int) -> None:
-        """Records ``x`` (rows ``row0..`` of the batch) cast into ``y``."""
+    def run(self, x: np.ndarray, y: np.ndarray, draws: Mapping[int, Any], row0: int, *, mapped: bool = False) -> bool:
+        """Records ``x`` (rows ``row0..`` of the batch) cast into ``y``; True once done.
+
+        ``mapped``: ``x`` is a memory map of a file, which only a compiled kernel may read (its
+        reads are guarded against the file being cut short); False, nothing read, where numpy would.
+        """
+        if mapped:
+            return cast_mapped(y, x)
         cast_into(y, x)
+        return True
 
 
 class Stage:
@@ -640,9 +651,13 @@ class Stage:
                     draws[k] = op.draw(batch_rng(self.seed, plan.epoch, first, k), plan.rows, shape)
         return draws
 
-    def put(self, name: str, src: np.ndarray, dst: np.ndarray, row: int, *, draws: Mapping[int, Any]) -> None:
-        """Stored records ``src`` (rows ``row..`` of the batch) transformed into ``dst`` (called by assembly)."""
-        self.kernels[name].run(src, dst, draws, row)
+    def put(
+        self, name: str, src: np.ndarray, dst: np.ndarray, row: int, *, draws: Mapping[int, Any], mapped: bool = False
+    ) -> bool:
+        """Stored records ``src`` (rows ``row..`` of the batch) transformed into ``dst`` (called by
+        assembly); True once done. With ``mapped`` (``src`` is a memory map), False, nothing
+        read, where numpy would read it: the caller copies the records out and puts them again."""
+        return self.kernels[name].run(src, dst, draws, row, mapped=mapped)
 
     def run(
         self, batch: Mapping[str, np.ndarray], plan: BatchPlan, allocate: Allocate, done: Collection[str] = ()
