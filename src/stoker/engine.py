@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
@@ -220,6 +221,10 @@ class StopFlag:
 # How often a worker waiting for room in the window looks at the stop flag and its OrderedMap:
 # the bound on how long a worker outlives a close() that a Ctrl-C cut short.
 WAIT_SECONDS = 0.1
+# How long a close() (a Ctrl-C, a break) waits for workers to finish their task. A worker still
+# busy then, stuck in a system call (a hung network mount) or a slow transform, is named in a
+# warning and left running as the daemon thread it is; it closes the pass's files when it returns.
+SHUTDOWN_SECONDS = 2.0
 # Most results the consumer is woken for at once (see _State.work). At batch 16 (1 MiB float32,
 # window 8, 2 threads) six per wake-up gave 0.93x of two, four 0.96x (5 alternated rounds).
 MAX_PER_WAKE = 4
@@ -329,6 +334,8 @@ class _State(Generic[T, R]):
         self.launching = 0  # launchers still starting workers
         self.retire = 0  # workers asked to exit (autotune lowering the thread count)
         self.cleanups: list[Callable[[], None]] = []
+        self.doing: dict[str, object] = {}  # worker thread name -> the task it runs (named if it outlives close)
+        self.warned = False  # workers left behind by a close were named in a warning
 
     def signal(self) -> None:
         """Wake the consumer now (a wake-up already pending makes this a no-op)."""
@@ -435,6 +442,8 @@ class _State(Generic[T, R]):
                     self.signal()
                     return
                 self.dispatched += 1
+                me = threading.current_thread().name
+                self.doing[me] = task
             result: R | _Failure
             try:
                 result = self.fn(task)
@@ -446,6 +455,7 @@ class _State(Generic[T, R]):
             finally:
                 flush_wake()  # the previous result's wake-up waits no longer than this task
             with lock:
+                self.doing.pop(me, None)
                 self.results[seq] = result
                 # The consumer is woken once the result it waits for (d) is here and so are the
                 # ones after it up to what the window holds beyond one task per worker (or
@@ -482,6 +492,22 @@ class _State(Generic[T, R]):
             # Drop our references now: a batch must be recyclable as soon as its caller lets go.
             del task, result
 
+    def _left_behind(self, alive: list[threading.Thread]) -> None:
+        """Warn, once, that the workers ``alive`` outlived a close and run on as daemon threads."""
+        with self.lock:
+            if self.warned:
+                return
+            self.warned = True
+            doing = {t.name: self.doing.get(t.name) for t in alive}
+        busy = "; ".join(f"{name} on {task!r}" if task is not None else name for name, task in doing.items())
+        warnings.warn(
+            f"stoker: {len(alive)} worker thread(s) of {self.name} still busy {SHUTDOWN_SECONDS:g} s after "
+            f"the loader was closed, left running as daemon threads: {busy}. Each is stuck in a system call "
+            "(a hung file system?) or a slow transform; it closes the pass's files when it returns.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
     def _per_wake(self) -> int:
         """Results the consumer takes per wake-up (caller holds the lock): the window less one
         task per worker, at most ``MAX_PER_WAKE``."""
@@ -491,7 +517,8 @@ class _State(Generic[T, R]):
         """Stop and join every worker, then release what they hold.
 
         Idempotent, and a later call finishes what an interrupted one left: the first step
-        is one store to ``stop``, after which the workers leave by themselves.
+        is one store to ``stop``, after which the workers leave by themselves. Workers still
+        busy after ``SHUTDOWN_SECONDS`` are named in a warning and left to finish (see there).
         """
         self.stop.set()
         with self.lock:
@@ -499,17 +526,21 @@ class _State(Generic[T, R]):
         self.signal()
         me = threading.current_thread()
         interrupted: BaseException | None = None
+        deadline = time.monotonic() + SHUTDOWN_SECONDS
         while True:
             with self.lock:
                 alive = [t for t in self.threads if t is not me and t.is_alive()]
                 launching = self.launching
             if not alive and not launching:
                 break
+            if time.monotonic() >= deadline:
+                self._left_behind(alive)
+                break
             for t in alive:
-                # A Ctrl-C during close must not leave workers behind: finish joining (each
-                # worker is at most one task from leaving), then raise it.
+                # A Ctrl-C during close must not leave workers behind: go on joining (each
+                # worker is at most one task from leaving), up to the deadline, then raise it.
                 try:
-                    t.join()
+                    t.join(max(0.0, deadline - time.monotonic()))
                 except KeyboardInterrupt as e:
                     interrupted = e
             if launching and not alive:

@@ -24,6 +24,7 @@ import numpy as np
 from .errors import CorruptDataError, PairingError, ReadError, SpecError
 from .index import IndexLookup, apply_index, resolve_index_dir
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
+from .machine import open_regular
 from .remote import Probe, is_remote
 from .seekpoints import SeekPoint
 from .spec import Field, shape_hint
@@ -149,9 +150,10 @@ def _stat(name: str, path: str) -> os.stat_result:
 
 
 def open_local(name: str, path: str) -> int:
-    """A read-only descriptor of local file ``path`` of field ``name``; a ReadError naming both."""
+    """A read-only descriptor of local file ``path`` of field ``name``; a ReadError naming both,
+    also for a path that is no longer a regular file (a FIFO put there would block the open)."""
     try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return open_regular(path)
     except OSError as e:
         raise ReadError(f"field {name!r}: cannot open {path!r}: {e.strerror}", field=name, path=path) from e
 

@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from .errors import CorruptDataError, ReadError, StaleIndexError, StokerError
+from .machine import open_regular
 from .remote import RemoteReader, is_remote
 from .seekpoints import CHECK_BYTES, PrimedInflate, SeekPoint, load_window, point_check, stale_point
 
@@ -76,7 +77,7 @@ class Inflater:
             source = RemoteReader(path, storage_options, field=field)
         self._remote = source
         try:
-            self._fd = -1 if self._remote else os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self._fd = -1 if self._remote else open_regular(path)  # a FIFO there must not block the open
         except OSError as e:
             raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
         self._close_lock = threading.Lock()

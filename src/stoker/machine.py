@@ -1,5 +1,6 @@
 """What this process may use of the machine: cores and memory, container limits included, and
-its limits on open descriptors and memory mappings.
+its limits on open descriptors and memory mappings; and how it opens a file for reading
+without hanging on one that is not a regular file.
 
 A container's CPU quota (``docker run --cpus``, a Kubernetes CPU limit) and memory limit are
 cgroup settings: ``os.sched_getaffinity`` still lists every core of the host and ``sysconf``
@@ -13,8 +14,10 @@ process's cgroup and of every cgroup above it, cgroup v2 (``cpu.max``, ``memory.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -27,6 +30,7 @@ __all__ = [
     "default_memory_budget",
     "descriptor_limits",
     "max_map_count",
+    "open_regular",
     "physical_memory",
     "set_soft_descriptor_limit",
 ]
@@ -111,6 +115,31 @@ def set_soft_descriptor_limit(soft: int) -> bool:
     except (ImportError, OSError, ValueError):
         return False
     return True
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}  # fmt: skip
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``; OSError for anything else.
+
+    Opened with O_NONBLOCK, so that a FIFO (or a device) put where a file was answers at once
+    instead of blocking the open until a writer comes: an open of a FIFO blocks even a Ctrl-C's
+    shutdown. The flag is cleared once the file is known to be regular. Raises OSError(EINVAL)
+    naming what the path is instead, as in "not a regular file (a FIFO)".
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = _KINDS.get(stat.S_IFMT(mode), "of another kind")
+            raise OSError(errno.EINVAL, f"not a regular file ({what})", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def max_map_count() -> int:

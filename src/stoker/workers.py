@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import weakref
 from collections import OrderedDict
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .engine import AlignedPool, OrderedMap, StopFlag, Stopped
+from .engine import SHUTDOWN_SECONDS, AlignedPool, OrderedMap, StopFlag, Stopped
 from .errors import SpecError, StokerError
 
 if TYPE_CHECKING:
@@ -61,8 +62,11 @@ Batch = dict[str, np.ndarray]
 _MAX_MESSAGE = 1 << 20
 # An exception whose pickle is larger than this (one holding an array, say) comes back as text.
 _MAX_PICKLED_ERROR = 64 << 10
-# How long close() waits for a worker to exit by itself before terminating it.
-_JOIN_SECONDS = 5.0
+# How long close() waits for the workers to exit by themselves before terminating them, all
+# together (a Ctrl-C then reaches the caller within about this, see stoker.engine), and then for
+# SIGTERM to end them before SIGKILL.
+_JOIN_SECONDS = SHUTDOWN_SECONDS
+_TERM_SECONDS = 1.0
 
 # Live memfd regions of this process: start address -> (descriptor, bytes).
 _REGIONS: dict[int, tuple[int, int]] = {}
@@ -307,16 +311,7 @@ class _Worker:
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        self.interrupt()
-        self.process.join(_JOIN_SECONDS)
-        if self.process.is_alive():  # a transform that does not return: stop it
-            self.process.terminate()
-            self.process.join(_JOIN_SECONDS)
-        if self.process.is_alive():  # pragma: no cover - ignores SIGTERM
-            self.process.kill()
-            self.process.join()
-        self.process.close()
-        self.sock.close()
+        _stop([self])
 
 
 class _Pool:
@@ -387,8 +382,32 @@ class _Pool:
         self.interrupt()
         with self._lock:
             workers, self.workers = self.workers, []
-        for w in workers:
-            w.close()
+        _stop(workers)
+
+
+def _stop(workers: list[_Worker]) -> None:
+    """End worker processes, waiting for all of them at once: told to stop (the end of their
+    input), then SIGTERM for those still busy after _JOIN_SECONDS (a transform that does not
+    return), then SIGKILL for any that ignores it."""
+    for w in workers:
+        w.interrupt()
+    _join_all(workers, _JOIN_SECONDS)
+    for w in workers:
+        if w.process.is_alive():
+            w.process.terminate()
+    _join_all(workers, _TERM_SECONDS)
+    for w in workers:
+        if w.process.is_alive():  # pragma: no cover - ignores SIGTERM
+            w.process.kill()
+        w.process.join()
+        w.process.close()
+        w.sock.close()
+
+
+def _join_all(workers: list[_Worker], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for w in workers:
+        w.process.join(max(0.0, deadline - time.monotonic()))
 
 
 def _shutdown(state: Any, pool: _Pool) -> None:
