@@ -24,6 +24,7 @@ TensorFlow is imported here only: ``import stoker`` needs numpy alone.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -32,6 +33,8 @@ import json
 import math
 import os
 import shlex
+import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -772,10 +775,34 @@ def _drain() -> None:
 
 
 def _bridge_dir() -> Path:
+    """Where the bridge is cached: ``$STOKER_CACHE/tfbridge``, else the user's cache directory
+    (see :func:`_private_dir` for when it is used)."""
     base = os.environ.get("STOKER_CACHE")
     if base:
         return Path(base) / "tfbridge"
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stoker" / "tfbridge"
+
+
+def _only_mine(st: os.stat_result, kind: Callable[[int], bool]) -> bool:
+    """Whether ``st`` (of lstat: a symlink is not followed) is of ``kind``, owned by this user,
+    and writable by no group or other user: what may hold or be a library this process loads."""
+    return kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _private_dir(path: Path) -> Path | None:
+    """``path`` when it is a directory only this user can write to, made (mode 0700) if missing;
+    else None. A directory of this user's that others may write to (made under a looser umask)
+    is first narrowed to 0700. Another user's directory, or a symlink, is never used: anyone
+    who can write where the bridge is cached can make this process load their code."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+            st = os.lstat(path)
+    except OSError:
+        return None
+    return path if _only_mine(st, stat.S_ISDIR) else None
 
 
 def _build_bridge() -> Path:
@@ -802,21 +829,41 @@ def _build_bridge() -> Path:
     digest = hashlib.sha256(source.read_bytes())
     digest.update(" ".join([tf.__version__, sys.version, *command]).encode())
     name = f"_tfbridge-{digest.hexdigest()[:16]}.so"
-    out = _bridge_dir() / name
-    if out.exists():
-        return out
+    # The cache directory, else (read-only home, or one others may write to) the temp dir's
+    # stoker-tfbridge-UID, else, where another user made that one, a fresh private directory.
+    fallback = Path(tempfile.gettempdir()) / f"stoker-tfbridge-{os.getuid()}"
+    cache = _private_dir(_bridge_dir()) or _private_dir(fallback)
+    if cache is None:
+        warnings.warn(
+            f"stoker.tf: neither {_bridge_dir()} nor {fallback} is a directory only you can write to "
+            "(yours, no group or other write, not a symlink); the native bridge is built in a private "
+            "temporary directory and not cached",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        cache = Path(tempfile.mkdtemp(prefix="stoker-tfbridge-"))
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)  # the loaded library stays mapped
+    out = cache / name
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a cache directory we cannot create (read-only home): the temp dir instead
-        out = Path(tempfile.gettempdir()) / f"stoker-tfbridge-{os.getuid()}" / name
-        if out.exists():
+        st = os.lstat(out)
+    except FileNotFoundError:
+        pass
+    else:
+        if _only_mine(st, stat.S_ISREG):
             return out
-        out.parent.mkdir(parents=True, exist_ok=True)
+        warnings.warn(
+            f"stoker.tf: {out} is not a file only you can write to (owner uid {st.st_uid}, mode "
+            f"{stat.filemode(st.st_mode)}); it is not loaded but built again",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        out.unlink()  # the directory is this user's alone
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         proc = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True, check=False, timeout=120)
         if proc.returncode != 0:
             raise OSError(f"{' '.join(command)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask, which may let a group write it
         os.replace(tmp, out)  # atomic: a concurrent build of the same file is harmless
     finally:
         tmp.unlink(missing_ok=True)
