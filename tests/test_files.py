@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import gzip
 import os
 import zlib
@@ -463,3 +464,46 @@ def test_trailers_that_lie_alike_end_in_an_error_naming_the_file_never_in_missin
     real = [{k: v[b["__valid__"]] for k, v in b.items()} if "__valid__" in b else b for b in got]  # pad_last
     rows = check_batches(ds, real, complete=False)  # every record delivered is the one it says it is
     assert len(rows) == len(set(rows))
+
+
+def test_an_explicit_path_holding_glob_characters_is_that_file(tmp_path: Path) -> None:
+    _raw(tmp_path / "img_[0].bin", 2)
+    _raw(tmp_path / "img_0.bin", 5)  # what the name read as a glob matches
+    ds = stoker.Dataset(x=stoker.Field([str(tmp_path / "img_[0].bin")], "int32"))
+    assert [g.paths["x"] for g in ds.groups] == [str(tmp_path / "img_[0].bin")] and len(ds) == 2
+    alone = stoker.Dataset(x=stoker.Field(str(tmp_path / "img_[0].bin"), "int32"))  # a str names it too
+    assert [g.paths["x"] for g in alone.groups] == [str(tmp_path / "img_[0].bin")]
+
+
+def test_a_file_under_a_directory_whose_name_holds_glob_characters_opens(tmp_path: Path) -> None:
+    run = tmp_path / "run[1]"
+    run.mkdir()
+    paths = [str(_raw(run / f"img_{i}.bin", i + 1)) for i in range(2)]
+    ds = stoker.Dataset(x=stoker.Field(paths, "int32"))
+    assert [g.paths["x"] for g in ds.groups] == paths and len(ds) == 3
+    # A glob in it: its name is glob syntax, and the error says how to escape it.
+    with pytest.raises(stoker.SpecError, match=r"matched no file; the directory .*run\[1\]' exists.*glob\.escape"):
+        stoker.Dataset(x=stoker.Field(str(run / "img_*.bin"), "int32"))
+    escaped = stoker.Dataset(x=stoker.Field(glob.escape(str(run)) + "/img_*.bin", "int32"))
+    assert [g.paths["x"] for g in escaped.groups] == paths
+
+
+def test_a_name_with_glob_characters_and_no_such_file_is_a_glob(tmp_path: Path) -> None:
+    for i in (1, 0, 2):
+        _raw(tmp_path / f"a_{i}.bin", 1)
+    ds = stoker.Dataset(x=stoker.Field([str(tmp_path / "a_[12].bin"), str(tmp_path / "a_0.bin")], "int32"))
+    assert [os.path.basename(g.paths["x"]) for g in ds.groups] == ["a_1.bin", "a_2.bin", "a_0.bin"]
+
+
+@pytest.mark.parametrize("how", ["listed twice", "spelled twice", "matched by two globs", "listed and matched"])
+def test_the_same_file_twice_in_a_field_is_a_spec_error_naming_it(tmp_path: Path, how: str) -> None:
+    a, b = str(_raw(tmp_path / "a_0.bin", 3)), str(_raw(tmp_path / "a_1.bin", 3))
+    files = {
+        "listed twice": [a, b, a],
+        "spelled twice": [a, str(tmp_path / "." / "a_0.bin")],
+        "matched by two globs": [str(tmp_path / "a_*.bin"), str(tmp_path / "a_0*.bin")],
+        "listed and matched": [b, str(tmp_path / "a_*.bin")],
+    }[how]
+    with pytest.raises(stoker.SpecError, match=r"a_[01]\.bin' is file \d and file \d of the field") as info:
+        stoker.Dataset(x=stoker.Field(files, "int32"))
+    assert info.value.field == "x" and info.value.path is not None and "a_" in info.value.path

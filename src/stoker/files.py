@@ -117,7 +117,12 @@ def _has_magic(pattern: str) -> bool:
 
 
 def expand_files(name: str, spec: Field) -> list[str]:
-    """The field's files in pairing order: sorted glob matches, explicit lists as given."""
+    """The field's files in pairing order: each glob's matches sorted, explicit paths as given.
+
+    A name with glob characters (``*``, ``?``, ``[``) is a glob, unless a file of exactly that
+    name exists: ``img_[0].bin`` is that file when it exists, never ``img_0.bin``. The same path
+    twice (listed twice, or matched by two globs) is a SpecError: its records would be read twice.
+    """
     patterns = [spec.files] if isinstance(spec.files, str) else list(spec.files)
     out: list[str] = []
     for pattern in patterns:
@@ -125,14 +130,43 @@ def expand_files(name: str, spec: Field) -> list[str]:
             from .remote import expand
 
             out.extend(expand(name, pattern, spec.storage_options))
-        elif _has_magic(pattern):
+        elif _has_magic(pattern) and not os.path.lexists(pattern):
             matches = sorted(glob.glob(pattern, recursive=True))
             if not matches:
-                raise SpecError(f"field {name!r}: glob {pattern!r} matched no file", field=name, path=pattern)
+                raise SpecError(
+                    f"field {name!r}: glob {pattern!r} matched no file{_escape_hint(pattern)}", field=name, path=pattern
+                )
             out.extend(matches)
         else:
             out.append(pattern)
+    _check_once(name, out)
     return out
+
+
+def _escape_hint(pattern: str) -> str:
+    """Where a pattern's directory exists under a name holding glob characters, how to glob in it."""
+    head = os.path.dirname(pattern)
+    while head and not os.path.isdir(head):
+        head = os.path.dirname(head)
+    if not head or not _has_magic(head):
+        return ""
+    return (
+        f"; the directory {head!r} exists, but its name is read as glob syntax: to glob in it, "
+        f"write glob.escape({head!r}) + {pattern[len(head) :]!r}"
+    )
+
+
+def _check_once(name: str, paths: list[str]) -> None:
+    seen: dict[str, int] = {}
+    for i, path in enumerate(paths):
+        key = path if is_remote(path) else os.path.normpath(os.path.abspath(path))
+        first = seen.setdefault(key, i)
+        if first != i:
+            raise SpecError(
+                f"field {name!r}: {path!r} is file {first} and file {i} of the field (after globbing); "
+                "a file may appear once: its records would be read twice",
+                field=name, path=path,
+            )  # fmt: skip
 
 
 def _stat(name: str, path: str) -> os.stat_result:

@@ -124,7 +124,8 @@ class Field:
 
     Args:
         files: a glob pattern, a list of patterns, or a list of paths. A glob's matches are
-            sorted by code point; an explicit list keeps its order.
+            sorted by code point; an explicit list keeps its order. A name that is an existing
+            file is that file, whatever characters it holds (see stoker.files.expand_files).
         dtype: the stored element type (``"int8"``, ``"float32"``, ...; ``"bfloat16"`` is
             ml_dtypes' type, stored little-endian).
         shape: the shape of one record; ``()`` for a scalar per record.
