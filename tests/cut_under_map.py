@@ -103,6 +103,7 @@ SCENARIOS: dict[str, tuple[str, int, dict[str, Any] | None]] = {
     "one run, numpy's cast": ("int32", 400, {"cast": "float64"}),
     "one run, fused transform": ("int8", 400, {"transform": "normalize"}),
     "kept map, copy": ("int8", 400, {"epochs": 2, "prefetch": 1, "arm_after": 4 * 400 // 32}),  # cut in epoch 1
+    "kept map, numpy's copy": ("int32", 400, {"epochs": 2, "prefetch": 1, "arm_after": 4 * 400 // 32}),
     "global shuffle, cast": ("int8", 100, {"cast": "float32", "shuffle": "global", "seed": 3}),
     "global shuffle, numpy's cast": ("int32", 100, {"cast": "float64", "shuffle": "global", "seed": 3}),
     "ds.read, cast": ("int8", 100, None),

@@ -43,6 +43,7 @@ SCENARIOS = [
     "one run, numpy's cast",  # int32 into float64: copied out of the map by the kernel, numpy casts the copy
     "one run, fused transform",  # Normalize computed as the records are read (the normalize kernel)
     "kept map, copy",  # the second epoch's plain copy from the map kept from the first
+    "kept map, numpy's copy",  # int32, which the cast kernels do not read: copied as bytes
     "global shuffle, cast",  # gather_records over the files' maps
     "global shuffle, numpy's cast",
     "ds.read, cast",  # random access (stoker.access)

@@ -71,6 +71,8 @@ _MAX_OPEN_FILES = 1024
 # the process's memory mappings (vm.max_map_count, 65530 by default; TensorFlow, PyTorch and
 # JAX imported together hold ~1,600).
 _MAX_KEPT_MAPS = 16384
+# Records numpy casts are copied out of their map this many bytes at a time (see _copy_mapped).
+_STAGED_BYTES = 256 << 10
 
 
 def _max_open_files() -> int:
@@ -1214,15 +1216,23 @@ class Assembler:
                 return
         finally:
             del src
-        staged = self._staging(run.count * rb)
-        rows = np.frombuffer(staged, np.uint8, count=run.count * rb).reshape(run.count, rb)
-        copy_records(rows, f.fd, f.address(), offset + np.arange(run.count, dtype=np.int64) * (run.step * rb))
-        records = rows.view(spec.dtype).reshape(run.count, *spec.shape)
-        if put is not None:
-            put(records, dst, run.row)
-        else:
-            cast_into(dst, records)
-        del rows, records
+        offsets = offset + np.arange(run.count, dtype=np.int64) * (run.step * rb)
+        if put is None and dst.dtype == spec.dtype and dst.flags.c_contiguous:  # a copy: straight into dst
+            copy_records(dst.reshape(run.count, -1).view(np.uint8), f.fd, f.address(), offsets)
+            return
+        # In chunks that stay in the cache between their copy and numpy's pass over them.
+        per = max(1, _STAGED_BYTES // rb)
+        staged = self._staging(min(run.count, per) * rb)
+        for a in range(0, run.count, per):
+            n = min(per, run.count - a)
+            rows = np.frombuffer(staged, np.uint8, count=n * rb).reshape(n, rb)
+            copy_records(rows, f.fd, f.address(), offsets[a : a + n])
+            records = rows.view(spec.dtype).reshape(n, *spec.shape)
+            if put is not None:
+                put(records, dst[a : a + n], run.row + a)
+            else:
+                cast_into(dst[a : a + n], records)
+            del rows, records
 
     def _map_fault(self, name: str, info: FileInfo, spec: Field, run: Run, f: _RawFile, e: OSError) -> StokerError:
         """The error for a bus error reading ``f``'s map during run ``run``: the file cut short
