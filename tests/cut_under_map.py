@@ -102,6 +102,7 @@ SCENARIOS: dict[str, tuple[str, int, dict[str, Any] | None]] = {
     "strided run, cast": ("int8", 400, {"cast": "float32", "shard": (0, 2)}),
     "one run, numpy's cast": ("int32", 400, {"cast": "float64"}),
     "one run, fused transform": ("int8", 400, {"transform": "normalize"}),
+    "one run, fused Cast, numpy's cast": ("int32", 400, {"transform": "cast"}),
     "kept map, copy": ("int8", 400, {"epochs": 2, "prefetch": 1, "arm_after": 4 * 400 // 32}),  # cut in epoch 1
     "kept map, numpy's copy": ("int32", 400, {"epochs": 2, "prefetch": 1, "arm_after": 4 * 400 // 32}),
     "global shuffle, cast": ("int8", 100, {"cast": "float32", "shuffle": "global", "seed": 3}),
@@ -134,9 +135,12 @@ def scenario(name: str, root: str) -> dict[str, Any]:
             kw = dict(kw)
             kw.pop("arm_after", None)
             scale = 1.0
-            if kw.pop("transform", None):
+            transform = kw.pop("transform", None)
+            if transform == "normalize":
                 kw["transform"] = [stoker.transforms.Normalize(2.0, 0.0, fields=["image"])]
                 scale = 2.0
+            elif transform == "cast":  # one Cast: done as the records are read (LoneCast)
+                kw["transform"] = [stoker.transforms.Cast("float64", fields=["image"])]
             with ds.loader(32, with_index=True, threads=1, cycle_length=GROUPS, **kw) as loader:
                 for k, batch in enumerate(loader):
                     got += check(batch, table, scale, bad)

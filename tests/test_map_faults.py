@@ -42,6 +42,7 @@ SCENARIOS = [
     "strided run, cast",  # a shard's every other record: gather_runs with a stride
     "one run, numpy's cast",  # int32 into float64: copied out of the map by the kernel, numpy casts the copy
     "one run, fused transform",  # Normalize computed as the records are read (the normalize kernel)
+    "one run, fused Cast, numpy's cast",  # a lone Cast as the records are read, int32 by numpy
     "kept map, copy",  # the second epoch's plain copy from the map kept from the first
     "kept map, numpy's copy",  # int32, which the cast kernels do not read: copied as bytes
     "global shuffle, cast",  # gather_records over the files' maps
