@@ -10,6 +10,7 @@ opens otherwise. So opening many groups costs no decompression up front.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -431,6 +432,29 @@ class Catalog:
     def root(self) -> Catalog:
         """The catalog of the whole dataset (a subset's view answers with its parent's)."""
         return self
+
+    def part(self, groups: Sequence[int]) -> Catalog:
+        """A catalog of ``groups`` alone (non-empty), numbered 0.. in the order given: their
+        files, settled counts and seek points, each field naming only their files.
+
+        What a reader of those groups in another process needs and no more, so what it costs
+        to ship does not grow with the other groups (stoker.ray sends one to each read task).
+        """
+        part = Catalog.__new__(Catalog)  # not __init__: nothing is globbed, stat'ed or counted again
+        part.fields = {
+            n: dataclasses.replace(spec, files=[self.files[g][n].path for g in groups])
+            for n, spec in self.fields.items()
+        }
+        part.num_groups = len(groups)
+        part.files = [self.files[g] for g in groups]
+        part._counts = [self.count(g) for g in groups]
+        part._lock = threading.Lock()
+        part._exact = {}  # every count is settled already
+        part.seek_points = {
+            (i, n): self.seek_points[(g, n)] for i, g in enumerate(groups) for n in self.fields
+            if (g, n) in self.seek_points
+        }  # fmt: skip
+        return part
 
     def set_indexed(self, g: int, name: str, records: int, seek_points: tuple[SeekPoint, ...]) -> None:
         """Record what a matching persistent index says of field ``name`` of group ``g``."""

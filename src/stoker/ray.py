@@ -1,63 +1,121 @@
 """Ray Data adapter: a stoker Dataset as a ``ray.data.Dataset``, read by a custom Datasource.
 
-Each read task reads one group, or one range of records of a group, with stoker's own
-reader (raw fields by ranged reads, compressed fields by streaming inflate, local paths or
-fsspec URLs) and yields columnar blocks. A block holds every field of the same records
-(one row = one record: its image and its label), so pairs cannot come apart whatever Ray
-does with blocks afterwards.
+Each read task carries only its own groups: their file infos, settled counts and seek points
+(:meth:`stoker.files.Catalog.part`), never the whole catalog, so what Ray ships per task does
+not grow with the dataset. A task reads a range of the dataset's records with stoker's own
+reader (raw fields by ranged reads, compressed fields by streaming inflate from the start or
+from an index seek point, local paths or fsspec URLs) and yields columnar blocks. A block holds
+every field of the same records (one row = one record: its image and its label), so pairs
+cannot come apart whatever Ray does with blocks afterwards.
+
+Tasks and blocks:
+
+- The records are cut into about ``parallelism`` tasks (Ray's requested read parallelism:
+  ``override_num_blocks=``, or what Ray derives from the cluster), or into tasks of
+  ``records_per_task`` records. Small groups share a task; large groups are cut into record
+  ranges where cutting is free: raw files anywhere, compressed files at the persistent
+  index's seek points (:mod:`stoker.index`; without an index a compressed group is read
+  whole by one task, since a range of it would inflate the stream from its start).
+- Tasks and blocks are whole multiples of ``batch_size`` records (the hint), so Ray's
+  ``iter_batches(batch_size=batch_size)`` slices batches out of blocks without copying; only
+  the last block, and a task that had to take a group it could not cut, end short.
+- Fields ship in their stored dtype unless ``cast=`` asks for the cast in the read task: an
+  int8 image cast to float32 there is 4x the bytes through Ray's object store. Cast where the
+  batch is consumed instead with :func:`iter_batches` / :func:`cast_batch`.
 
 Order, shuffling, sharding:
 
-- Tasks are listed group by group, ranges in order; Ray runs them in parallel and, unless
+- Tasks are listed in dataset order; Ray runs them in parallel and, unless
   ``DataContext.get_current().execution_options.preserve_order = True``, hands blocks on in
   the order they finish.
-- ``seed=`` lists the tasks in a seeded permutation (a cheap group/range-level shuffle,
-  like ``shuffle="files"``; pass ``seed + epoch`` for a new order per epoch). For record
-  level mixing use Ray's ``iter_batches(local_shuffle_buffer_size=...)`` or
-  ``random_shuffle(seed=...)`` (an all-to-all exchange of the whole dataset).
+- ``seed=`` lists the groups (and their ranges) in a seeded permutation before they are cut
+  into tasks (a cheap group-level shuffle, like ``shuffle="files"``; pass ``seed + epoch``
+  for a new order per epoch). For record level mixing use Ray's
+  ``iter_batches(local_shuffle_buffer_size=...)`` or ``random_shuffle(seed=...)``.
 - ``streaming_split(n, equal=False)`` hands every block to exactly one of ``n`` consumers:
-  every record reaches exactly one training worker per epoch (each pass over the splits is
-  an epoch). ``equal=True`` evens the consumers' row counts and may hold back up to n-1 rows.
+  every record reaches exactly one training worker per epoch.
 
 Example:
     >>> import ray, stoker, stoker.ray
     >>> ds = stoker.Dataset(image=stoker.Field("s3://bucket/img_*.bin", "int8", (128, 128, 1)),
     ...                     label=stoker.Field("s3://bucket/out_*.bin.gz", "float32"))  # doctest: +SKIP
-    >>> rds = stoker.ray.read(ds, cast={"image": "float32"})  # doctest: +SKIP
-    >>> for batch in rds.iter_batches(batch_size=256, batch_format="numpy"):  # doctest: +SKIP
+    >>> rds = stoker.ray.read(ds, batch_size=256)  # doctest: +SKIP
+    >>> for batch in stoker.ray.iter_batches(rds, batch_size=256, cast={"image": "float32"}):  # doctest: +SKIP
     ...     train_step(batch["image"], batch["label"])
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .batch import Assembler
+from .access import RecordReader, Subset
+from .batch import GROUP_KEY, INDEX_KEY, VERIFY_WHOLE_BYTES, Assembler
 from .dataset import Dataset
 from .engine import AlignedPool
 from .errors import SpecError
 from .files import Catalog
+from .kernels import cast_into
 from .order import permute_groups
 from .plan import BatchPlan, Run
+from .spec import resolve_dtype
 
 if TYPE_CHECKING:
     import ray.data
 
-__all__ = ["StokerDatasource", "read"]
+__all__ = ["MIN_RAY", "StokerDatasource", "cast_batch", "iter_batches", "read"]
 
-# Records per block: ~16 MiB of output, well under Ray's 128 MiB target block size, so a
-# block moves through the object store in one piece and a task streams several blocks.
-_BLOCK_BYTES = 16 << 20
+# The oldest Ray this module is written against: its Datasource API as of then (get_read_tasks
+# given per_task_row_limit and data_context, ReadTask slicing to the row limit, BlockMetadata
+# without a schema) and ``Dataset.context``. pyproject's [ray] extra asks for it too.
+MIN_RAY = (2, 50)
+# Ray's own default target block size, for a DataContext that sets none (see _default_block).
+_BLOCK_BYTES = 128 << 20
+# Block memory a Ray worker process keeps for its next blocks: Ray copies each block into its
+# object store and drops it, so a read task's next block finds memory already touched instead
+# of fresh pages to fault in and zero (two of Ray's default blocks).
+_POOL_BYTES = 2 * _BLOCK_BYTES
+_pool: AlignedPool | None = None  # per worker process, made by its first read task
+# A small compressed file read in ranges by several tasks is decoded whole by each of them: at
+# most this many bytes of such decoding per file (see StokerDatasource._grain).
+_REDECODE_BYTES = 64 << 20
+
+
+def _worker_pool() -> AlignedPool:
+    global _pool
+    if _pool is None:
+        _pool = AlignedPool(_POOL_BYTES)
+    return _pool
+
+
+def check_ray_version(version: str) -> None:
+    """ImportError unless Ray ``version`` is at least :data:`MIN_RAY` (a clear one, before any
+    missing attribute of an older Ray's Datasource API would surface mid-read)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m.group(1)), int(m.group(2))) < MIN_RAY:
+        need = ".".join(map(str, MIN_RAY))
+        raise ImportError(
+            f"stoker.ray needs ray[data]>={need}, found ray {version}: pip install 'stoker[ray]' "
+            f"(or 'ray[data]>={need}')"
+        )
+
+
+def _import_ray_data() -> type:
+    import ray
+    import ray.data
+
+    check_ray_version(ray.__version__)
+    return ray.data.Datasource
 
 
 def read(
     ds: Dataset,
     *,
+    batch_size: int | None = None,
     cast: Any = None,
     records_per_task: int | None = None,
     records_per_block: int | None = None,
@@ -68,21 +126,27 @@ def read(
     """A ``ray.data.Dataset`` of ``ds``: one row per record, one column per field.
 
     Args:
-        ds: the stoker Dataset (its files: local paths on every node, or URLs).
-        cast: one dtype or ``{field: dtype}``, as for ``ds.loader``.
-        records_per_task: split groups into read tasks of at most this many records
-            (None: one task per group). Every task of a compressed group inflates the
-            stream from its start, so split compressed groups only when tasks are few.
-        records_per_block: rows per output block (None: ~16 MiB of output).
-        seed: list the read tasks in a seeded permutation (group/range-level shuffle).
-        with_index: add int64 ``__group__`` and ``__index__`` columns.
-        read_args: passed to ``ray.data.read_datasource`` (``concurrency``,
-            ``ray_remote_args``, ...).
+        ds: the stoker Dataset or Subset (its files: local paths on every node, or URLs).
+        batch_size: the batch size the consumer asks ``iter_batches`` for: tasks and blocks
+            are cut at whole multiples of it, so batches are slices of blocks (no copy).
+        cast: one dtype or ``{field: dtype}``, applied in the read task (None: the stored
+            dtypes travel, the fewest bytes; cast at the consumer with :func:`iter_batches`).
+        records_per_task: records per read task (None: as many tasks as Ray's requested
+            parallelism, ``override_num_blocks=`` or its own estimate).
+        records_per_block: rows per output block (None: the fewest whole batches over Ray's
+            ``DataContext.target_max_block_size``; Ray joins smaller blocks of a task into
+            one of several chunks, which its batcher then copies whole).
+        seed: list the groups in a seeded permutation before they are cut into tasks.
+        with_index: add int64 ``__group__`` and ``__index__`` columns (the root dataset's group
+            and record in the file).
+        read_args: passed to ``ray.data.read_datasource`` (``override_num_blocks``,
+            ``concurrency``, ``ray_remote_args``, ...).
     """
     import ray.data
 
     source = StokerDatasource(
         ds,
+        batch_size=batch_size,
         cast=cast,
         records_per_task=records_per_task,
         records_per_block=records_per_block,
@@ -90,6 +154,45 @@ def read(
         with_index=with_index,
     )
     return ray.data.read_datasource(source, **read_args)
+
+
+def cast_batch(batch: Mapping[str, np.ndarray], cast: Any) -> dict[str, np.ndarray]:
+    """``batch`` with its fields converted as ``cast`` says (one dtype for every field, or
+    ``{field: dtype}``, ``"bfloat16"`` included) by stoker's compiled casts into new arrays;
+    other arrays (``__group__``, ``__index__``) as they are.
+
+    Example:
+        >>> cast_batch({"image": np.arange(4, dtype=np.int8)}, {"image": "float32"})["image"]
+        array([0., 1., 2., 3.], dtype=float32)
+    """
+    names = [k for k in batch if not k.startswith("__")]
+    if isinstance(cast, Mapping):
+        unknown = [k for k in cast if k not in names]
+        if unknown:
+            raise SpecError(f"cast names unknown field(s) {unknown}; the batch has {names}", field=str(unknown[0]))
+        wanted = {n: resolve_dtype(d) for n, d in cast.items()}
+    else:
+        dtype = resolve_dtype(cast)
+        wanted = dict.fromkeys(names, dtype)
+    out = dict(batch)
+    for name, dtype in wanted.items():
+        src = np.ascontiguousarray(batch[name])
+        if src.dtype != dtype:
+            dst = np.empty(src.shape, dtype)
+            cast_into(dst, src)
+            out[name] = dst
+    return out
+
+
+def iter_batches(source: Any, *, batch_size: int = 256, cast: Any = None, **iter_args: Any) -> Iterator[dict[str, Any]]:
+    """``source.iter_batches(batch_size=..., batch_format="numpy")`` with fields cast on the
+    consumer (see :func:`cast_batch`); ``source``: a ``ray.data.Dataset`` or a Ray Train
+    worker's ``DataIterator`` (``ray.train.get_dataset_shard(name)``).
+
+    Pass ``read(..., batch_size=)`` the same batch size, so batches are slices of blocks.
+    """
+    for batch in source.iter_batches(batch_size=batch_size, batch_format="numpy", **iter_args):
+        yield batch if cast is None else cast_batch(batch, cast)
 
 
 def _positive(name: str, value: object) -> int | None:
@@ -100,19 +203,63 @@ def _positive(name: str, value: object) -> int | None:
     return value
 
 
-def _datasource_base() -> type:
-    from ray.data import Datasource
+class _Unit(NamedTuple):
+    """A group as the tasks see it: its records, and where a task boundary may cut it."""
 
-    return Datasource
+    group: int  # in the root dataset
+    records: int
+    selection: np.ndarray | None  # a record subset's records of the group (sorted); None: 0..records
+    grain: int  # tasks may start inside the group at multiples of this many records only
 
 
-class StokerDatasource(_datasource_base()):  # type: ignore[misc]
-    """A Ray Datasource reading a stoker Dataset by groups or record ranges of groups."""
+class Piece(NamedTuple):
+    """Records ``start..stop`` of unit ``unit`` (positions in its selection, for a record subset)."""
+
+    unit: int
+    start: int
+    stop: int
+
+
+def plan_tasks(records: Sequence[int], grains: Sequence[int], per_task: int) -> list[list[Piece]]:
+    """Units of ``records[u]`` records (groups, in the order given) cut into tasks of about
+    ``per_task`` records: pure index arithmetic.
+
+    A task takes units in order until it holds ``per_task`` records, cutting the unit that
+    fills it at the next multiple of the unit's grain at or after that point (raw groups:
+    a grain of 1, cut exactly). So every task but the last holds ``per_task`` records where
+    grains allow, and at most one grain more where they do not.
+
+    Example:
+        >>> [[tuple(p) for p in t] for t in plan_tasks([5, 3, 9], [5, 1, 3], 4)]
+        [[(0, 0, 5)], [(1, 0, 3), (2, 0, 3)], [(2, 3, 9)]]
+    """
+    tasks: list[list[Piece]] = []
+    task: list[Piece] = []
+    rows = 0
+    for u, n in enumerate(records):
+        a = 0
+        while a < n:
+            wanted = a + per_task - rows
+            b = min(n, -(-wanted // grains[u]) * grains[u])
+            task.append(Piece(u, a, b))
+            rows += b - a
+            a = b
+            if rows >= per_task:
+                tasks.append(task)
+                task, rows = [], 0
+    if task:
+        tasks.append(task)
+    return tasks
+
+
+class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
+    """A Ray Datasource reading a stoker Dataset in tasks of record ranges (see :func:`read`)."""
 
     def __init__(
         self,
         ds: Dataset,
         *,
+        batch_size: int | None = None,
         cast: Any = None,
         records_per_task: int | None = None,
         records_per_block: int | None = None,
@@ -120,78 +267,240 @@ class StokerDatasource(_datasource_base()):  # type: ignore[misc]
         with_index: bool = False,
     ) -> None:
         super().__init__()
+        align = _positive("batch_size", batch_size) or 1
         per_task = _positive("records_per_task", records_per_task)
         per_block = _positive("records_per_block", records_per_block)
+        for name, value in (("records_per_task", per_task), ("records_per_block", per_block)):
+            if value is not None and value % align:
+                raise SpecError(
+                    f"{name}={value} must be a whole multiple of batch_size={align}: blocks are cut in whole batches"
+                )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise SpecError(f"seed={seed!r} must be a non-negative integer or None")
-        self._catalog: Catalog = ds._catalog
         self._dtypes = ds.output_dtypes(cast)
         for name, dtype in self._dtypes.items():
             if dtype.kind == "V":  # ml_dtypes' bfloat16: Ray would turn the column into Python objects
                 how = "stored as" if ds.fields[name].dtype.kind == "V" else "cast to"
                 raise SpecError(
                     f"ray: field {name!r} {how} {dtype.name}: Ray Data's Arrow blocks have no such type (the "
-                    "column would become Python objects, one per value); cast to float16 or float32 here and "
-                    "to bfloat16 where the batch is consumed",
+                    "column would become Python objects, one per value); cast to float16 or float32 here, or "
+                    "to bfloat16 where the batch is consumed (stoker.ray.iter_batches(..., cast=...))",
                     field=name,
                 )
+        self._root: Catalog = ds._catalog.root()
         self._with_index = with_index
-        counts = self._catalog.counts()  # settled here, once; the tasks carry them
-        row_bytes = sum(self._dtypes[n].itemsize * math.prod(f.shape) for n, f in ds.fields.items())
-        self._row_bytes = row_bytes + (16 if with_index else 0)
-        self._per_block = per_block or max(1, _BLOCK_BYTES // max(1, self._row_bytes))
-        self.ranges: list[tuple[int, int, int]] = []  # (group, first record, end)
-        for g, n in enumerate(counts):
-            step = per_task or max(1, n)
-            self.ranges.extend((g, a, min(a + step, n)) for a in range(0, n, step))
-        if seed is not None and self.ranges:
-            self.ranges = [self.ranges[int(i)] for i in permute_groups(len(self.ranges), seed, 0)]
+        self._align = align
+        self._per_task = per_task
+        self._columns = {n: (f.shape, self._dtypes[n]) for n, f in ds.fields.items()}
+        if with_index:
+            self._columns.update({GROUP_KEY: ((), np.dtype(np.int64)), INDEX_KEY: ((), np.dtype(np.int64))})
+        self._row_bytes = sum(dtype.itemsize * math.prod(shape) for shape, dtype in self._columns.values())
+        self._block_row_bytes: int | None = None
+        self._per_block = per_block
+        self.units = self._units(ds)  # counts settled here, once; the tasks carry them
+        if seed is not None and self.units:
+            self.units = [self.units[int(i)] for i in permute_groups(len(self.units), seed, 0)]
+        self._records = sum(u.records for u in self.units)
+
+    def _units(self, ds: Dataset) -> list[_Unit]:
+        if isinstance(ds, Subset):
+            view = ds._catalog
+            pairs = [(int(g), view.records[v]) for v, g in enumerate(view.groups)]
+        else:
+            pairs = [(g, None) for g in range(self._root.num_groups)]
+        units = []
+        for g, selection in pairs:
+            n = self._root.count(g) if selection is None else len(selection)
+            if n:
+                units.append(_Unit(g, n, selection, 1 if selection is not None else self._grain(g)))
+        return units
+
+    def _grain(self, g: int) -> int:
+        """Where group ``g`` may be cut between tasks, in records (evenly, in whole batches).
+
+        Raw files: anywhere (a grain of 1). A compressed file decoded whole by any reader of
+        it (at most stoker.batch.VERIFY_WHOLE_BYTES) is decoded by each task that reads a range
+        of it: as many cuts as keep that decoding within _REDECODE_BYTES (or 8 times the file).
+        A larger one is read from the persistent index's seek points: as many cuts as it has
+        points, and none without an index (a range would inflate the stream from its start).
+        """
+        n = self._root.count(g)
+        cuts = n
+        for name, info in self._root.files[g].items():
+            if info.compression is None:
+                continue
+            spec = self._root.fields[name]
+            size = spec.header_bytes + n * spec.record_bytes + spec.footer_bytes
+            if size <= VERIFY_WHOLE_BYTES:
+                cuts = min(cuts, max(8, _REDECODE_BYTES // max(1, size)) - 1)
+            else:
+                points = self._root.seek_points.get((g, name), ())
+                cuts = min(cuts, sum(p.decompressed > spec.header_bytes for p in points))
+        if cuts >= n:
+            return 1
+        return -(-math.ceil(n / (cuts + 1)) // self._align) * self._align
+
+    def _default_block(self, data_context: Any) -> int:
+        """Rows per block: the fewest whole batches over Ray's target block size.
+
+        Ray's read operator gathers a task's blocks until they pass its target size and hands
+        them on as one block of several chunks; its batcher then copies such a block whole into
+        one chunk before it slices batches out of it. A block just over the target (by less
+        than half of it, or Ray slices it) is handed on alone, in one chunk, and sliced into
+        batches without a copy. Sizes as Ray counts them: its Arrow blocks' bytes per row.
+        """
+        if data_context is None:  # read_datasource plans with the current context
+            from ray.data import DataContext
+
+            data_context = DataContext.get_current()
+        target = data_context.target_max_block_size or _BLOCK_BYTES
+        batch_bytes = self._align * self._arrow_row_bytes()
+        return (target // batch_bytes + 1) * self._align
+
+    def _arrow_row_bytes(self) -> int:
+        """Bytes per row of this dataset's blocks as Ray sizes them (Arrow adds offsets to tensor
+        columns), from two small blocks of zeros."""
+        if self._block_row_bytes is None:
+            from ray.data.block import BlockAccessor
+
+            def size(rows: int) -> int:
+                batch = {n: np.zeros((rows, *shape), dtype) for n, (shape, dtype) in self._columns.items()}
+                return int(BlockAccessor.for_block(BlockAccessor.batch_to_block(batch)).size_bytes())
+
+            self._block_row_bytes = max(1, (size(128) - size(64)) // 64)
+        return self._block_row_bytes
 
     def get_name(self) -> str:
         return "Stoker"
 
     def estimate_inmemory_data_size(self) -> int:
-        return sum(b - a for _, a, b in self.ranges) * self._row_bytes
+        return self._records * self._row_bytes
+
+    def tasks(self, parallelism: int) -> list[list[Piece]]:
+        """The pieces each read task reads, for Ray's requested ``parallelism`` (or records_per_task)."""
+        per_task = self._per_task
+        if per_task is None:
+            per_task = math.ceil(self._records / max(1, parallelism))
+            per_task = max(self._align, -(-per_task // self._align) * self._align)
+        return plan_tasks([u.records for u in self.units], [u.grain for u in self.units], per_task)
 
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
     ) -> list[Any]:
-        """One task per range; ``parallelism`` is not used (the ranges fix the tasks)."""
+        """About ``parallelism`` tasks, each carrying only its own groups (see :func:`read`)."""
         from ray.data.block import BlockMetadata
         from ray.data.datasource import ReadTask
 
-        tasks = []
-        for g, a, b in self.ranges:
-            paths = tuple(info.path for info in self._catalog.files[g].values())
+        per_block = self._per_block or self._default_block(data_context)
+        out = []
+        for pieces in self.tasks(parallelism):
+            units = list(dict.fromkeys(p.unit for p in pieces))  # the task's units, in order
+            local = {u: i for i, u in enumerate(units)}
+            groups = [self.units[u].group for u in units]
+            catalog = self._root.part(groups)
+            parts = []
+            for p in pieces:
+                selection = self.units[p.unit].selection
+                parts.append(
+                    _Part(local[p.unit], p.start, p.stop, None if selection is None else selection[p.start : p.stop])
+                )
+            rows = sum(p.stop - p.start for p in pieces)
             meta = BlockMetadata(
-                num_rows=b - a, size_bytes=(b - a) * self._row_bytes, exec_stats=None, input_files=paths
+                num_rows=rows,
+                size_bytes=rows * self._row_bytes,
+                exec_stats=None,
+                input_files=tuple(i.path for infos in catalog.files for i in infos.values()),
             )
-            fn = functools.partial(_read_range, self._catalog, self._dtypes, g, a, b, self._per_block, self._with_index)
-            tasks.append(ReadTask(fn, meta, per_task_row_limit=per_task_row_limit))
-        return tasks
+            read_fn = _ReadTask(
+                catalog, self._dtypes, tuple(parts), np.array(groups, np.int64), per_block, self._with_index
+            )
+            out.append(ReadTask(read_fn, meta, per_task_row_limit=per_task_row_limit))
+        return out
 
 
-def _read_range(
-    catalog: Catalog,
-    dtypes: Mapping[str, np.dtype],
-    group: int,
-    start: int,
-    stop: int,
-    per_block: int,
-    with_index: bool,
-) -> Iterator[Any]:
-    """Records ``start..stop`` of ``group`` as Arrow blocks of every field (runs in a Ray worker)."""
-    from ray.data.block import BlockAccessor
+class _Part(NamedTuple):
+    """What a task reads of one of its groups: records ``start..stop``, or ``records`` (a record subset's)."""
 
-    total = catalog.count(group)
-    assembler = Assembler(catalog, dtypes, AlignedPool(0), batch_size=per_block, with_index=with_index)
-    try:
-        for i, a in enumerate(range(start, stop, per_block)):
-            b = min(stop, a + per_block)
-            # final=True on the group's last record: compressed streams are checked to end there.
-            run = Run(group, a, b - a, 0, b == total)
-            plan = BatchPlan(epoch=0, index=i, position=b, rows=b - a, runs=(run,))
-            out, _ = assembler(assembler.prepare(plan))
-            yield BlockAccessor.batch_to_block(out)
-    finally:
-        assembler.close()
+    group: int  # in the task's catalog
+    start: int
+    stop: int
+    records: np.ndarray | None
+
+
+class _ReadTask:
+    """One read task's work (runs in a Ray worker): its parts as Arrow blocks of every field."""
+
+    __name__ = "stoker_read"  # Ray's warnings name a read function by its __name__
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        dtypes: Mapping[str, np.dtype],
+        parts: tuple[_Part, ...],
+        groups: np.ndarray,
+        per_block: int,
+        with_index: bool,
+    ) -> None:
+        self.catalog = catalog
+        self.dtypes = dict(dtypes)
+        self.parts = parts
+        self.groups = groups
+        self.per_block = per_block
+        self.with_index = with_index
+
+    def _blocks(self) -> Iterator[list[_Part]]:
+        """The parts cut into blocks of ``per_block`` rows (the last one shorter)."""
+        block: list[_Part] = []
+        rows = 0
+        for part in self.parts:
+            a = part.start
+            while a < part.stop:
+                b = min(part.stop, a + self.per_block - rows)
+                sub = None if part.records is None else part.records[a - part.start : b - part.start]
+                block.append(_Part(part.group, a, b, sub))
+                rows += b - a
+                a = b
+                if rows == self.per_block:
+                    yield block
+                    block, rows = [], 0
+        if block:
+            yield block
+
+    def __call__(self) -> Iterator[Any]:
+        from ray.data.block import BlockAccessor
+
+        pool = _worker_pool()  # a block's arrays are reused only once Ray has dropped every view of them
+        assembler = Assembler(self.catalog, self.dtypes, pool, batch_size=self.per_block)
+        reader: RecordReader | None = None
+        try:
+            for i, block in enumerate(self._blocks()):
+                rows = sum(p.stop - p.start for p in block)
+                if all(p.records is None for p in block):
+                    runs, row = [], 0
+                    for p in block:
+                        final = p.stop == self.catalog.count(p.group)  # streams are checked to end there
+                        runs.append(Run(p.group, p.start, p.stop - p.start, row, final))
+                        row += p.stop - p.start
+                    plan = BatchPlan(epoch=0, index=i, position=0, rows=rows, runs=tuple(runs))
+                    out, _ = assembler(assembler.prepare(plan))
+                else:  # a record subset: its records by random access
+                    reader = reader or RecordReader(self.catalog)
+                    out = {n: pool.array((rows, *f.shape), self.dtypes[n]) for n, f in self.catalog.fields.items()}
+                    reader.read_into(*_gather(block), out)
+                if self.with_index:
+                    local, records = _gather(block)
+                    out[GROUP_KEY], out[INDEX_KEY] = self.groups[local], records
+                yield BlockAccessor.batch_to_block(out)
+        finally:
+            assembler.close()
+            if reader is not None:
+                reader.close()
+
+
+def _gather(block: Sequence[_Part]) -> tuple[np.ndarray, np.ndarray]:
+    """(group in the task's catalog, record in the file) of every row of ``block``."""
+    groups = np.concatenate([np.full(p.stop - p.start, p.group, np.int64) for p in block])
+    records = np.concatenate(
+        [np.arange(p.start, p.stop, dtype=np.int64) if p.records is None else p.records for p in block]
+    )
+    return groups, records
