@@ -148,9 +148,29 @@ def test_blocks_are_whole_multiples_of_the_batch_size(tmp_path: Path, cluster: N
         rds = stoker.ray.read(ds, batch_size=8, override_num_blocks=2).materialize()
     finally:
         ctx.target_max_block_size = before
-    rows = [BlockAccessor.for_block(ray.get(ref)).num_rows() for ref in rds.get_internal_block_refs()]
+    rows = _block_rows(rds)
     assert sum(rows) == 200 and len(rows) >= 6
     assert all(r % 8 == 0 for r in rows), rows  # not one batch spans two blocks
+
+
+def test_without_a_requested_parallelism_tasks_follow_the_size_and_the_cpus(tmp_path: Path, cluster: None) -> None:
+    ds = build(tmp_path, [100, 36, 64], {"image": IMG, "label": FieldPlan("y", "float32")})
+    source = stoker.ray.StokerDatasource(ds, batch_size=8)
+    assert source.default_tasks() == 4  # 8 KiB of data: 2 tasks per CPU of the 2-CPU cluster
+    # Not Ray's 200 (DataContext.read_op_min_num_blocks), and no block split behind our back.
+    rds = stoker.ray.read(ds, batch_size=8).materialize()
+    assert rds.num_blocks() == 4 and all(n % 8 == 0 for n in _block_rows(rds)[:-1])
+    ctx = ray.data.DataContext.get_current()
+    before = ctx.target_max_block_size
+    ctx.target_max_block_size = 1000  # 200 rows of 40 bytes: one task per 1000 bytes of output
+    try:
+        assert source.default_tasks() == 8
+    finally:
+        ctx.target_max_block_size = before
+
+
+def _block_rows(rds: ray.data.Dataset) -> list[int]:
+    return [BlockAccessor.for_block(ray.get(ref)).num_rows() for ref in rds.get_internal_block_refs()]
 
 
 def test_stored_dtype_travels_and_the_consumer_casts(tmp_path: Path, cluster: None) -> None:

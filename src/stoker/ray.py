@@ -47,6 +47,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -69,9 +70,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MIN_RAY", "StokerDatasource", "cast_batch", "iter_batches", "read"]
 
-# The oldest Ray this module is written against: its Datasource API as of then (get_read_tasks
-# given per_task_row_limit and data_context, ReadTask slicing to the row limit, BlockMetadata
-# without a schema) and ``Dataset.context``. pyproject's [ray] extra asks for it too.
+# The oldest Ray this module works with: read tasks are built with ReadTask's per_task_row_limit
+# (Ray's limit pushdown; 2.49's ReadTask takes no such argument) and BlockMetadata without a
+# schema. Tested on 2.50.0 and on the version the dev environment installs; pyproject's [ray]
+# extra asks for it too.
 MIN_RAY = (2, 50)
 # Ray's own default target block size, for a DataContext that sets none (see _default_block).
 _BLOCK_BYTES = 128 << 20
@@ -132,7 +134,8 @@ def read(
         cast: one dtype or ``{field: dtype}``, applied in the read task (None: the stored
             dtypes travel, the fewest bytes; cast at the consumer with :func:`iter_batches`).
         records_per_task: records per read task (None: as many tasks as Ray's requested
-            parallelism, ``override_num_blocks=`` or its own estimate).
+            parallelism, ``override_num_blocks=``, by default
+            :meth:`StokerDatasource.default_tasks`).
         records_per_block: rows per output block (None: the fewest whole batches over Ray's
             ``DataContext.target_max_block_size``; Ray joins smaller blocks of a task into
             one of several chunks, which its batcher then copies whole).
@@ -153,6 +156,8 @@ def read(
         seed=seed,
         with_index=with_index,
     )
+    if "override_num_blocks" not in read_args and "parallelism" not in read_args:
+        read_args["override_num_blocks"] = source.default_tasks()
     return ray.data.read_datasource(source, **read_args)
 
 
@@ -372,6 +377,19 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
 
     def get_name(self) -> str:
         return "Stoker"
+
+    def default_tasks(self) -> int:
+        """Read tasks when none are asked for: Ray's own estimate without its floor of
+        ``DataContext.read_op_min_num_blocks`` (200), which would cut W1's 16 files (1 GiB) into
+        200 tasks of 5 MiB, each paying Ray's per-task costs (measured: see
+        benchmarks/results/ray.md). One task per target-size block of output, and at least two
+        per CPU of the cluster (or of this machine, before ``ray.init``)."""
+        import ray
+        from ray.data import DataContext
+
+        target = DataContext.get_current().target_max_block_size or _BLOCK_BYTES
+        cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else (os.cpu_count() or 1)
+        return max(math.ceil(self.estimate_inmemory_data_size() / target), 2 * cpus, 1)
 
     def estimate_inmemory_data_size(self) -> int:
         return self._records * self._row_bytes

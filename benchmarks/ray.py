@@ -1,0 +1,260 @@
+"""Ray Data against the local loader on W1 int8 (16 x 4096 records of 128x128 int8 + gzip float32
+labels, no cast), batch 256, one pass per epoch as a training loop iterates.
+
+Each contender runs in a fresh process, rounds alternate the order. A contender first runs
+``--warmup`` passes unmeasured (Ray: its worker processes start, files enter the page cache),
+then passes for ``--seconds``. Per pass it times the start-up (from asking for the pass to its
+first batch) apart from the steady state (every later batch), and reports the steady records/s
+(records after each pass's first batch over the time after it), the median per-pass start-up,
+and the CPU seconds each process spent per pass (the driver, Ray's worker processes, raylet,
+GCS, ...), read from /proc for the driver's whole process tree. A Ray contender's last pass
+prints ``ds.stats()``.
+
+    python benchmarks/ray.py [--rounds 5] [--seconds 6] [--warmup 1] [--records 4096]
+        [--out benchmarks/results/ray.md]
+
+Contenders: ``local`` (``ds.loader(256, epochs=1)``, default threads), and Ray on a local
+cluster of the machine's CPUs with a 2 GiB object store reading through
+``stoker.ray.read(ds, batch_size=256)``: with stoker's default task count, with the 200 tasks
+Ray asks a datasource for by default, and with Ray Data's per-operator resource reservation off
+(``DataContext.op_resource_reservation_enabled = False``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stoker.bench import child_json, summarize
+from stoker.sample import cached_sample
+
+# This script is named like the package it measures: its own directory, first on the import
+# path when it runs, would make ``import ray`` import this file.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
+BATCH = 256
+
+# name -> settings: read= stoker.ray.read's arguments, ctx= DataContext attributes,
+# iter= iter_batches' arguments.
+RAY_CONTENDERS: dict[str, dict[str, Any]] = {
+    # stoker's own task count (StokerDatasource.default_tasks): one per 128 MiB block, >= 2 per CPU.
+    "ray": {},
+    # What Ray asks a datasource for by default (DataContext.read_op_min_num_blocks): 200 tasks.
+    "ray, 200 tasks": {"read": {"override_num_blocks": 200}},
+    # Ray Data's per-operator reservation off: the read's outputs may use the whole object store.
+    "ray, reservation off": {"ctx": {"op_resource_reservation_enabled": False}},
+}
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of this process and every process below it, by kind (/proc)."""
+    procs: dict[int, tuple[int, str, float]] = {}  # pid -> (parent, name, cpu seconds)
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        rest = stat[stat.rindex(")") + 2 :].split()  # fields from the 3rd on: state, ppid, ...
+        procs[int(entry)] = (int(rest[1]), name, (int(rest[11]) + int(rest[12])) / tick)
+    mine = {os.getpid()}
+    grew = True
+    while grew:
+        below = {pid for pid, (parent, _, _) in procs.items() if parent in mine} - mine
+        grew = bool(below)
+        mine |= below
+    out: dict[str, float] = {}
+    for pid in mine:
+        _, name, cpu = procs[pid]
+        if pid == os.getpid():
+            kind = "driver"
+        elif name.startswith("ray::_"):
+            kind = name  # Ray's own actors (stats, autoscaling coordinator)
+        elif name.startswith("ray::"):
+            kind = "Ray worker processes (read tasks)"
+        elif name.startswith(("raylet", "gcs_server")):
+            kind = name
+        else:
+            kind = "other Ray processes (agents, log monitor, ...)"
+        out[kind] = out.get(kind, 0.0) + cpu
+    return out
+
+
+def _passes(make_pass: Any, seconds: float, warmup: int) -> dict[str, Any]:
+    """Warm-up passes, then passes for ``seconds``: steady records/s, start-ups, CPU per pass."""
+    first_pass = None
+    for w in range(warmup):
+        t = time.perf_counter()
+        for _ in make_pass():
+            pass
+        if w == 0:
+            first_pass = time.perf_counter() - t
+    cpu0 = _cpu_seconds()
+    starts: list[float] = []
+    records = 0
+    steady = 0.0
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds or len(starts) < 2:
+        t0 = time.perf_counter()
+        batches = iter(make_pass())
+        next(batches)
+        t1 = time.perf_counter()
+        starts.append(t1 - t0)
+        for batch in batches:
+            records += len(batch["image"])
+        steady += time.perf_counter() - t1
+    cpu1 = _cpu_seconds()
+    cpu = {k: (v - cpu0.get(k, 0.0)) / len(starts) for k, v in cpu1.items()}
+    return {
+        "records_per_s": records / steady, "startup_s": statistics.median(starts), "passes": len(starts),
+        "pass_s": (time.perf_counter() - began) / len(starts), "cpu_per_pass": cpu, "first_pass_s": first_pass,
+    }  # fmt: skip
+
+
+def _dataset(data: str) -> Any:
+    import stoker
+
+    return stoker.Dataset(
+        image=stoker.Field(f"{data}/img_*.bin", "int8", (128, 128, 1)),
+        label=stoker.Field(f"{data}/out_*.bin.gz", "float32"),
+    )
+
+
+def _child(cfg: dict[str, Any]) -> dict[str, Any]:
+    ds = _dataset(cfg["data"])
+    if cfg["kind"] == "local":
+        with ds.loader(BATCH, epochs=1) as loader:
+            return _passes(lambda: loader, cfg["seconds"], cfg["warmup"])
+    import ray
+
+    import stoker.ray
+
+    ray.init(
+        num_cpus=cfg["cpus"], object_store_memory=2 << 30, include_dashboard=False, log_to_driver=False,
+        configure_logging=False,
+    )  # fmt: skip
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    for key, value in cfg.get("ctx", {}).items():
+        setattr(ctx, key, value)
+    rds = stoker.ray.read(ds, batch_size=BATCH, **cfg.get("read", {}))
+    iter_args = cfg.get("iter", {})
+    out = _passes(
+        lambda: rds.iter_batches(batch_size=BATCH, batch_format="numpy", **iter_args), cfg["seconds"], cfg["warmup"]
+    )
+    out["stats"] = rds.stats()
+    ray.shutdown()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured passes before the timed ones")
+    ap.add_argument("--records", type=int, default=4096, help="records per group (W1: 4096)")
+    ap.add_argument("--only", nargs="*", help="contender names to run (default: all)")
+    ap.add_argument("--out", default="benchmarks/results/ray.md")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(_child(json.loads(args.child))))
+        return 0
+    cache = os.environ.get("STOKER_CACHE", ".stoker-cache")
+    data = str(cached_sample(f"{cache}/sample-16x{args.records}x128", records=args.records))
+    cpus = len(os.sched_getaffinity(0))
+    base = {"data": data, "seconds": args.seconds, "warmup": args.warmup, "cpus": cpus}
+    contenders = {"local": {**base, "kind": "local"}}
+    contenders.update({name: {**base, "kind": "ray", **cfg} for name, cfg in RAY_CONTENDERS.items()})
+    if args.only:
+        contenders = {k: v for k, v in contenders.items() if k in args.only or k == "local"}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    t0 = time.time()
+    for r in range(args.rounds):
+        for name in list(contenders) if r % 2 == 0 else list(reversed(contenders)):
+            m = child_json(name, [__file__, "--child", json.dumps(contenders[name])])
+            results[name].append(m)
+            print(
+                f"  round {r + 1}: {name:<28} {m['records_per_s']:>10,.0f} records/s steady, "
+                f"start-up {m['startup_s']:.3f} s/pass",
+                file=sys.stderr,
+            )
+    text = _report(args, results, cpus, t0)
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    history = out.with_name(out.stem + "_history.md")
+    with history.open("a") as f:
+        f.write(text + "\n")
+    return 0
+
+
+def _report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], cpus: int, t0: float) -> str:
+    command = "python benchmarks/ray.py " + " ".join(
+        f"--{k} {v}" for k, v in (("rounds", args.rounds), ("seconds", args.seconds), ("warmup", args.warmup),
+                                  ("records", args.records))
+    )  # fmt: skip
+    lines = [
+        f"# Ray Data vs the local loader, W1 int8 ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, "
+        f"{platform.machine()}, {cpus} cores shared with other work, {args.rounds} alternated rounds)",
+        "",
+        f"Command: `{command}`. 16 groups x {args.records} records of 128x128 int8 + gzip float32 labels, "
+        f"no cast, batch {BATCH}, one pass per epoch; Ray: a local cluster of {cpus} CPUs, 2 GiB object "
+        "store, `stoker.ray.read(ds, batch_size=256, ...)`. Steady: records after each pass's first batch "
+        "over the time after it. Start-up: from asking for a pass to its first batch (median over passes).",
+        "",
+        "| contender | steady records/s median | min | max | start-up s/pass | pass s | CPU s/pass |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, ms in results.items():
+        med, lo, hi = summarize([m["records_per_s"] for m in ms])
+        start = statistics.median(m["startup_s"] for m in ms)
+        pass_s = statistics.median(m["pass_s"] for m in ms)
+        cpu = statistics.median(sum(m["cpu_per_pass"].values()) for m in ms)
+        lines.append(f"| {name} | {med:,.0f} | {lo:,.0f} | {hi:,.0f} | {start:.3f} | {pass_s:.3f} | {cpu:.2f} |")
+    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
+    for name in results:
+        if name == "local":
+            continue
+        ratios = [
+            m["records_per_s"] / loc["records_per_s"] for m, loc in zip(results[name], results["local"], strict=True)
+        ]
+        med, lo, hi = summarize(ratios)
+        lines.append(f"| {name} / local, steady records/s | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+    lines += ["", "Per-pass start-up on its own line (median over rounds of each round's median):", ""]
+    for name, ms in results.items():
+        first = [m["first_pass_s"] for m in ms if m["first_pass_s"] is not None]
+        lines.append(
+            f"- {name}: {statistics.median(m['startup_s'] for m in ms):.3f} s per pass to its first batch"
+            + (f"; the first pass of a process (workers starting): {statistics.median(first):.2f} s whole" if first
+               else "")
+        )  # fmt: skip
+    lines += ["", "Where the CPU goes, seconds per pass (median over rounds):", ""]
+    kinds = sorted({k for ms in results.values() for m in ms for k in m["cpu_per_pass"]})
+    lines += ["| process | " + " | ".join(results) + " |", "|---|" + "---:|" * len(results)]
+    for kind in kinds:
+        cells = [statistics.median(m["cpu_per_pass"].get(kind, 0.0) for m in ms) for ms in results.values()]
+        if max(cells) >= 0.005:
+            lines.append(f"| {kind} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    for name, ms in results.items():
+        if "stats" in ms[-1]:
+            lines += ["", f"`ds.stats()` of the last pass of `{name}` (last round):", "", "```"]
+            lines += [ln.rstrip() for ln in ms[-1]["stats"].strip().splitlines()]
+            lines += ["```"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
