@@ -16,8 +16,10 @@ prints ``ds.stats()``.
 Contenders: ``local`` (``ds.loader(256, epochs=1)``, default threads), and Ray on a local
 cluster of the machine's CPUs with a 2 GiB object store reading through
 ``stoker.ray.read(ds, batch_size=256)``: with stoker's default task count, with the 200 tasks
-Ray asks a datasource for by default, and with Ray Data's per-operator resource reservation off
-(``DataContext.op_resource_reservation_enabled = False``).
+Ray asks a datasource for by default, with Ray Data's per-operator resource reservation off
+(``DataContext.op_resource_reservation_enabled = False``), and Ray's floor with it: the same
+tasks and blocks with no file read at all (each block a view of zeros made once per worker
+process).
 """
 
 from __future__ import annotations
@@ -51,7 +53,38 @@ RAY_CONTENDERS: dict[str, dict[str, Any]] = {
     "ray, 200 tasks": {"read": {"override_num_blocks": 200}},
     # Ray Data's per-operator reservation off: the read's outputs may use the whole object store.
     "ray, reservation off": {"ctx": {"op_resource_reservation_enabled": False}},
+    # Ray's own floor, at its best setting above: stoker's tasks and blocks, each block a view of
+    # zeros made once per worker process instead of read from the files (Ray moving the bytes).
+    "ray floor: no file read, reservation off": {"floor": True, "ctx": {"op_resource_reservation_enabled": False}},
 }
+_ZEROS: dict[str, Any] = {}  # per worker process: the floor's zeros
+
+
+def _floor_source(source: Any) -> Any:
+    """A Datasource with ``source``'s tasks and blocks whose blocks are views of zeros."""
+    from ray.data.block import BlockAccessor
+    from ray.data.datasource import Datasource, ReadTask
+
+    def blocks(rows: list[int]) -> Any:
+        import numpy as np
+
+        if "image" not in _ZEROS:
+            _ZEROS.update(image=np.zeros((max(rows), 128, 128, 1), np.int8), label=np.zeros(max(rows), np.float32))
+        for n in rows:
+            yield BlockAccessor.batch_to_block({k: v[:n] for k, v in _ZEROS.items()})
+
+    class Floor(Datasource):  # type: ignore[misc]
+        def estimate_inmemory_data_size(self) -> int:
+            return int(source.estimate_inmemory_data_size())
+
+        def get_read_tasks(self, parallelism: int, **kw: Any) -> list[Any]:
+            out = []
+            for task in source.get_read_tasks(parallelism, **kw):
+                rows = [sum(p.stop - p.start for p in b) for b in task.read_fn._blocks()]
+                out.append(ReadTask(lambda rows=rows: blocks(rows), task.metadata))
+            return out
+
+    return Floor()
 
 
 def _cpu_seconds() -> dict[str, float]:
@@ -148,7 +181,11 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
     ctx.enable_progress_bars = False
     for key, value in cfg.get("ctx", {}).items():
         setattr(ctx, key, value)
-    rds = stoker.ray.read(ds, batch_size=BATCH, **cfg.get("read", {}))
+    if cfg.get("floor"):
+        source = stoker.ray.StokerDatasource(ds, batch_size=BATCH)
+        rds = ray.data.read_datasource(_floor_source(source), override_num_blocks=source.default_tasks())
+    else:
+        rds = stoker.ray.read(ds, batch_size=BATCH, **cfg.get("read", {}))
     iter_args = cfg.get("iter", {})
     out = _passes(
         lambda: rds.iter_batches(batch_size=BATCH, batch_format="numpy", **iter_args), cfg["seconds"], cfg["warmup"]

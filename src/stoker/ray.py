@@ -55,7 +55,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .access import RecordReader, Subset
-from .batch import GROUP_KEY, INDEX_KEY, VERIFY_WHOLE_BYTES, Assembler
+from .batch import (
+    GROUP_KEY,
+    INDEX_KEY,
+    KEPT_DECODED_BYTES,
+    VERIFY_WHOLE_BYTES,
+    Assembler,
+    KeptDecoded,
+    KeptMaps,
+    loader_kept_maps,
+)
 from .dataset import Dataset
 from .engine import AlignedPool
 from .errors import SpecError
@@ -92,6 +101,20 @@ def _worker_pool() -> AlignedPool:
     if _pool is None:
         _pool = AlignedPool(_POOL_BYTES)
     return _pool
+
+
+# Per worker process, as a loader keeps them for all its passes: maps of the raw files read (no
+# descriptor held), so the next task on a file copies from its map with stoker's kernels instead
+# of reading it again with preadv, and small compressed files decoded whole (labels), so the
+# next pass does not inflate them again.
+_kept: tuple[KeptMaps | None, KeptDecoded] | None = None
+
+
+def _worker_kept() -> tuple[KeptMaps | None, KeptDecoded]:
+    global _kept
+    if _kept is None:
+        _kept = (loader_kept_maps(), KeptDecoded(KEPT_DECODED_BYTES))
+    return _kept
 
 
 def check_ray_version(version: str) -> None:
@@ -489,6 +512,7 @@ class _ReadTask:
 
         pool = _worker_pool()  # a block's arrays are reused only once Ray has dropped every view of them
         assembler = Assembler(self.catalog, self.dtypes, pool, batch_size=self.per_block)
+        assembler.share_kept(*_worker_kept())
         reader: RecordReader | None = None
         try:
             for i, block in enumerate(self._blocks()):
