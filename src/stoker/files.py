@@ -445,6 +445,7 @@ class Catalog:
             n: dataclasses.replace(spec, files=[self.files[g][n].path for g in groups])
             for n, spec in self.fields.items()
         }
+        part.index_dir = self.index_dir
         part.num_groups = len(groups)
         part.files = [self.files[g] for g in groups]
         part._counts = [self.count(g) for g in groups]
