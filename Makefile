@@ -2,9 +2,10 @@
 PY ?= python3.11
 # What CI installs: the extras' floors, pinned to known-good releases (see constraints/ci.txt).
 CONSTRAINTS := constraints/ci.txt
-# The frameworks a user installs themselves (no extra names them), and torchdata for the
-# StatefulDataLoader test; versions from $(CONSTRAINTS).
-FRAMEWORKS := tensorflow-cpu torchdata
+# The frameworks a user installs themselves (no extra names them), torchdata for the
+# StatefulDataLoader test, and triton for the test of the README's TensorFlow/triton import-order
+# crash (the CPU torch wheel does not bring it); versions from $(CONSTRAINTS).
+FRAMEWORKS := tensorflow-cpu torchdata triton
 
 VENV := .venv
 BIN := $(VENV)/bin

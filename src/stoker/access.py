@@ -208,6 +208,7 @@ class RecordReader:
         fields = self.catalog.fields
         direct = {n: gathers(out[n], spec.dtype) for n, spec in fields.items()}
         held: list[tuple[FileInfo, _Mapped]] = []
+        needs: list[tuple[str, int]] = []  # per held file: its field, and the bytes its records reach
         gathered: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {n: ([], []) for n in fields}
         try:
             for part in parts:
@@ -220,6 +221,7 @@ class RecordReader:
                     elif direct[name] and not is_remote(info.path):
                         m = self._acquire(name, spec, info, local)
                         held.append((info, m))
+                        needs.append((name, spec.header_bytes + (int(local.max()) + 1) * spec.record_bytes))
                         to, at = gathered[name]
                         to.append(dst_rows)
                         at.append(local * spec.record_bytes + (m.address() + spec.header_bytes))
@@ -232,6 +234,10 @@ class RecordReader:
                     except MapFault as e:  # a file cut short after its size was checked
                         raise self._fault(name, fields[name], held, e) from e
                     assert done, "gathers() said the kernel applies"
+            # A cut inside a page reads as zeros there, without a fault: the sizes after the copy
+            # say whether every byte copied was still the file's.
+            for (info, m), (name, need) in zip(held, needs, strict=True):
+                self._check_after(name, fields[name], info, m, need)
         finally:
             for info, m in held:
                 self._release(info, m)
@@ -255,9 +261,22 @@ class RecordReader:
                 copy_records(raw, m.fd, m.address(), local * spec.record_bytes + spec.header_bytes)
             except MapFault as e:
                 raise self._fault(name, spec, [(info, m)], e) from e
+            self._check_after(name, spec, info, m, spec.header_bytes + (int(local.max()) + 1) * spec.record_bytes)
             dst[rows] = raw.view(spec.dtype).reshape(len(local), *spec.shape)
         finally:
             self._release(info, m)
+
+    @staticmethod
+    def _check_after(name: str, spec: Field, info: FileInfo, m: _Mapped, need: int) -> None:
+        """A CorruptDataError if ``info``'s file, read through ``m`` up to byte ``need``, is shorter now."""
+        size = os.fstat(m.fd).st_size
+        if size < need:
+            index = max(0, (size - spec.header_bytes) // spec.record_bytes)
+            raise CorruptDataError(
+                f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
+                f"was built (reading record {index}, byte offset {size}, failed)",
+                field=name, path=info.path, index=index, offset=size,
+            )  # fmt: skip
 
     def _fault(self, name: str, spec: Field, held: Sequence[tuple[FileInfo, _Mapped]], e: OSError) -> CorruptDataError:
         """The error for a MapFault reading ``held``'s maps: the file whose map holds the fault's

@@ -807,18 +807,26 @@ class Assembler:
             offsets = [spec.header_bytes + run.start * rb for run in runs]
             spans = [(run.stop - run.start) * rb for run in runs]
             mapped: list[int] = []  # (row, address, count, stride) of each run read through its map
-            for run, info, f, now, offset, nread in zip(runs, infos, held, sizes, offsets, spans, strict=True):
+            copied: list[int] = []  # which runs those are
+            for k, (run, info, f, now, offset, nread) in enumerate(
+                zip(runs, infos, held, sizes, offsets, spans, strict=True)
+            ):
                 if not self._cast[name] and run.step == 1 and not f.reused:
                     self._pread(name, spec, info, run, f, dst[run.row : run.row + run.count], offset)
                     continue
                 if f.map is None or f.size < offset + nread or now < offset + nread:
                     raise self._truncated(name, info, spec, run, min(f.size, now))
                 mapped += (run.row, f.address() + offset, run.count, run.step * rb)
+                copied.append(k)
             try:
                 gather_runs(dst, mapped, spec.dtype)
             except MapFault as e:
                 k = self._faulted(held, e)
                 raise self._map_fault(name, infos[k], spec, runs[k], held[k], e) from e
+            if copied:  # a cut inside a page reads as zeros, no fault: the sizes after say (see _read_raw)
+                for k, now in zip(copied, file_sizes([held[k].fd for k in copied]), strict=True):
+                    if now < offsets[k] + spans[k]:
+                        raise self._truncated(name, infos[k], spec, runs[k], now)
             for f, offset, nread in zip(held, offsets, spans, strict=True):
                 f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
@@ -945,6 +953,13 @@ class Assembler:
                         gather_records(dst, order[pick], index[pick] * rb + starts[pick], spec.dtype)
                 except MapFault as e:
                     raise self._gather_fault(name, spec, e, spans, group_of, infos, raw, held, index) from e
+            if held:  # a cut inside a page reads as zeros, no fault: the sizes after say (see _read_raw)
+                needed = [spec.header_bytes + (lasts[k] + 1) * rb for k in range(len(spans)) if raw[k]]
+                raw_spans = [k for k in range(len(spans)) if raw[k]]
+                for k, need, now in zip(raw_spans, needed, file_sizes([f.fd for f in held]), strict=True):
+                    if now < need:
+                        a, b = spans[k]
+                        raise self._gather_truncated(name, infos[k], spec, group_of[k], index[a:b], now)
         finally:
             self._let_go(epoch, picked, held)
             kept.clear()
@@ -1190,6 +1205,10 @@ class Assembler:
                     self._copy_mapped(spec, run, f, offset, dst, put)
                 except MapFault as e:
                     raise self._map_fault(name, info, spec, run, f, e) from e
+                # A cut that leaves part of a page reads as zeros there, without a fault: the size
+                # after the copy says whether every byte copied was still the file's.
+                if file_size(f.fd) < offset + span * rb:
+                    raise self._truncated(name, info, spec, run, file_size(f.fd))
             nread = (run.stop - run.start) * rb
             f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
@@ -1260,6 +1279,11 @@ class Assembler:
             if got == 0:
                 raise self._truncated(name, info, spec, run, offset + done)
             done += got
+        # A read racing a cut can copy the zeros the cut leaves past the new end of a page, in full
+        # count: the size after the read says whether every byte read was still the file's.
+        now = file_size(f.fd)
+        if now < offset + nbytes:
+            raise self._truncated(name, info, spec, run, now)
 
     def _read_remote_raw(self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, offset: int) -> None:
         """A run of a remote raw file: its parts (asked for ahead, or now) into the batch or staging."""
