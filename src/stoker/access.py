@@ -271,12 +271,7 @@ class RecordReader:
         """A CorruptDataError if ``info``'s file, read through ``m`` up to byte ``need``, is shorter now."""
         size = os.fstat(m.fd).st_size
         if size < need:
-            index = max(0, (size - spec.header_bytes) // spec.record_bytes)
-            raise CorruptDataError(
-                f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
-                f"was built (reading record {index}, byte offset {size}, failed)",
-                field=name, path=info.path, index=index, offset=size,
-            )  # fmt: skip
+            raise _cut_short(name, spec, info, size, size)
 
     def _fault(self, name: str, spec: Field, held: Sequence[tuple[FileInfo, _Mapped]], e: OSError) -> CorruptDataError:
         """The error for a MapFault reading ``held``'s maps: the file whose map holds the fault's
@@ -287,13 +282,7 @@ class RecordReader:
             next(((i, m) for i, m in held if os.fstat(m.fd).st_size < i.size), held[0]),
         )
         size = os.fstat(m.fd).st_size
-        offset = at - m.address() if 0 <= at - m.address() < info.size else size
-        index = max(0, (offset - spec.header_bytes) // spec.record_bytes)
-        return CorruptDataError(
-            f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
-            f"was built (reading record {index}, byte offset {offset}, failed)",
-            field=name, path=info.path, index=index, offset=offset,
-        )  # fmt: skip
+        return _cut_short(name, spec, info, size, at - m.address() if 0 <= at - m.address() < info.size else size)
 
     def _compressed(
         self, name: str, spec: Field, info: FileInfo, g: int, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
@@ -397,6 +386,16 @@ def seek_read(
         if inf is not None:
             inf.close()
     return got[inverse]
+
+
+def _cut_short(name: str, spec: Field, info: FileInfo, size: int, offset: int) -> CorruptDataError:
+    """The error for a read of ``info``'s file failing at byte ``offset``: the file is ``size`` bytes now."""
+    index = max(0, (offset - spec.header_bytes) // spec.record_bytes)
+    return CorruptDataError(
+        f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
+        f"was built (reading record {index}, byte offset {offset}, failed)",
+        field=name, path=info.path, index=index, offset=offset,
+    )  # fmt: skip
 
 
 def _short(name: str, spec: Field, info: FileInfo, n: int, produced: int) -> CorruptDataError:

@@ -954,10 +954,9 @@ class Assembler:
                 except MapFault as e:
                     raise self._gather_fault(name, spec, e, spans, group_of, infos, raw, held, index) from e
             if held:  # a cut inside a page reads as zeros, no fault: the sizes after say (see _read_raw)
-                needed = [spec.header_bytes + (lasts[k] + 1) * rb for k in range(len(spans)) if raw[k]]
-                raw_spans = [k for k in range(len(spans)) if raw[k]]
-                for k, need, now in zip(raw_spans, needed, file_sizes([f.fd for f in held]), strict=True):
-                    if now < need:
+                raw_spans = [k for k, r in enumerate(raw) if r]  # held[j] is raw_spans[j]'s file
+                for k, now in zip(raw_spans, file_sizes([f.fd for f in held]), strict=True):
+                    if now < spec.header_bytes + (lasts[k] + 1) * rb:
                         a, b = spans[k]
                         raise self._gather_truncated(name, infos[k], spec, group_of[k], index[a:b], now)
         finally:
@@ -1207,8 +1206,9 @@ class Assembler:
                     raise self._map_fault(name, info, spec, run, f, e) from e
                 # A cut that leaves part of a page reads as zeros there, without a fault: the size
                 # after the copy says whether every byte copied was still the file's.
-                if file_size(f.fd) < offset + span * rb:
-                    raise self._truncated(name, info, spec, run, file_size(f.fd))
+                now = file_size(f.fd)
+                if now < offset + span * rb:
+                    raise self._truncated(name, info, spec, run, now)
             nread = (run.stop - run.start) * rb
             f.warm = self.readahead.after_read(f.fd, f.map, f.size, offset, nread, ahead=not f.warm) or f.warm
         finally:
