@@ -10,6 +10,7 @@ flight, delays them, or holds them.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import pickle
 import socket
@@ -94,6 +95,20 @@ def _remote_ds(local_ds: stoker.Dataset, tmp: Path, base: str, options: Mapping[
             compression=f.compression, byte_order=f.byte_order, storage_options=options,
         )  # fmt: skip
     return stoker.Dataset(fields)
+
+
+@contextlib.contextmanager
+def _in_memory(local_ds: stoker.Dataset, tmp: Path) -> Iterator[tuple[stoker.Dataset, str]]:
+    """``tmp``'s files copied under memory://, the Dataset of ``local_ds``'s fields read from
+    there, and the base URL; the copies are removed after."""
+    mem = fsspec.filesystem("memory")
+    base = f"memory:///stoker-{tmp.name}"
+    for p in tmp.iterdir():
+        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
+    try:
+        yield _remote_ds(local_ds, tmp, base, {}), base
+    finally:
+        mem.rm(base, recursive=True)
 
 
 def _local(tmp: Path, counts: list[int], plans: Mapping[str, FieldPlan]) -> stoker.Dataset:
@@ -271,12 +286,7 @@ def _batches(ds: stoker.Dataset, **kw: Any) -> list[dict[str, np.ndarray]]:
 def test_memory_filesystem_raw_gzip_zlib_with_header_and_footer_equal_local(tmp_path: Path, small_parts: int) -> None:
     plans = {"image": WIDE, "label": LAB_GZ, "extra": LAB_ZZ}
     local = _local(tmp_path, [9, 0, 31, 4], plans)
-    mem = fsspec.filesystem("memory")
-    base = f"memory:///stoker-{tmp_path.name}"
-    for p in tmp_path.iterdir():
-        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
-    try:
-        ds = _remote_ds(local, tmp_path, base, {})
+    with _in_memory(local, tmp_path) as (ds, base):
         assert ds.groups[0].paths["image"] == f"{base}/data/img_0000.bin"
         assert [g.records for g in ds.groups] == [9, 0, 31, 4]
         for kw in (
@@ -286,8 +296,6 @@ def test_memory_filesystem_raw_gzip_zlib_with_header_and_footer_equal_local(tmp_
             {"shuffle": "files", "seed": 5},
         ):
             check_batches(local, _batches(ds, **kw), cast={n: "float32" for n in plans} if "cast" in kw else None)
-    finally:
-        mem.rm(base, recursive=True)
 
 
 def test_global_shuffle_gathers_a_field_of_local_and_remote_files(tmp_path: Path) -> None:
@@ -316,12 +324,7 @@ def test_global_shuffle_gathers_a_field_of_local_and_remote_files(tmp_path: Path
 def test_random_access_and_record_subsets_read_urls(tmp_path: Path) -> None:
     plans = {"image": WIDE, "label": LAB_GZ, "big": BIG_GZ}
     local = _local(tmp_path, [9, 31, 4], plans)
-    mem = fsspec.filesystem("memory")
-    base = f"memory:///stoker-{tmp_path.name}"
-    for p in tmp_path.iterdir():
-        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
-    try:
-        ds = _remote_ds(local, tmp_path, base, {})
+    with _in_memory(local, tmp_path) as (ds, _):
         picks = [40, 3, 3, 17, 0, 39, 9]  # unsorted, repeated, across groups
         got, want = ds.read(picks), local.read(picks)
         for name in plans:
@@ -332,8 +335,6 @@ def test_random_access_and_record_subsets_read_urls(tmp_path: Path) -> None:
         assert sorted(g * 100 + i for b in _batches(sub) for g, i in zip(b["__group__"], b["__index__"])) == [
             1, 5, 111, 124, 127,
         ]  # fmt: skip
-    finally:
-        mem.rm(base, recursive=True)
 
 
 def test_remote_raw_file_of_wrong_size_is_an_error_naming_the_url(tmp_path: Path) -> None:
@@ -355,18 +356,11 @@ def test_unknown_protocol_is_a_spec_error_naming_the_url() -> None:
 
 def test_a_dataset_of_urls_pickles_with_its_settled_counts(tmp_path: Path) -> None:
     local = _local(tmp_path, [5, 6], {"image": IMG, "label": LAB_GZ})
-    mem = fsspec.filesystem("memory")
-    base = f"memory:///stoker-{tmp_path.name}"
-    for p in tmp_path.iterdir():
-        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
-    try:
-        ds = _remote_ds(local, tmp_path, base, {})
+    with _in_memory(local, tmp_path) as (ds, _):
         len(ds)
         again = pickle.loads(pickle.dumps(ds))
         assert [g.records for g in again.groups] == [5, 6]
         check_batches(local, _batches(again))
-    finally:
-        mem.rm(base, recursive=True)
 
 
 # -- S3 (SeaweedFS) --------------------------------------------------------------------------------
@@ -587,12 +581,7 @@ def test_close_does_not_wait_for_gets_in_flight(
 
 def test_num_parallel_reads_must_be_a_positive_integer_and_fit_the_memory_budget(tmp_path: Path) -> None:
     local = _local(tmp_path, [9], {"image": WIDE})
-    mem = fsspec.filesystem("memory")
-    base = f"memory:///stoker-{tmp_path.name}"
-    for p in tmp_path.iterdir():
-        mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
-    try:
-        ds = _remote_ds(local, tmp_path, base, {})
+    with _in_memory(local, tmp_path) as (ds, _):
         for bad in (0, -1, 2.0, True, "16"):
             with pytest.raises(stoker.SpecError, match=r"num_parallel_reads=.* must be a positive integer"):
                 ds.loader(4, num_parallel_reads=bad)
@@ -606,8 +595,6 @@ def test_num_parallel_reads_must_be_a_positive_integer_and_fit_the_memory_budget
             assert default.num_parallel_reads == fetch.DEFAULT_PARALLEL_READS
         with _local_only(tmp_path).loader(4, num_parallel_reads=1000, memory_budget="8MiB") as unused:
             assert unused.num_parallel_reads == 1000  # no URL: nothing is fetched, no room is taken
-    finally:
-        mem.rm(base, recursive=True)
 
 
 def _local_only(tmp: Path) -> stoker.Dataset:
