@@ -53,8 +53,8 @@ __all__ = [
     "write_sample",
 ]
 
-# Submodules reachable as attributes after a bare ``import stoker``, imported on first use so that
-# ``import stoker`` needs numpy alone (the adapters import their framework when they load).
+# Submodules reachable as attributes after a bare `import stoker`, imported on first use so that
+# `import stoker` needs numpy alone (the adapters import their framework when they load).
 _LAZY_SUBMODULES = frozenset(
     {"autotune", "doctor", "jax", "keras", "kernels", "order", "ray", "testing", "tf", "torch", "transforms"}
 )
@@ -73,8 +73,8 @@ def __dir__() -> list[str]:
 
 
 def _version() -> str:
-    """``stoker.__version__``: the installed package's metadata (pyproject.toml's version), looked
-    up on first use so that ``import stoker`` reads no metadata."""
+    """`stoker.__version__`: the installed package's metadata (pyproject.toml's version), looked
+    up on first use so that `import stoker` reads no metadata."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

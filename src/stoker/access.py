@@ -1,25 +1,25 @@
-"""Random access and subsets: ``ds[i]``, ``ds.read(indices)``, ``ds.select(...)``, ``ds.split(...)``.
+"""Random access and subsets: `ds[i]`, `ds.read(indices)`, `ds.select(...)`, `ds.split(...)`.
 
 One table resolves a global record index to (group, record): the cumulative record counts
 of the groups. A batch of indices is gathered in bulk: sorted by (group, record) so each
 file is visited once, raw fields by fancy indexing of a memory map of the file (one copy,
 no per-record syscall), compressed fields from their decoded form or through seek points.
 
-Compressed fields, bounded: a file whose records decode to at most ``cache_bytes``
-(default 256 MiB per Dataset, :data:`DEFAULT_CACHE_BYTES`) is decoded whole once, verified
+Compressed fields, bounded: a file whose records decode to at most `cache_bytes`
+(default 256 MiB per Dataset, `DEFAULT_CACHE_BYTES`) is decoded whole once, verified
 to its end (CRC, length), and kept in a least-recently-used cache of at most
-``cache_bytes``. A larger file is never held: each read decodes from the nearest seek point
+`cache_bytes`. A larger file is never held: each read decodes from the nearest seek point
 before the wanted records (deflate block boundaries every ~1 MiB and gzip member starts,
-from the persistent index, see :mod:`stoker.index`; else the file's start) only as far as the
+from the persistent index, see `stoker.index`; else the file's start) only as far as the
 last wanted record. Records read that way pass the deflate decoder's checks but not the
 member's CRC, which covers the whole member (the index's own pass checked it).
 
-A subset is a Dataset (:class:`Subset`) over some groups of its root dataset and, per group,
+A subset is a Dataset (`Subset`) over some groups of its root dataset and, per group,
 all records or a sorted array of them. The plan and loader work on it unchanged: the plan
 sees its geometry (groups and counts); batches of a subset of whole groups are read by the
 streaming assembler (any compression, front to back); batches of a subset of records are read
-by this module's gather, so every loader feature (shuffle, shard, resume, ``with_index``,
-``pad_last``, the framework adapters) works on both. ``__group__`` / ``__index__`` name the
+by this module's gather, so every loader feature (shuffle, shard, resume, `with_index`,
+`pad_last`, the framework adapters) works on both. `__group__` / `__index__` name the
 root dataset's group and record in the file.
 """
 
@@ -73,7 +73,7 @@ STREAM_SPLIT = 3
 
 
 class _Mapped:
-    """One raw file kept open and mapped; ``refs`` counts reads using it right now."""
+    """One raw file kept open and mapped; `refs` counts reads using it right now."""
 
     __slots__ = ("_address", "fd", "map", "refs")
 
@@ -101,7 +101,7 @@ def _close_all(maps: OrderedDict[str, _Mapped]) -> None:
 class RecordReader:
     """Gathers records of a root Catalog by (group, record), in bulk; safe to share between threads.
 
-    Keeps raw files mapped between reads (see :data:`MAX_MAPPED`); ``close()`` (or garbage
+    Keeps raw files mapped between reads (see `MAX_MAPPED`); `close()` (or garbage
     collection of the reader) unmaps and closes them.
     """
 
@@ -191,7 +191,7 @@ class RecordReader:
     def read_into(
         self, groups: np.ndarray, records: np.ndarray, out: Mapping[str, np.ndarray], rows: np.ndarray | None = None
     ) -> None:
-        """``out[field][rows[k]] = `` record ``records[k]`` of group ``groups[k]`` (indices already valid)."""
+        """`out[field][rows[k]] = ` record `records[k]` of group `groups[k]` (indices already valid)."""
         if rows is None:
             rows = np.arange(len(groups), dtype=np.int64)
         if not len(groups):
@@ -268,13 +268,13 @@ class RecordReader:
 
     @staticmethod
     def _check_after(name: str, spec: Field, info: FileInfo, m: _Mapped, need: int) -> None:
-        """A CorruptDataError if ``info``'s file, read through ``m`` up to byte ``need``, is shorter now."""
+        """A CorruptDataError if `info`'s file, read through `m` up to byte `need`, is shorter now."""
         size = os.fstat(m.fd).st_size
         if size < need:
             raise _cut_short(name, spec, info, size, size)
 
     def _fault(self, name: str, spec: Field, held: Sequence[tuple[FileInfo, _Mapped]], e: OSError) -> CorruptDataError:
-        """The error for a MapFault reading ``held``'s maps: the file whose map holds the fault's
+        """The error for a MapFault reading `held`'s maps: the file whose map holds the fault's
         address (else the first now shorter than it was) was cut short."""
         at = getattr(e, "address", 0)
         info, m = next(
@@ -352,9 +352,9 @@ _FILE_START = (SeekPoint(0, 0),)
 def seek_read(
     name: str, spec: Field, info: FileInfo, points: Sequence[SeekPoint], local: np.ndarray, count: int
 ) -> np.ndarray:
-    """Records ``local`` (any order) of a compressed file, each run decoded from the seek point before it.
+    """Records `local` (any order) of a compressed file, each run decoded from the seek point before it.
 
-    ``points``: the file's seek points sorted by decompressed offset; ``count``: its records (for errors).
+    `points`: the file's seek points sorted by decompressed offset; `count`: its records (for errors).
     """
     assert info.compression is not None
     rb = spec.record_bytes
@@ -389,7 +389,7 @@ def seek_read(
 
 
 def _cut_short(name: str, spec: Field, info: FileInfo, size: int, offset: int) -> CorruptDataError:
-    """The error for a read of ``info``'s file failing at byte ``offset``: the file is ``size`` bytes now."""
+    """The error for a read of `info`'s file failing at byte `offset`: the file is `size` bytes now."""
     index = max(0, (offset - spec.header_bytes) // spec.record_bytes)
     return CorruptDataError(
         f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
@@ -413,7 +413,7 @@ _TABLE_LOCK = threading.Lock()
 
 
 def _firsts(ds: Dataset) -> np.ndarray:
-    """Cumulative record counts: group g holds global records ``firsts[g] .. firsts[g + 1]``."""
+    """Cumulative record counts: group g holds global records `firsts[g] .. firsts[g + 1]`."""
     table = _FIRSTS.get(ds)
     if table is None:
         counts = np.fromiter((ds.records_in(g) for g in range(ds.num_groups)), np.int64, ds.num_groups)
@@ -437,14 +437,14 @@ def _reader(ds: Dataset) -> RecordReader:
 
 
 def locate(ds: Dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(group, record within the group) of each valid global index of ``ds``."""
+    """(group, record within the group) of each valid global index of `ds`."""
     firsts = _firsts(ds)
     groups = np.searchsorted(firsts, indices, side="right") - 1
     return groups, indices - firsts[groups]
 
 
 def to_root(ds: Dataset, groups: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(group, record) of ``ds`` as (group, record in the file) of its root dataset."""
+    """(group, record) of `ds` as (group, record in the file) of its root dataset."""
     if not isinstance(ds, Subset):
         return groups, records
     view = ds._catalog
@@ -484,7 +484,7 @@ def _first_path(ds: Dataset) -> str | None:
 
 
 def read_records(ds: Dataset, indices: Any, *, cast: Any = None) -> dict[str, np.ndarray]:
-    """``ds.read``: records at global ``indices`` (any order, repeats allowed) as ``{field: (k, *shape)}``."""
+    """`ds.read`: records at global `indices` (any order, repeats allowed) as `{field: (k, *shape)}`."""
     idx = _indices(ds, indices, "indices")
     dtypes = resolve_cast(ds.fields, cast)
     out = {n: np.empty((len(idx), *f.shape), dtypes[n]) for n, f in ds.fields.items()}
@@ -495,7 +495,7 @@ def read_records(ds: Dataset, indices: Any, *, cast: Any = None) -> dict[str, np
 
 
 def read_one(ds: Dataset, i: Any) -> dict[str, np.ndarray]:
-    """``ds[i]``: one record as ``{field: array of the field's shape}``; a slice reads a batch."""
+    """`ds[i]`: one record as `{field: array of the field's shape}`; a slice reads a batch."""
     if isinstance(i, slice):
         return read_records(ds, np.arange(*i.indices(len(ds)), dtype=np.int64))
     if isinstance(i, bool) or not isinstance(i, numbers.Integral):
@@ -537,8 +537,8 @@ class _CatalogView(Catalog):
 class Subset(Dataset):
     """Some groups of a root Dataset and, per group, all or some of its records (in file order).
 
-    Made by :meth:`Dataset.select` and :meth:`Dataset.split`; everything a Dataset does
-    (``len``, ``ds[i]``, ``read``, ``loader`` with every option, ``select`` again) works on it.
+    Made by `Dataset.select` and `Dataset.split`; everything a Dataset does
+    (`len`, `ds[i]`, `read`, `loader` with every option, `select` again) works on it.
     Its global indices run over its own records, group by group.
     """
 
@@ -553,7 +553,7 @@ class Subset(Dataset):
 
     @property
     def groups(self) -> tuple[Group, ...]:
-        """Every group of the subset, ``index`` being its group number in the root dataset."""
+        """Every group of the subset, `index` being its group number in the root dataset."""
         view = self._catalog
         return tuple(
             Group(int(view.groups[v]), {n: i.path for n, i in view.files[v].items()}, view.count(v))
@@ -578,7 +578,7 @@ class Subset(Dataset):
 
 
 class _GroupsAssembler(Assembler):
-    """Whole groups: the streaming assembler, with ``__group__`` named in the root dataset."""
+    """Whole groups: the streaming assembler, with `__group__` named in the root dataset."""
 
     def __init__(
         self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
@@ -646,7 +646,7 @@ class _RecordsAssembler(Assembler):
 
 
 def _positions(value: Any, n: int, what: str) -> np.ndarray:
-    """A slice or integer sequence of positions in ``[0, n)`` (negatives from the end), no repeats."""
+    """A slice or integer sequence of positions in `[0, n)` (negatives from the end), no repeats."""
     if isinstance(value, slice):
         return np.arange(*value.indices(n), dtype=np.int64)
     arr = np.asarray(value)
@@ -663,11 +663,11 @@ def _positions(value: Any, n: int, what: str) -> np.ndarray:
 
 
 def select(ds: Dataset, *, groups: Any = None, records: Any = None) -> Subset:
-    """A subset of ``ds``: ``groups`` (a slice or group numbers, kept in the order given), then
-    ``records`` (a slice or global record indices of those groups, taken in ascending order).
+    """A subset of `ds`: `groups` (a slice or group numbers, kept in the order given), then
+    `records` (a slice or global record indices of those groups, taken in ascending order).
 
-    Groups are numbered as in ``ds`` (for a subset: its own groups); ``records`` index the
-    records of the selected groups, as ``len(ds.select(groups=...))`` counts them. Groups
+    Groups are numbered as in `ds` (for a subset: its own groups); `records` index the
+    records of the selected groups, as `len(ds.select(groups=...))` counts them. Groups
     left with no record are dropped. Repeats are an error.
 
     Example:
@@ -702,7 +702,7 @@ def select(ds: Dataset, *, groups: Any = None, records: Any = None) -> Subset:
 
 
 def _sizes(fractions: Sequence[float], total: int) -> list[int]:
-    """Largest-remainder rounding: sizes summing to ``total``, ties to the earlier name."""
+    """Largest-remainder rounding: sizes summing to `total`, ties to the earlier name."""
     exact = [f * total for f in fractions]
     sizes = [math.floor(x) for x in exact]
     for k in sorted(range(len(exact)), key=lambda k: (-(exact[k] - sizes[k]), k))[: total - sum(sizes)]:
@@ -711,11 +711,11 @@ def _sizes(fractions: Sequence[float], total: int) -> list[int]:
 
 
 def split(ds: Dataset, fractions: Mapping[str, float], *, seed: int, by: str = "group") -> dict[str, Subset]:
-    """Disjoint subsets covering ``ds``, sized by ``fractions`` (summing to 1), deterministic in ``seed``.
+    """Disjoint subsets covering `ds`, sized by `fractions` (summing to 1), deterministic in `seed`.
 
-    ``by="group"`` deals whole groups (files), so any compression streams; ``by="record"``
-    deals records. Units are permuted by a keyed permutation of ``seed`` (its own stream,
-    independent of loader shuffles), cut in the order of ``fractions`` with sizes rounded by
+    `by="group"` deals whole groups (files), so any compression streams; `by="record"`
+    deals records. Units are permuted by a keyed permutation of `seed` (its own stream,
+    independent of loader shuffles), cut in the order of `fractions` with sizes rounded by
     largest remainder, and each part keeps the dataset's order. The same seed and dataset
     give the same parts on any machine. A part that would be empty (2 groups cannot give a 10%
     part by group) is a SpecError, never a silent empty subset.

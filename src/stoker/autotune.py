@@ -1,40 +1,40 @@
 """Threads and prefetch chosen by measuring the loader's own throughput, once per loader.
 
-When ``threads`` is None the first pass starts with one worker per core and, once the first fill
+When `threads` is None the first pass starts with one worker per core and, once the first fill
 of the look-ahead has been delivered (start-up costs stay out of the measurements), climbs: after each
-measuring window (at least ``MIN_BATCHES`` batches and ``MIN_SECONDS`` seconds, as the
-consumer sees them) it adds a worker while that raised records/s by more than ``GAIN``,
-up to ``2 x cores`` (threads that wait on a cold disk leave their core to others). A step
+measuring window (at least `MIN_BATCHES` batches and `MIN_SECONDS` seconds, as the
+consumer sees them) it adds a worker while that raised records/s by more than `GAIN`,
+up to `2 x cores` (threads that wait on a cold disk leave their core to others). A step
 that did not pay is taken back and the climb stops; one that runs below the count before it by
-more than ``CLEAR_LOSS`` is judged a third of the way into its window (W1 float32 1.04x, int8
+more than `CLEAR_LOSS` is judged a third of the way into its window (W1 float32 1.04x, int8
 1.01x the records/s of a 3 s run, 5 alternated rounds: its trial of a third worker on 2 cores
 had run at 0.44x-0.97x of two for a whole window). A step that paid is measured once more
 against one worker fewer, in the window after it (a pass speeds up as its first epoch warms
 the files, which made any later window look like a gain), and kept only if it still pays.
 When the consumer is the limit (it kept batches longer than it waited for them) it never
 climbs: it steps down instead, one worker at a time while the records/s hold (within
-``GAIN``), so a consumer computing on the host keeps its core; a step that costs more than
-that is taken back. It never adds a worker while the process already keeps ``SATURATED`` of
+`GAIN`), so a consumer computing on the host keeps its core; a step that costs more than
+that is taken back. It never adds a worker while the process already keeps `SATURATED` of
 every core busy (its CPU time over the window, consumer included): a pipeline that is
 CPU-bound cannot gain from one more thread, and the trial only costs a window of contention
 (W1 float32 on 2 cores, where two workers and the consumer use 1.93 cores: see SATURATED).
 Workers waiting on a cold disk or a network leave cores idle, and there the climb goes on.
-On a machine of ``MIN_HALVING`` cores or more, a first window whose workers keep fewer than
-``HALVE_BELOW`` of a core each busy (threads that wait on the GIL, or on a disk) is followed by
-one at half the workers: kept while it runs as fast (within ``GAIN``), halved again while that
+On a machine of `MIN_HALVING` cores or more, a first window whose workers keep fewer than
+`HALVE_BELOW` of a core each busy (threads that wait on the GIL, or on a disk) is followed by
+one at half the workers: kept while it runs as fast (within `GAIN`), halved again while that
 holds, else the workers come back and the climb goes on from there. W1 on 16 cores (an H200
 host): one worker per core kept 3-6 of the 16 busy, and 8 threads ran 1.1x (float32) and 1.7x
 (int8) the records/s of the 16-18 the climb had settled on.
-``prefetch``, when None, follows
-:func:`default_prefetch` (four batches more than the workers, deeper for small batches) within
-``memory_budget``.
+`prefetch`, when None, follows
+`default_prefetch` (four batches more than the workers, deeper for small batches) within
+`memory_budget`.
 
 Starting lower, at one worker, was measured worse on this loaded 2-core machine: 0.93x the
 records/s of a fixed one-per-core (median of 5 alternated rounds of 2.5 s on W1), as
 0.15 s windows are noisy enough to stop the climb at one.
 
 The choice changes how many batches are prepared at once, never which batches or their
-order. It is kept for the loader's later passes and shown in ``loader.stats().tuning``; a pass
+order. It is kept for the loader's later passes and shown in `loader.stats().tuning`; a pass
 that ends before the climb does (a pass per epoch of a small dataset) hands the climb on to the
 next pass, which goes on from the worker count it stood at.
 """
@@ -112,14 +112,14 @@ SPARE = MAX_PER_WAKE  # room for a whole wake-up's batches beyond one per worker
 
 
 def wanted_prefetch(threads: int, batch_bytes: int) -> int:
-    """Batches in flight by default where ``memory_budget`` does not bind (see above)."""
+    """Batches in flight by default where `memory_budget` does not bind (see above)."""
     deep = -(-IN_FLIGHT_BYTES // max(1, batch_bytes))
     return max(threads + SPARE, min(deep, MAX_PREFETCH))
 
 
 def default_prefetch(threads: int, batch_bytes: int, fits: int) -> int:
-    """Batches in flight by default; at most half of ``fits``, the batches ``memory_budget``
-    holds beside the decoded files a loader keeps (see ``Loader``): the other half lets the
+    """Batches in flight by default; at most half of `fits`, the batches `memory_budget`
+    holds beside the decoded files a loader keeps (see `Loader`): the other half lets the
     pool recycle as many batches as are in flight."""
     return max(1, min(wanted_prefetch(threads, batch_bytes), fits // 2))
 
@@ -133,7 +133,7 @@ class Workers(Protocol):
 
 
 class ThreadTuner:
-    """Hill-climbs the worker count of one pass from what ``__next__`` observes."""
+    """Hill-climbs the worker count of one pass from what `__next__` observes."""
 
     def __init__(
         self,
@@ -171,8 +171,8 @@ class ThreadTuner:
         self._new_window(None)
 
     def _new_window(self, since: float | None, *, restart: bool = False) -> None:
-        """Start counting a measuring window at ``since`` (None: once a look-ahead's worth of
-        batches has gone by, counted afresh); ``restart``: the same window again."""
+        """Start counting a measuring window at `since` (None: once a look-ahead's worth of
+        batches has gone by, counted afresh); `restart`: the same window again."""
         if not restart:
             self._restarts = 0
         if since is None:
@@ -183,17 +183,17 @@ class ThreadTuner:
         self._wait = self._used = 0.0
 
     def prefetch_for(self, threads: int) -> int:
-        """The loader's default for ``threads`` workers (:func:`default_prefetch`)."""
+        """The loader's default for `threads` workers (`default_prefetch`)."""
         return default_prefetch(threads, self.batch_bytes, self.fits)
 
     def observe(
         self, workers: Workers, asked: float, got: float, last: float | None, rows: int, fresh: int = 0
     ) -> None:
-        """One batch left ``__next__``; at a window's end, maybe change the worker count.
+        """One batch left `__next__`; at a window's end, maybe change the worker count.
 
-        ``fresh``: how many buffers the pool has made so far. A window in which it made one
+        `fresh`: how many buffers the pool has made so far. A window in which it made one
         starts again once a look-ahead's worth of batches has gone by, the batch that got the
-        buffer among them (at most ``MAX_RESTARTS`` times): a fresh buffer's first touch costs
+        buffer among them (at most `MAX_RESTARTS` times): a fresh buffer's first touch costs
         far more than a batch (25-50 ms for a 16 MiB buffer in a W1 run here, where a batch
         takes ~1 ms; this VM hands free memory back to its host), and a trial of one worker more
         grows the look-ahead by one. Measured with the first touch in it, a third worker on 2

@@ -1,8 +1,8 @@
 """Decode and cast into the output: executes one planned batch into fresh aligned arrays.
 
-Raw fields are read in bulk: straight into the batch with ``os.preadv`` when no cast is
-needed, else cast from a memory map of the file by ``stoker.kernels.cast_into`` (one pass, no
-staging buffer, streaming stores into large batches; ``np.copyto`` where the compiled kernel
+Raw fields are read in bulk: straight into the batch with `os.preadv` when no cast is
+needed, else cast from a memory map of the file by `stoker.kernels.cast_into` (one pass, no
+staging buffer, streaming stores into large batches; `np.copyto` where the compiled kernel
 does not apply). Compressed fields are read by one stream per
 (epoch, group, field); batches take their turn on a stream by tickets handed out in plan
 order, so parallel workers still read each stream front to back exactly once.
@@ -88,14 +88,14 @@ def pass_open_files() -> int:
 
 
 def raise_open_files(wanted: int) -> tuple[int, int] | None:
-    """Raise the soft descriptor limit, within the hard one, until ``_max_open_files()`` covers
-    ``wanted`` files (at most _MAX_OPEN_FILES); (old soft limit, new) where it was raised.
+    """Raise the soft descriptor limit, within the hard one, until `_max_open_files()` covers
+    `wanted` files (at most _MAX_OPEN_FILES); (old soft limit, new) where it was raised.
 
     A global shuffle's batch reads from most of the dataset's files, and a pass keeps at most
-    ``_max_open_files()`` of them open: under the usual soft limit of 1024, 256 of W1-big's 415,
+    `_max_open_files()` of them open: under the usual soft limit of 1024, 256 of W1-big's 415,
     so every batch opened, mapped and unmapped again the files that had been closed (W1-big
-    cold under ``ulimit -Sn 1024``: 11-14k records/s, 27-29k with the limit raised, 2
-    alternated rounds). The soft limit is there for programs that use ``select()``, which
+    cold under `ulimit -Sn 1024`: 11-14k records/s, 27-29k with the limit raised, 2
+    alternated rounds). The soft limit is there for programs that use `select()`, which
     cannot watch a descriptor numbered 1024 or more; only the files stoker opens beyond that
     get such numbers, and a quarter of the limit is still all a pass keeps.
     """
@@ -110,8 +110,8 @@ def raise_open_files(wanted: int) -> tuple[int, int] | None:
 def _max_kept_maps() -> int:
     """Memory maps kept for later epochs (KeptMaps).
 
-    A map made by ``mmap.mmap`` (no compiled kernels) holds a descriptor: as many as
-    ``_max_open_files``. The kernels' ``FileMap`` holds none, so the descriptor limit does not
+    A map made by `mmap.mmap` (no compiled kernels) holds a descriptor: as many as
+    `_max_open_files`. The kernels' `FileMap` holds none, so the descriptor limit does not
     bound it (1024 by default on most Linux systems, so 256 maps: with 400 small files the
     maps were made again on every visit, 0.27 of the ceiling against 0.52 with all kept); it is
     still one of the process's limited memory mappings, a quarter of which are kept at most.
@@ -155,11 +155,11 @@ class KeptMaps:
     A map closed at the end of each epoch is made again in the next, and every page of the file
     is faulted in again: in a loop casting W1's files from their maps (2 threads), maps kept
     across epochs ran 1.21x the records/s of maps made per visit (5 alternated rounds of 3 s;
-    ``MAP_POPULATE`` gained nothing). A pass over several epochs keeps its maps from one to the
-    next; a loader keeps one ``KeptMaps`` for all its passes where maps hold no descriptor
-    (:func:`stoker.kernels.map_file`), so a new pass per epoch (a PyTorch ``for batch in
-    loader`` per epoch, each epoch of Keras' ``fit``) finds them too, and no file stays open
-    between passes; ``Loader.close()`` unmaps them, or their last holder (the loader, or a pass
+    `MAP_POPULATE` gained nothing). A pass over several epochs keeps its maps from one to the
+    next; a loader keeps one `KeptMaps` for all its passes where maps hold no descriptor
+    (`stoker.kernels.map_file`), so a new pass per epoch (a PyTorch `for batch in
+    loader` per epoch, each epoch of Keras' `fit`) finds them too, and no file stays open
+    between passes; `Loader.close()` unmaps them, or their last holder (the loader, or a pass
     still running after its loader was dropped) going away does.
 
     A map is shared while in use, not only kept after: a global shuffle reads from every file
@@ -168,10 +168,10 @@ class KeptMaps:
     epoch: W1 at batch 256 took 110k page faults in 4 s (none in sequential order).
 
     A map is used only for the same file, unchanged (device, inode, mtime and size); at most
-    ``limit`` are kept once nobody holds them (_max_kept_maps). Beyond it the map given back
+    `limit` are kept once nobody holds them (_max_kept_maps). Beyond it the map given back
     last is closed, not the oldest: epochs visit the same files, in the same order unless
     shuffled, so the least recently used map is the one needed soonest, and evicting it would
-    close every map before its next visit; keeping the first ``limit`` finds them on every
+    close every map before its next visit; keeping the first `limit` finds them on every
     epoch whatever the order.
     Thread-safe: a pass's last worker may still be giving maps back while the next pass takes
     them.
@@ -185,9 +185,9 @@ class KeptMaps:
         self._closed = False
 
     def take(self, path: str, ident: _Identity) -> tuple[Any, bool] | None:
-        """The map of ``path`` if it is of this file unchanged, and whether it was idle (kept
+        """The map of `path` if it is of this file unchanged, and whether it was idle (kept
         after its holders had read through it, rather than held by one still reading); give it
-        back with ``put``. A stale map nobody holds is closed."""
+        back with `put`. A stale map nobody holds is closed."""
         stale = None
         with self._lock:
             lent = self._maps.get(path)
@@ -208,9 +208,9 @@ class KeptMaps:
         return None
 
     def lend(self, path: str, ident: _Identity, mapped: Any) -> Any:
-        """Share ``mapped``, a new map of ``path``, with later takers; the map to read through
-        and give back with ``put``: another's of the same file where one came first (``mapped``
-        is then closed), else ``mapped``."""
+        """Share `mapped`, a new map of `path`, with later takers; the map to read through
+        and give back with `put`: another's of the same file where one came first (`mapped`
+        is then closed), else `mapped`."""
         extra = None
         with self._lock:
             lent = self._maps.get(path)
@@ -231,7 +231,7 @@ class KeptMaps:
         return mapped
 
     def put(self, path: str, ident: _Identity, mapped: Any) -> None:
-        """Give back a map (from ``take`` or ``lend``, or made apart), kept once nobody holds it."""
+        """Give back a map (from `take` or `lend`, or made apart), kept once nobody holds it."""
         closing = []
         with self._lock:
             lent = self._maps.get(path)
@@ -264,7 +264,7 @@ class KeptMaps:
 
     def close(self) -> None:
         """Unmap every map nobody holds; the others are unmapped as they are given back, and
-        later ``lend`` and ``put`` calls close what they are given. Idempotent."""
+        later `lend` and `put` calls close what they are given. Idempotent."""
         with self._lock:
             self._closed = True
             idle = [k for k, v in self._maps.items() if v.users == 0]
@@ -277,12 +277,12 @@ class KeptMaps:
 class KeptDecoded:
     """Compressed files decoded whole and verified, kept by (field, path) for later epochs.
 
-    A label file decoded whole (``VERIFY_WHOLE_BYTES``) was inflated again in every epoch:
+    A label file decoded whole (`VERIFY_WHOLE_BYTES`) was inflated again in every epoch:
     on W1 ~3 us per batch of worker time, and per-batch worker Python costs 2-3x as much in
     the loop as alone (the copies between evict its caches, and workers wait on the GIL). Kept
     only for a file that decoded clean (every record, CRC and end checked), reused only while
     the file is the one decoded (device, inode, mtime and size), never written (batches get
-    copies), and at most ``limit`` bytes of them, the least recently used dropped first.
+    copies), and at most `limit` bytes of them, the least recently used dropped first.
     Thread-safe; shared by a loader's passes.
     """
 
@@ -342,7 +342,7 @@ def _identity_of(st: os.stat_result, size: int) -> _Identity:
 
 
 def loader_kept_maps() -> KeptMaps | None:
-    """A ``KeptMaps`` for a loader to share between its passes, or None where maps hold a
+    """A `KeptMaps` for a loader to share between its passes, or None where maps hold a
     descriptor (no compiled kernels): each pass then keeps its own and closes them with it."""
     return None if maps_hold_descriptors() else KeptMaps()
 
@@ -359,7 +359,7 @@ _MAX_LOOKAHEAD = 1024
 def _looking_ahead(
     plans: Iterator[BatchPlan], want: Callable[[BatchPlan], None], room: Callable[[], bool]
 ) -> Iterator[BatchPlan]:
-    """``plans``, each passed to ``want`` before it is handed on, as many ahead as ``room()`` allows
+    """`plans`, each passed to `want` before it is handed on, as many ahead as `room()` allows
     (at least the one handed on). A planning error comes after the plans before it."""
     waiting: collections.deque[BatchPlan] = collections.deque()
     error: BaseException | None = None
@@ -386,8 +386,8 @@ def _looking_ahead(
 
 def _by_file(gather: Gather) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]:
     """A gather sorted by (group, record), so each file is visited once, front to back:
-    ``(order, groups, index, spans)``, record ``k`` of the sorted ones going to row
-    ``order[k]``, ``spans`` the ``[a, b)`` stretches of one group each."""
+    `(order, groups, index, spans)`, record `k` of the sorted ones going to row
+    `order[k]`, `spans` the `[a, b)` stretches of one group each."""
     order = np.lexsort((gather.index, gather.groups))
     groups, index = gather.groups[order], gather.index[order]
     cuts = (np.flatnonzero(np.diff(groups)) + 1).tolist()
@@ -396,7 +396,7 @@ def _by_file(gather: Gather) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[t
 
 
 def _cut(name: str, info: FileInfo, size: int) -> CorruptDataError:
-    """The error for a raw file found ``size`` bytes long, shorter than when the Dataset was built."""
+    """The error for a raw file found `size` bytes long, shorter than when the Dataset was built."""
     return CorruptDataError(
         f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset was built; "
         "the file was truncated after the Dataset was built",
@@ -437,15 +437,15 @@ class _RawFile:
 class _Stream:
     """One compressed file being read front to back; batches take turns by ticket.
 
-    A file small enough to be decoded whole (``unordered``) needs no turns: it is decoded
+    A file small enough to be decoded whole (`unordered`) needs no turns: it is decoded
     once, by whichever batch gets there first, and each batch copies its own rows in any
-    order. ``serving`` then counts the runs done, and the decoded records are dropped with
+    order. `serving` then counts the runs done, and the decoded records are dropped with
     the stream once the group's final run has been issued and every issued run is done.
     """
 
     def __init__(self, *, unordered: bool = False) -> None:
-        # ``lock`` alone where nobody waits (tickets, an unordered stream's count): a plain
-        # lock's ``with`` runs in C, a Condition's in Python, on every run of every batch.
+        # `lock` alone where nobody waits (tickets, an unordered stream's count): a plain
+        # lock's `with` runs in C, a Condition's in Python, on every run of every batch.
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.issued = 0  # tickets handed out (in plan order, by the dispatcher)
@@ -461,7 +461,7 @@ class _Stream:
         self.abandoned: set[int] = set()  # tickets of failed batches, skipped when their turn comes
 
     def advance(self) -> None:
-        """End the current turn (caller holds ``cond``), skipping abandoned tickets."""
+        """End the current turn (caller holds `cond`), skipping abandoned tickets."""
         self.serving += 1
         while self.serving in self.abandoned:
             self.abandoned.discard(self.serving)
@@ -473,7 +473,7 @@ class _Stream:
             self.failed_at = ticket
 
     def failed_before(self, ticket: int) -> bool:
-        """True when a batch planned before ``ticket``'s (or its own) failed on this stream."""
+        """True when a batch planned before `ticket`'s (or its own) failed on this stream."""
         return self.failed_at is not None and self.failed_at <= ticket
 
     def abandon(self, ticket: int) -> None:
@@ -512,16 +512,16 @@ class Task:
 def _bytes_of(dst: np.ndarray) -> memoryview:
     """A C-contiguous array's memory as bytes, to read into; also for dtypes numpy exports no
     buffer for (ml_dtypes' bfloat16). Never a copy: a strided array is refused, as
-    ``memoryview(dst).cast("B")`` refused it."""
+    `memoryview(dst).cast("B")` refused it."""
     if not dst.flags.c_contiguous:
         raise TypeError("a read goes straight into a C-contiguous array, never into a copy")
     return memoryview(dst.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def fill_padding(out: dict[str, np.ndarray], valid: int) -> None:
-    """pad_last: zero the padding rows ``valid..`` of every array, mark them in ``__valid__``.
+    """pad_last: zero the padding rows `valid..` of every array, mark them in `__valid__`.
 
-    ``__group__`` / ``__index__`` of padding rows are -1, so they never name a real record.
+    `__group__` / `__index__` of padding rows are -1, so they never name a real record.
     """
     for name, arr in out.items():
         if name == VALID_KEY:
@@ -578,7 +578,7 @@ class Assembler:
         self._local = threading.local()
         self._epoch = -1
         # "global" shuffle: compressed fields decoded once into memory, per group, except
-        # ``seek_fields`` (set by the loader when they do not fit its memory budget): read
+        # `seek_fields` (set by the loader when they do not fit its memory budget): read
         # record by record from the persistent index's seek points.
         self.seek_fields: frozenset[str] = frozenset()
         self._resident: dict[tuple[int, str], tuple[np.ndarray, int]] = {}  # with its address
@@ -608,14 +608,14 @@ class Assembler:
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
     def fetching_ahead(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
-        """``plans``, the byte ranges they read from remote files asked of the fetcher ahead of
+        """`plans`, the byte ranges they read from remote files asked of the fetcher ahead of
         the workers (stoker.fetch), as far as its room reaches; unchanged without remote files."""
         if not self._remote:
             return plans
         return _looking_ahead(plans, self._want, self.fetcher.room)
 
     def _want(self, plan: BatchPlan) -> None:
-        """Ask for the remote bytes ``plan`` reads, as its batch will read them: a raw run's
+        """Ask for the remote bytes `plan` reads, as its batch will read them: a raw run's
         records, a gather's coalesced stretches, a compressed stream's head where it opens."""
         fetcher = self.fetcher
         epoch, heads = self._heads
@@ -747,7 +747,7 @@ class Assembler:
         self, task: Task, i: int, run: Run, out: dict[str, np.ndarray], taken: set[tuple[int, str]],
         together: frozenset[str] = frozenset(),
     ) -> None:  # fmt: skip
-        """Run ``i`` of the task's batch, every field but those ``together`` (read already,
+        """Run `i` of the task's batch, every field but those `together` (read already,
         but for an empty run)."""
         plan = task.plan
         infos = self.catalog.files[run.group]
@@ -794,10 +794,10 @@ class Assembler:
         return frozenset(names)
 
     def _read_raws(self, epoch: int, runs: list[Run], name: str, spec: Field, dst: np.ndarray) -> None:
-        """Runs ``runs`` (none empty) of local raw field ``name`` into ``dst``: the files held,
+        """Runs `runs` (none empty) of local raw field `name` into `dst`: the files held,
         their sizes read and let go in one call or lock round each, the records copied (cast)
-        by one :func:`gather_runs`. A first visit of an uncast run reads with preadv, as
-        ``_read_raw`` does."""
+        by one `gather_runs`. A first visit of an uncast run reads with preadv, as
+        `_read_raw` does."""
         rb = spec.record_bytes
         infos = [self.catalog.files[run.group][name] for run in runs]
         held = self._hold(epoch, name, infos)
@@ -837,7 +837,7 @@ class Assembler:
 
     @staticmethod
     def _faulted(held: Sequence[_RawFile], e: OSError) -> int:
-        """Which of ``held`` a MapFault ``e`` read from: the map holding its address, else the
+        """Which of `held` a MapFault `e` read from: the map holding its address, else the
         first file now shorter than it was (their sizes read again), else the first."""
         at = getattr(e, "address", 0)
         for k, f in enumerate(held):
@@ -859,7 +859,7 @@ class Assembler:
             out[INDEX_KEY][: len(index)] = plan.gather.index
 
     def _advise(self, plan: BatchPlan) -> None:
-        """Ask the disk for the records of ``plan``'s gather in local raw files (see
+        """Ask the disk for the records of `plan`'s gather in local raw files (see
         Readahead.before_gather): a task does it for a batch a few ahead of its own."""
         if plan.gather is None or not self.readahead.gathers_ahead:
             return
@@ -885,8 +885,8 @@ class Assembler:
         self, epoch: int, name: str, spec: Field, dst: np.ndarray, order: np.ndarray, groups: np.ndarray,
         index: np.ndarray, spans: list[tuple[int, int]],
     ) -> None:  # fmt: skip
-        """``dst[order[k]]`` = record ``index[k]`` of group ``groups[k]``, sorted by group then
-        record, ``spans`` the runs of one group.
+        """`dst[order[k]]` = record `index[k]` of group `groups[k]`, sorted by group then
+        record, `spans` the runs of one group.
 
         Records of local raw files and of compressed files held in memory are copied by one
         kernel call over their addresses: per group there is only the file to hold and its
@@ -964,7 +964,7 @@ class Assembler:
             kept.clear()
 
     def _raw_of(self, name: str, groups: list[int]) -> tuple[list[FileInfo], list[bool], list[FileInfo]]:
-        """Field ``name``'s file of each group, whether each is a local raw file (read through
+        """Field `name`'s file of each group, whether each is a local raw file (read through
         its map), and those files alone (what a gather holds)."""
         infos = [self.catalog.files[g][name] for g in groups]
         raw = [info.compression is None and not is_remote(info.path) for info in infos]
@@ -988,14 +988,14 @@ class Assembler:
     def _gather_truncated(
         self, name: str, info: FileInfo, spec: Field, g: int, local: np.ndarray, size: int
     ) -> CorruptDataError:
-        """The error for a gather of records ``local`` (ascending) from a file now ``size`` bytes
+        """The error for a gather of records `local` (ascending) from a file now `size` bytes
         long: it names the first record asked for that the file no longer holds."""
         whole = max(0, size - spec.header_bytes) // spec.record_bytes
         first = int(local[min(len(local) - 1, int(np.searchsorted(local, whole)))])
         return self._truncated(name, info, spec, Run(g, first, len(local), 0, False), size)
 
     def _resident_array(self, name: str, spec: Field, info: FileInfo, g: int) -> tuple[np.ndarray, int]:
-        """Group ``g``'s compressed file of field ``name`` decoded whole, and its address."""
+        """Group `g`'s compressed file of field `name` decoded whole, and its address."""
         key = (g, name)
         held = self._resident.get(key)
         if held is not None:
@@ -1022,7 +1022,7 @@ class Assembler:
         return held
 
     def _held_again(self, epoch: int, path: str) -> _RawFile | None:
-        """The pass's open file of ``path``, held once more (caller holds ``_lock``), or None."""
+        """The pass's open file of `path`, held once more (caller holds `_lock`), or None."""
         f = self._files.get((epoch, path))
         if f is not None:
             self._files.move_to_end((epoch, path))
@@ -1083,9 +1083,9 @@ class Assembler:
         return f
 
     def _hold(self, epoch: int, name: str, infos: list[FileInfo]) -> list[_RawFile]:
-        """``_acquire`` of each raw file of ``infos``: those open already in one lock round (a
+        """`_acquire` of each raw file of `infos`: those open already in one lock round (a
         global shuffle's batch reads from hundreds on W1-big), the others opened one by one. On
-        an error, what was held is let go. Give them back with ``_let_go``."""
+        an error, what was held is let go. Give them back with `_let_go`."""
         held: list[_RawFile | None] = [None] * len(infos)
         with self._lock:
             for k, info in enumerate(infos):
@@ -1100,7 +1100,7 @@ class Assembler:
         return held  # type: ignore[return-value]  # every one acquired
 
     def _let_go(self, epoch: int, infos: list[FileInfo], held: Sequence[_RawFile | None]) -> None:
-        """``_release`` (not counted as a run) of files held by ``_hold``, in one lock round."""
+        """`_release` (not counted as a run) of files held by `_hold`, in one lock round."""
         with self._lock:
             for info, f in zip(infos, held, strict=True):
                 if f is not None:
@@ -1118,7 +1118,7 @@ class Assembler:
                 excess -= 1
 
     def _run_done(self, epoch: int, path: str) -> None:
-        """One planned run of ``path`` is done (caller holds ``_lock``)."""
+        """One planned run of `path` is done (caller holds `_lock`)."""
         key = (epoch, path)
         left = self._pending.get(key, 0) - 1
         if left > 0:
@@ -1131,8 +1131,8 @@ class Assembler:
             self._released(epoch, info, f, final, counted=counted)
 
     def _released(self, epoch: int, info: FileInfo, f: _RawFile, final: bool, *, counted: bool = True) -> None:
-        """A hold of ``f`` is over (caller holds ``_lock``): ``final``, its file's last run;
-        ``counted``, one of its planned runs (``_let_go`` gives back holds that were neither)."""
+        """A hold of `f` is over (caller holds `_lock`): `final`, its file's last run;
+        `counted`, one of its planned runs (`_let_go` gives back holds that were neither)."""
         f.refs -= 1
         f.done = f.done or final
         if counted:
@@ -1140,8 +1140,8 @@ class Assembler:
         self._close_if_done(epoch, info, f)
 
     def _close_if_done(self, epoch: int, info: FileInfo, f: _RawFile) -> None:
-        """Close ``f`` once its final run is done, nobody holds it and no run of it is still to
-        come (caller holds ``_lock``)."""
+        """Close `f` once its final run is done, nobody holds it and no run of it is still to
+        come (caller holds `_lock`)."""
         if f.done and f.refs == 0 and (epoch, info.path) not in self._pending:
             if self._files.get((epoch, info.path)) is f:
                 del self._files[(epoch, info.path)]
@@ -1149,7 +1149,7 @@ class Assembler:
 
     def _close_file(self, path: str, f: _RawFile) -> None:
         """Close a raw file, giving its memory map back to be kept for the next epoch where that
-        pays (see KeptMaps; caller holds ``_lock``, or the pass is closing).
+        pays (see KeptMaps; caller holds `_lock`, or the pass is closing).
 
         Kept only while the dataset fits the page cache: with drop-behind its pages are evicted
         for good, and a map would only hold the address space.
@@ -1216,8 +1216,8 @@ class Assembler:
             self._release(epoch, info, f, run.final)
 
     def _copy_mapped(self, spec: Field, run: Run, f: _RawFile, offset: int, dst: np.ndarray, put: Any) -> None:
-        """Run ``run`` from ``f``'s map at byte ``offset`` into ``dst``, cast or transformed
-        (``put``), by a compiled kernel: a SIGBUS in its reads (the file cut short meanwhile)
+        """Run `run` from `f`'s map at byte `offset` into `dst`, cast or transformed
+        (`put`), by a compiled kernel: a SIGBUS in its reads (the file cut short meanwhile)
         raises MapFault. Where only numpy could do it, whose reads of a map cannot be guarded,
         the records are first copied out of the map (stoker.kernels.copy_records)."""
         rb = spec.record_bytes
@@ -1254,7 +1254,7 @@ class Assembler:
             del rows, records
 
     def _map_fault(self, name: str, info: FileInfo, spec: Field, run: Run, f: _RawFile, e: OSError) -> StokerError:
-        """The error for a bus error reading ``f``'s map during run ``run``: the file cut short
+        """The error for a bus error reading `f`'s map during run `run`: the file cut short
         (a CorruptDataError, as the size check gives) or, still whole, a failed read."""
         e.__traceback__ = None  # its frames hold views of the map, which could then not be closed
         now = file_size(f.fd)
@@ -1267,7 +1267,7 @@ class Assembler:
     def _pread(
         self, name: str, spec: Field, info: FileInfo, run: Run, f: _RawFile, dst: np.ndarray, offset: int
     ) -> None:
-        """Run ``run`` (every record, uncast) copied into ``dst`` by preadv from ``offset``."""
+        """Run `run` (every record, uncast) copied into `dst` by preadv from `offset`."""
         flush_wake()  # see stoker.engine: about to give the GIL up, maybe wait on the disk
         view = _bytes_of(dst)
         nbytes, done = run.count * spec.record_bytes, 0
@@ -1310,7 +1310,7 @@ class Assembler:
             del src
 
     def _remote_records(self, name: str, spec: Field, info: FileInfo, local: np.ndarray) -> np.ndarray:
-        """Records ``local`` (sorted) of a remote raw file, for a gather."""
+        """Records `local` (sorted) of a remote raw file, for a gather."""
         raw = self.fetcher.read_records(
             info.path,
             spec.storage_options,
@@ -1411,7 +1411,7 @@ class Assembler:
     def _open_stream(
         self, name: str, spec: Field, info: FileInfo, stream: _Stream, seek: tuple[int, SeekPoint] | None = None
     ) -> Inflater:
-        """Open the stream at its start, or at ``seek = (record, seek point at or before it)``."""
+        """Open the stream at its start, or at `seek = (record, seek point at or before it)`."""
         if stream.inflater is not None:
             stream.inflater.close()
         assert info.compression is not None
@@ -1449,7 +1449,7 @@ class Assembler:
         return inf
 
     def redoable(self, plan: BatchPlan) -> bool:
-        """Whether ``plan`` can be assembled again, or its runs split between batches: it reads
+        """Whether `plan` can be assembled again, or its runs split between batches: it reads
         no compressed stream in turns (only raw files and files decoded whole, whose records
         any batch copies in any order)."""
         return all(self._redoable_group(run.group) for run in plan.runs)
@@ -1464,7 +1464,7 @@ class Assembler:
         return known
 
     def _whole_able(self, name: str, group: int) -> bool:
-        """Whether the group's file of ``name`` is decoded and verified whole (no turns)."""
+        """Whether the group's file of `name` is decoded and verified whole (no turns)."""
         spec = self.fields[name]
         expected = self.catalog.count(group)
         return spec.header_bytes + expected * spec.record_bytes + spec.footer_bytes <= VERIFY_WHOLE_BYTES
@@ -1484,7 +1484,7 @@ class Assembler:
             self._read_span(name, spec, info, run, stream, dst, cast=self._cast[name] or run.step != 1)
 
     def _seek_point(self, group: int, name: str, spec: Field, record: int) -> tuple[int, SeekPoint] | None:
-        """The persistent index's last seek point at or before ``record`` (resume mid-file), if any."""
+        """The persistent index's last seek point at or before `record` (resume mid-file), if any."""
         points = self.catalog.seek_points.get((group, name))
         if not points or not record:
             return None
@@ -1523,7 +1523,7 @@ class Assembler:
                         del self._streams[(epoch, run.group, name)]
 
     def _kept_or_decoded(self, name: str, spec: Field, info: FileInfo, group: int) -> _Whole:
-        """The group's file of ``name`` decoded whole: kept from an earlier epoch, or decoded now.
+        """The group's file of `name` decoded whole: kept from an earlier epoch, or decoded now.
 
         One decode at a time per file: epochs overlap when they are short (several batches
         assembled together can be a whole epoch, see stoker.loader.COALESCE_BYTES), and the
@@ -1595,7 +1595,7 @@ class Assembler:
     def _read_span(
         self, name: str, spec: Field, info: FileInfo, run: Run, stream: _Stream, dst: np.ndarray, *, cast: bool
     ) -> None:
-        """Read records ``run.start .. run.stop`` of the stream, keeping every ``run.step``-th."""
+        """Read records `run.start .. run.stop` of the stream, keeping every `run.step`-th."""
         rb = spec.record_bytes
         inf = stream.inflater
         assert inf is not None

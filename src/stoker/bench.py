@@ -1,37 +1,37 @@
 """Measure stoker against the machine's own ceiling on the same files, in the same run.
 
-Each contender runs in a fresh child process (``python -m stoker.bench CONTENDER JSON``)
+Each contender runs in a fresh child process (`python -m stoker.bench CONTENDER JSON`)
 so one cannot warm or starve the other through shared state; rounds alternate the
 contenders because this kind of machine drifts by tens of percent within a minute.
 
 The ceiling is the fastest of a few simple loops over the raw bytes of the widest raw
 field, one thread per core, each producing resident ndarrays of the loader's output
 dtype, batch by batch. A buffer reused per thread (the output, the staging buffer) is memory
-as stoker's batches get (:func:`output_buffer`: page aligned, huge pages advised):
+as stoker's batches get (`output_buffer`: page aligned, huge pages advised):
 
-- ``mmap_cast``: ``np.copyto`` with casting straight from a memory map of the file into
+- `mmap_cast`: `np.copyto` with casting straight from a memory map of the file into
   an output buffer reused per thread (one pass);
-- ``mmap_cast_fresh``: the same into a fresh ``np.empty`` per batch;
-- ``preadv_cast``: whole-batch ``os.preadv`` into a staging buffer, then ``np.copyto``;
-- ``mmap_stream``: ``stoker.kernels.cast_into`` (the compiled cast stoker itself uses, with
-  streaming stores; a plain ``memcpy`` when no cast) straight from a memory map into an
-  output buffer reused per thread. Without the compiled kernels it is ``mmap_cast`` again.
-- ``mmap_kept``: ``mmap_stream`` with each file mapped once for the whole run instead of at
+- `mmap_cast_fresh`: the same into a fresh `np.empty` per batch;
+- `preadv_cast`: whole-batch `os.preadv` into a staging buffer, then `np.copyto`;
+- `mmap_stream`: `stoker.kernels.cast_into` (the compiled cast stoker itself uses, with
+  streaming stores; a plain `memcpy` when no cast) straight from a memory map into an
+  output buffer reused per thread. Without the compiled kernels it is `mmap_cast` again.
+- `mmap_kept`: `mmap_stream` with each file mapped once for the whole run instead of at
   every visit, so a file read again finds its pages mapped already (no page faults, no
-  unmapping): 1.21x ``mmap_stream`` on W1 (float32, 2 threads). stoker keeps its maps across
+  unmapping): 1.21x `mmap_stream` on W1 (float32, 2 threads). stoker keeps its maps across
   epochs the same way where the dataset fits the page cache.
 
-For a compressed field the ceiling is ``inflate_cast``: each file inflated front to back, a
+For a compressed field the ceiling is `inflate_cast`: each file inflated front to back, a
 batch at a time, by the fastest inflate installed (isal, else zlib) straight into a reused
-staging buffer, then cast into the output by ``stoker.kernels.cast_into`` (no engine, no
+staging buffer, then cast into the output by `stoker.kernels.cast_into` (no engine, no
 pairing, no checks).
-With ``evict`` in the config, every file's pages are dropped from the page cache first
+With `evict` in the config, every file's pages are dropped from the page cache first
 (cold-cache runs: the ceiling is then a cold read plus the cast).
 
-``warmup`` in a config (seconds, for stoker and the ceiling alike) runs the contender that
-long before its timed ``seconds`` begin, so both are measured in their steady state: the
+`warmup` in a config (seconds, for stoker and the ceiling alike) runs the contender that
+long before its timed `seconds` begin, so both are measured in their steady state: the
 start-up (threads, first maps of the files, first touch of new buffers, decoding the label
-files, autotune's first window) is left out of both. ``warmup: true`` leaves out stoker's
+files, autotune's first window) is left out of both. `warmup: true` leaves out stoker's
 first batch only.
 """
 
@@ -92,7 +92,7 @@ class Measurement:
 
 
 class _Tally:
-    """Records a ceiling thread makes, counted from the first batch done at or after ``begin``."""
+    """Records a ceiling thread makes, counted from the first batch done at or after `begin`."""
 
     __slots__ = ("base", "begun", "ended", "n")
 
@@ -103,7 +103,7 @@ class _Tally:
         self.ended = 0.0
 
     def add(self, k: int, begin: float, until: float) -> bool:
-        """Count ``k`` records; True once the timed window is over."""
+        """Count `k` records; True once the timed window is over."""
         self.n += k
         now = time.perf_counter()
         if self.begun is None and now >= begin:
@@ -115,7 +115,7 @@ class _Tally:
 def output_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A ceiling loop's reused buffer: memory as stoker's own batches get (page aligned, advised
     to use transparent huge pages from 2 MiB, stoker.engine.HUGE_PAGE_MIN_BYTES). Into it the
-    kept-map loop ran 1.04x (1.02..1.05) its records/s into ``np.empty``'s buffer (W1 float32,
+    kept-map loop ran 1.04x (1.02..1.05) its records/s into `np.empty`'s buffer (W1 float32,
     2 threads, 5 alternated rounds): a ceiling on plain malloc'd memory was that much too low."""
     return AlignedPool(0).array(shape, dtype)
 
@@ -250,7 +250,7 @@ def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _warmup_seconds(cfg: dict[str, Any]) -> float:
-    """The config's warm-up in seconds (``true``: none beyond stoker's first batch)."""
+    """The config's warm-up in seconds (`true`: none beyond stoker's first batch)."""
     w = cfg.get("warmup") or 0
     return 0.0 if w is True else float(w)
 
@@ -270,12 +270,12 @@ def time_batches(
     step: Callable[[], None] | None = None,
     sync: Callable[[Any], None] | None = None,
 ) -> dict[str, float]:
-    """Records per second of ``batches`` in their steady state, for the benchmark scripts' children.
+    """Records per second of `batches` in their steady state, for the benchmark scripts' children.
 
-    The first batch, then every batch until ``warmup`` seconds after ``began`` (default: now;
+    The first batch, then every batch until `warmup` seconds after `began` (default: now;
     pass the time before the pipeline was built to count its start-up into the warm-up), run
-    unmeasured; then ``seconds`` are timed. ``step()`` runs after each batch but the first (a
-    consumer's own work); ``sync(batch)`` waits for a device before the clock starts and stops.
+    unmeasured; then `seconds` are timed. `step()` runs after each batch but the first (a
+    consumer's own work); `sync(batch)` waits for a device before the clock starts and stops.
     """
     began = time.perf_counter() if began is None else began
     batch = next(batches)
@@ -298,7 +298,7 @@ def time_batches(
 
 
 def burn(seconds: float) -> None:
-    """Keep this thread on the CPU for ``seconds``, as a training step on the host would."""
+    """Keep this thread on the CPU for `seconds`, as a training step on the host would."""
     end = time.thread_time() + seconds
     x = 0
     while time.thread_time() < end:
@@ -307,7 +307,7 @@ def burn(seconds: float) -> None:
 
 
 def _drain_until(batches: Iterator[Any], until: float, busy: float) -> None:
-    """Take batches until ``until`` (each followed by ``busy`` seconds of work), holding none after.
+    """Take batches until `until` (each followed by `busy` seconds of work), holding none after.
 
     A batch still referenced when the clock starts, as a loop variable left over from the
     warm-up would be, keeps the buffer it shares with the batches assembled beside it: the pool
@@ -332,7 +332,7 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         _evict_page_cache([i.path for infos in ds.files for i in infos.values()])
     busy = float(cfg.get("busy_ms") or 0) / 1000
     shuffle: Any = cfg.get("shuffle") or False
-    # pass_per_epoch: ``for epoch ...: for batch in loader`` (PyTorch's way, and Keras' fit over
+    # pass_per_epoch: `for epoch ...: for batch in loader` (PyTorch's way, and Keras' fit over
     # to_tf): each epoch is a new pass, its start-up timed with the rest.
     per_epoch = bool(cfg.get("pass_per_epoch"))
     # Cold: one epoch at most, since a second one would find the first one's pages cached.
@@ -393,11 +393,11 @@ def _evict_page_cache(paths: Sequence[str]) -> None:
 
 
 def child_json(name: str, args: Sequence[str], *, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``python args...`` in a fresh process and return the JSON object on the last line it
-    prints; a RuntimeError naming ``name``, with the end of its stderr, if it fails. Every
+    """Run `python args...` in a fresh process and return the JSON object on the last line it
+    prints; a RuntimeError naming `name`, with the end of its stderr, if it fails. Every
     benchmark child (this module's and the scripts' under benchmarks/) is run this way.
 
-    ``env``: variables set for the child on top of this process's environment.
+    `env`: variables set for the child on top of this process's environment.
     """
     proc = subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, check=False,
@@ -410,7 +410,7 @@ def child_json(name: str, args: Sequence[str], *, env: dict[str, str] | None = N
 
 
 def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
-    """Run one contender for ``cfg['seconds']`` in a fresh process and return its figures."""
+    """Run one contender for `cfg['seconds']` in a fresh process and return its figures."""
     out = child_json(contender, ["-m", "stoker.bench", contender, json.dumps(cfg)])
     return Measurement(
         contender, out["records"], out["seconds"], out["bytes_read"], out.get("stats"), out.get("cpu_seconds", 0.0),
@@ -421,7 +421,7 @@ def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
 def measure(
     contenders: dict[str, dict[str, Any]], *, rounds: int, on_result: Callable[[int, Measurement], None] | None = None
 ) -> dict[str, list[Measurement]]:
-    """Alternate every contender once per round, ``rounds`` times."""
+    """Alternate every contender once per round, `rounds` times."""
     results: dict[str, list[Measurement]] = {name: [] for name in contenders}
     for r in range(rounds):
         order = list(contenders) if r % 2 == 0 else list(reversed(contenders))

@@ -1,4 +1,4 @@
-"""The ``stoker`` command: a thin layer over the public API (sample, inspect, index, bench)."""
+"""The `stoker` command: a thin layer over the public API (sample, inspect, index, bench)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ _COMPRESSION_WORDS = {"gzip": "gzip", "zlib": "zlib", "none": None, "raw": None,
 
 
 def parse_field(text: str) -> dict[str, Any]:
-    """``NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]`` (shape as ``128x128x1``) -> field settings."""
+    """`NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]` (shape as `128x128x1`) -> field settings."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
         raise SpecError(f"--field {text!r} must look like NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]")
@@ -77,7 +77,7 @@ def _fields_from_config(path: str) -> list[dict[str, Any]]:
 def dataset_from_fields(
     specs: Sequence[Mapping[str, Any]], *, pair_key: str | None = None, index: str = "auto"
 ) -> Dataset:
-    """A Dataset from field settings as ``parse_field`` or a config file give them."""
+    """A Dataset from field settings as `parse_field` or a config file give them."""
     return Dataset(_fields(specs), pair_key=pair_key, index=index)
 
 
@@ -110,7 +110,7 @@ def _field_specs(args: argparse.Namespace) -> list[dict[str, Any]] | None:
 
 
 def _sample_fields(directory: Path, inrez: int | None) -> list[dict[str, Any]]:
-    """A sample directory's fields: from its ``stoker.toml`` unless ``--inrez`` says otherwise.
+    """A sample directory's fields: from its `stoker.toml` unless `--inrez` says otherwise.
 
     Where it has none, the `stoker sample` layout is assumed, and that is said on stderr."""
     specs, layout, assumed = _sample_layout(directory, inrez)
@@ -146,7 +146,7 @@ def _sample_layout(directory: Path, inrez: int | None) -> tuple[list[dict[str, A
 
 class _Progress:
     """Progress of a long step on stderr: a bar redrawn in place on a terminal; elsewhere (a
-    log, a pipe) a plain line at most every ``LINE_SECONDS``, and one at the end."""
+    log, a pipe) a plain line at most every `LINE_SECONDS`, and one at the end."""
 
     LINE_SECONDS = 10.0
     WIDTH = 30
@@ -233,8 +233,8 @@ def _inspect_rows(
 ) -> tuple[Dataset | None, list[dict[str, Any]], dict[str, Any]]:
     """(the Dataset where it builds, one row per group, the fields' layouts).
 
-    A row: ``group``, ``records`` (None where unknown), ``files`` (per field: path, bytes,
-    compression, and the word marking a bad file), ``problem`` (the error's text). Where one
+    A row: `group`, `records` (None where unknown), `files` (per field: path, bytes,
+    compression, and the word marking a bad file), `problem` (the error's text). Where one
     bad file stops the whole Dataset from building, each group is looked at on its own, so
     the other groups' rows are still there.
     """
@@ -302,7 +302,7 @@ def _file_bytes(path: str) -> int | None:
 
 
 def _fail(row: dict[str, Any], e: StokerError) -> None:
-    """Say in ``row`` why its group cannot be read, marking the file the error names (a count
+    """Say in `row` why its group cannot be read, marking the file the error names (a count
     mismatch is the group's, not one file's)."""
     row["status"], row["problem"] = _problem_word(e), f"{type(e).__name__}: {e}"
     if not isinstance(e, PairingError):
@@ -420,7 +420,7 @@ def _print_summary(rows: list[dict[str, Any]], names: list[str]) -> None:
 def _values(
     ds: Dataset | None, specs: list[dict[str, Any]], rows: list[dict[str, Any]], count: int, offset: int
 ) -> list[tuple[int, dict[str, np.ndarray]]]:
-    """``count`` records from record ``offset`` on, over the groups that can be read."""
+    """`count` records from record `offset` on, over the groups that can be read."""
     good = [r["group"] for r in rows if r["problem"] is None]
     if not good:
         return []
@@ -478,7 +478,7 @@ def _bench_cache() -> Path:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    """``stoker bench --compare``: benchmarks/compare.py of the source checkout stoker runs from."""
+    """`stoker bench --compare`: benchmarks/compare.py of the source checkout stoker runs from."""
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
     if not script.is_file():
         raise SpecError(f"--compare runs {script}, which is not there: run it from a source checkout of stoker")
@@ -823,8 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse_cast(text: str | None) -> str | dict[str, str] | None:
-    """``--cast``: one dtype for every field, ``NAME=DTYPE[,NAME=DTYPE]`` (the loader's cast map),
-    or ``none`` (the stored dtypes: None)."""
+    """`--cast`: one dtype for every field, `NAME=DTYPE[,NAME=DTYPE]` (the loader's cast map),
+    or `none` (the stored dtypes: None)."""
     if text is None or text in ("none", "None", ""):
         return None
     if "=" not in text:

@@ -25,7 +25,7 @@ __all__ = ["Dataset"]
 class Dataset:
     """Records of several fields stored in parallel files: group i is the i-th file of each.
 
-    ``Dataset()`` expands the globs, pairs the files, and checks raw file sizes. Counts of
+    `Dataset()` expands the globs, pairs the files, and checks raw file sizes. Counts of
     compressed files are settled lazily (from the gzip trailer when it agrees with the other
     fields, else by decompressing when the group is first needed), so building a Dataset of
     many groups reads no compressed data.
@@ -34,11 +34,11 @@ class Dataset:
         fields: a mapping of name -> Field, or the fields as keyword arguments.
         pair_key: a regex whose first group (or whole match) taken from each basename must be
             equal across a group's files; default: the numbers in the basenames must agree
-            where both carry numbers. ``""`` disables the check.
-        index: the persistent index (:mod:`stoker.index`): "auto" uses it where it matches
+            where both carry numbers. `""` disables the check.
+        index: the persistent index (`stoker.index`): "auto" uses it where it matches
             the files and raises StaleIndexError where it does not; "rebuild" rewrites stale,
             missing or malformed entries; "ignore" never reads it.
-        index_dir: where the index lives: None (default) means ``$STOKER_INDEX_DIR`` if set,
+        index_dir: where the index lives: None (default) means `$STOKER_INDEX_DIR` if set,
             else beside the data; a directory keeps indexes of read-only data there.
 
     Example:
@@ -140,53 +140,53 @@ class Dataset:
         workers: Literal["thread", "process"] = "thread",
         num_parallel_reads: int | None = None,
     ) -> Loader:
-        """An iterable of batches: dicts of field name -> numpy array of ``(n, *shape)``.
+        """An iterable of batches: dicts of field name -> numpy array of `(n, *shape)`.
 
         Args:
             batch_size: records per batch; the last batch of an epoch may be shorter.
-            epochs: epochs per pass (per ``iter(loader)``); None repeats forever. Batches never
-                span epochs. Pass k covers epochs ``k*epochs .. k*epochs+epochs-1``.
+            epochs: epochs per pass (per `iter(loader)`); None repeats forever. Batches never
+                span epochs. Pass k covers epochs `k*epochs .. k*epochs+epochs-1`.
             drop_remainder: drop each epoch's last short batch.
             cycle_length, block_length: tf.data interleave settings; None = stoker's defaults
-                (see :func:`stoker.plan.default_cycle_length` / ``default_block_length``).
-            cast: one dtype for every field, or ``{field: dtype}``; applied while assembling.
-                A numpy bool/integer/float dtype, or ``"bfloat16"`` (ml_dtypes', which the
+                (see `stoker.plan.default_cycle_length` / `default_block_length`).
+            cast: one dtype for every field, or `{field: dtype}`; applied while assembling.
+                A numpy bool/integer/float dtype, or `"bfloat16"` (ml_dtypes', which the
                 TF, PyTorch and JAX adapters hand on as their own bfloat16).
             threads, prefetch: worker threads and batches prepared ahead; None = chosen by
                 stoker. They never change what is delivered.
             memory_budget: bytes the engine may hold (batches in flight plus recycled buffers,
-                and small compressed files kept decoded), as ``"2GiB"`` or an int. None (the
+                and small compressed files kept decoded), as `"2GiB"` or an int. None (the
                 default): a quarter of the memory this process may use, container limits
-                included, at least 512 MiB (:func:`stoker.machine.default_memory_budget`). The
+                included, at least 512 MiB (`stoker.machine.default_memory_budget`). The
                 default prefetch takes at most half of the batches it holds, so large batches
-                may leave workers idle: ``loader.stats()`` then says ``held down by
-                memory_budget`` and :func:`stoker.doctor.verdict` names a budget that gives
+                may leave workers idle: `loader.stats()` then says `held down by
+                memory_budget` and `stoker.doctor.verdict` names a budget that gives
                 every worker a batch.
-            with_index: add ``__group__`` and ``__index__`` arrays (int64) to audit pairing.
+            with_index: add `__group__` and `__index__` arrays (int64) to audit pairing.
             shuffle: False (the interleave order), "global" (a seeded permutation of all
                 records per epoch, random access) or "files" (group order permuted per epoch,
-                blocks shuffled within ``window`` blocks; any compression). Needs ``seed``.
+                blocks shuffled within `window` blocks; any compression). Needs `seed`.
             seed: a non-negative integer; the same seed gives the same order anywhere.
             window: "files" mode: how many consecutive blocks are shuffled together.
             reshuffle_each_iteration: True: each pass goes on with the next epochs (new
-                orders); False: every pass replays epochs ``0 .. epochs-1``.
-            shard: ``(index, count)``: this loader takes every count-th record of the epoch's
-                sequence from ``index`` on; ``batch_size`` is per shard. Use
-                ``(rank, world_size)`` of your data-parallel job.
+                orders); False: every pass replays epochs `0 .. epochs-1`.
+            shard: `(index, count)`: this loader takes every count-th record of the epoch's
+                sequence from `index` on; `batch_size` is per shard. Use
+                `(rank, world_size)` of your data-parallel job.
             even: trim every shard to the same number of batches (collectives never hang);
                 False covers every record exactly.
-            state: a ``loader.state_dict()`` to resume from (same as ``load_state_dict``).
+            state: a `loader.state_dict()` to resume from (same as `load_state_dict`).
             pad_last: evaluation mode: every record exactly once over all shards, every batch
                 full size, the same number of batches on every shard; padding rows are
-                zeros, marked False in a bool ``__valid__`` array (``even`` is not applied).
-            transform: ``fn(batch, rng) -> batch`` or a list of them, applied in order on the
-                workers; built-ins in :mod:`stoker.transforms`. ``rng`` comes from (seed, epoch,
+                zeros, marked False in a bool `__valid__` array (`even` is not applied).
+            transform: `fn(batch, rng) -> batch` or a list of them, applied in order on the
+                workers; built-ins in `stoker.transforms`. `rng` comes from (seed, epoch,
                 position of the batch's first record); seed None means seed 0.
             workers: "thread" (default) or "process": transforms run in worker processes
-                (``threads`` of them) on batches in shared memory; for GIL-bound transforms.
-            num_parallel_reads: fields at URLs (``s3://``, ...): ranged GETs kept in flight ahead
-                of the workers, whatever ``threads`` is (tf.data's name for I/O parallelism);
-                None = 16, fewer where half of what prefetch leaves of ``memory_budget`` cannot
+                (`threads` of them) on batches in shared memory; for GIL-bound transforms.
+            num_parallel_reads: fields at URLs (`s3://`, ...): ranged GETs kept in flight ahead
+                of the workers, whatever `threads` is (tf.data's name for I/O parallelism);
+                None = 16, fewer where half of what prefetch leaves of `memory_budget` cannot
                 hold 16 parts. Never changes what is delivered.
         """
         from .loader import Loader
@@ -218,7 +218,7 @@ class Dataset:
 
     # -- random access and subsets (see stoker.access) --------------------------------
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        """Record ``i`` (negative counts from the end) as ``{field: array of shape}``.
+        """Record `i` (negative counts from the end) as `{field: array of shape}`.
 
         Example:
             >>> ds[0]["image"].shape  # doctest: +SKIP
@@ -229,11 +229,11 @@ class Dataset:
         return read_one(self, i)
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, np.ndarray]]:
-        """Records at ``indices`` as a list of ``{field: array}``, all read by one :meth:`read`.
+        """Records at `indices` as a list of `{field: array}`, all read by one `read`.
 
         Batched map-style access: torch's DataLoader calls it with each batch's indices (automatic
-        batching or a ``batch_sampler``; its default ``collate_fn`` stacks the list back into a
-        batch), Grain's MapDataset through ``_getitems``. Each record's arrays are views of one
+        batching or a `batch_sampler`; its default `collate_fn` stacks the list back into a
+        batch), Grain's MapDataset through `_getitems`. Each record's arrays are views of one
         bulk read, so a batch costs one gather, not one read per record.
 
         Example:
@@ -247,7 +247,7 @@ class Dataset:
     _getitems = __getitems__
 
     def read(self, indices: Any, *, cast: Any = None) -> dict[str, np.ndarray]:
-        """Records at ``indices`` (any order, repeats allowed) as ``{field: (k, *shape)}``.
+        """Records at `indices` (any order, repeats allowed) as `{field: (k, *shape)}`.
 
         Gathered in bulk: sorted by file and record, raw fields from memory maps, compressed
         fields from their decoded form (cached, bounded) or from the index's seek points.
@@ -260,15 +260,15 @@ class Dataset:
         return read_records(self, indices, cast=cast)
 
     def select(self, *, groups: Any = None, records: Any = None) -> Subset:
-        """A Dataset of some groups and/or records of this one; see :func:`stoker.access.select`."""
+        """A Dataset of some groups and/or records of this one; see `stoker.access.select`."""
         from .access import select
 
         return select(self, groups=groups, records=records)
 
     def split(self, fractions: Mapping[str, float], *, seed: int, by: str = "group") -> dict[str, Subset]:
-        """Disjoint, complete, deterministic subsets; see :func:`stoker.access.split`.
+        """Disjoint, complete, deterministic subsets; see `stoker.access.split`.
 
-        A part that would hold nothing (``{"train": 0.9, "val": 0.1}`` over 2 groups) is a
+        A part that would hold nothing (`{"train": 0.9, "val": 0.1}` over 2 groups) is a
         SpecError naming it: split by record, or give it a larger fraction.
 
         Example:
@@ -299,7 +299,7 @@ class Dataset:
 
 
 def resolve_cast(fields: Mapping[str, Field], cast: Any) -> dict[str, np.dtype]:
-    """The dtype each field is delivered in, from ``cast`` (None, one dtype, or a map)."""
+    """The dtype each field is delivered in, from `cast` (None, one dtype, or a map)."""
     out = {n: f.native_dtype for n, f in fields.items()}
     if cast is None:
         return out

@@ -1,7 +1,7 @@
 """One line that names what limits a pipeline, and the setting that would move it.
 
-The verdict reads a :class:`~stoker.stats.LoaderStats` (from ``loader.stats()`` or a
-``stoker bench`` child) and, when known, how close the loader came to the machine's
+The verdict reads a `stoker.stats.LoaderStats` (from `loader.stats()` or a
+`stoker bench` child) and, when known, how close the loader came to the machine's
 ceiling on the same files. Checks run from the outside in: first whether the consumer is
 the limit (then nothing in stoker is), then whether the machine is, then which worker
 stage takes the time.
@@ -66,8 +66,8 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
     Args:
         stats: counters of a loader that has delivered batches.
         ceiling_ratio: the loader's records/s over the ceiling loop's on the same files
-            (``stoker bench`` measures it), or None when not measured.
-        backend: the inflate library in use (``"isal"`` or ``"zlib"``).
+            (`stoker bench` measures it), or None when not measured.
+        backend: the inflate library in use (`"isal"` or `"zlib"`).
     """
     if stats.batches == 0 or stats.seconds <= 0:
         return "no batches delivered yet: nothing to diagnose"
@@ -190,9 +190,9 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
 
 
 def _runs_gap(stats: LoaderStats) -> str:
-    """``; ...`` naming what cuts assemblies into many runs (see RUNS_GAP), or "".
+    """`; ...` naming what cuts assemblies into many runs (see RUNS_GAP), or "".
 
-    Interleave blocks shorter than an assembly: a longer ``block_length``. Files shorter than
+    Interleave blocks shorter than an assembly: a longer `block_length`. Files shorter than
     one: nothing stoker can set (a run never spans two files), so the files are named.
     """
     runs, block, cuts = stats.runs_per_assembly, stats.block_length, stats.block_cuts_per_assembly
@@ -218,7 +218,7 @@ def _runs_gap(stats: LoaderStats) -> str:
 
 
 def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
-    """Batches in flight or buffer recycling held back by ``memory_budget`` (or ``prefetch=``)."""
+    """Batches in flight or buffer recycling held back by `memory_budget` (or `prefetch=`)."""
     fits, bb, threads, prefetch = stats.budget_batches, stats.batch_bytes, stats.threads, stats.prefetch
     if fits == 0:
         return None
@@ -228,7 +228,7 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
     )
     fields = max(1, len(stats.record_bytes))
     # Counted in what the engine hands out: one buffer per field for each assembly of
-    # ``coalesced`` batches (stoker.loader.COALESCE_BYTES), where prefetch is a multiple of it.
+    # `coalesced` batches (stoker.loader.COALESCE_BYTES), where prefetch is a multiple of it.
     k = max(1, stats.coalesced)
     assemblies = -(-stats.batches // k)
     # Beyond the first fill: a buffer for each assembly in flight, a wake-up's worth the consumer
@@ -253,7 +253,7 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
         return None
     if stats.prefetch_limited:
         # The default prefetch takes half of what the budget holds beside the decoded files a
-        # loader keeps (see stoker.loader): this reaches ``threads`` batches.
+        # loader keeps (see stoker.loader): this reaches `threads` batches.
         need = 2 * threads * bb + KEPT_DECODED_BYTES
         return (
             f"memory_budget-bound: {held}, so prefetch={prefetch} keeps at most {prefetch} of {threads} "
@@ -266,11 +266,11 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
 
 
 def _size(nbytes: int) -> str:
-    """``nbytes`` rounded up to 64 MiB steps (GiB where whole), as memory_budget= accepts it."""
+    """`nbytes` rounded up to 64 MiB steps (GiB where whole), as memory_budget= accepts it."""
     mib = -(-nbytes // 2**26) * 64  # a round figure: 64 MiB steps
     return f"{mib // 1024}GiB" if mib % 1024 == 0 else f"{mib}MiB"
 
 
 def _exact(nbytes: int) -> str:
-    """``nbytes`` as memory_budget= was likely given: GiB or MiB where whole, else bytes."""
+    """`nbytes` as memory_budget= was likely given: GiB or MiB where whole, else bytes."""
     return f"{nbytes >> 30}GiB" if nbytes % 2**30 == 0 else f"{nbytes >> 20}MiB" if nbytes % 2**20 == 0 else f"{nbytes}"

@@ -2,8 +2,8 @@
 
 Two small interfaces live here so later work plugs in rather than bolts on:
 
-- an :class:`Allocator` hands out batch buffers (aligned now; pinned or shared memory later);
-- an :class:`Executor` maps a function over tasks with bounded look-ahead and delivers
+- an `Allocator` hands out batch buffers (aligned now; pinned or shared memory later);
+- an `Executor` maps a function over tasks with bounded look-ahead and delivers
   results in task order (threads now; worker processes later).
 
 The engine never decides *what* is read: that is the plan's. Whatever the thread count or
@@ -72,7 +72,7 @@ HUGE_PAGE_MIN_BYTES = 2 << 20
 # runnable instead of queueing behind a worker mid-copy; workers still get every cycle
 # nobody else wants. Measured on W1, 2 cores: to_tf consumed in a tf.function 1.13x (TF's
 # executor threads hop per batch and each hop waited a scheduler slice), an eager to_tf loop
-# and the numpy consumer unchanged within noise. ``STOKER_WORKER_NICE=0`` turns it off.
+# and the numpy consumer unchanged within noise. `STOKER_WORKER_NICE=0` turns it off.
 WORKER_NICE = int(os.environ.get("STOKER_WORKER_NICE", "8"))
 
 
@@ -80,13 +80,13 @@ class AlignedPool:
     """Page-aligned buffers, recycled LIFO once the caller has dropped every view of them.
 
     A LIFO free list hands back the buffer most recently released, whose pages are most
-    likely still in cache. Bytes kept for reuse never exceed ``max_pooled_bytes``.
+    likely still in cache. Bytes kept for reuse never exceed `max_pooled_bytes`.
 
     A dropped array is noticed by a weak reference whose callback is a C function (a deque's
     append), so no Python code runs in the thread that drops it: Python reports a Ctrl-C that
     lands inside a Python finalizer as "Exception ignored" and never raises it, and the
     consumer drops a batch every step. The buffers noticed are taken back at the next
-    ``array()``, in a worker.
+    `array()`, in a worker.
     """
 
     def __init__(self, max_pooled_bytes: int) -> None:
@@ -123,10 +123,10 @@ class AlignedPool:
         return arr.view(dtype).reshape(shape)
 
     def _track(self, region: object, nbytes: int) -> np.ndarray:
-        """A uint8 array over ``region``, noticed when dropped (caller holds the lock)."""
+        """A uint8 array over `region`, noticed when dropped (caller holds the lock)."""
         arr = self._as_array(region, nbytes)
-        # ``arr.base`` is an object made for this array alone (numpy's memoryview of the
-        # region); every view of ``arr`` keeps it alive, so its death means no array on the
+        # `arr.base` is an object made for this array alone (numpy's memoryview of the
+        # region); every view of `arr` keeps it alive, so its death means no array on the
         # region is left anywhere.
         base: object = arr.base
         ref = weakref.ref(base, self._on_drop)
@@ -135,7 +135,7 @@ class AlignedPool:
         return arr
 
     def _new_region(self, nbytes: int) -> object:
-        """A fresh region of ``nbytes``; subclasses supply other memory (pinned, shared).
+        """A fresh region of `nbytes`; subclasses supply other memory (pinned, shared).
 
         Private anonymous memory: a process forked from this one (a DataLoader worker, say)
         writes to its own copy, never into our batches. (Shared and private measured alike on
@@ -149,7 +149,7 @@ class AlignedPool:
         return region
 
     def _as_array(self, region: object, nbytes: int) -> np.ndarray:
-        """A uint8 array over the region whose ``.base`` is created anew for each call."""
+        """A uint8 array over the region whose `.base` is created anew for each call."""
         return np.frombuffer(region, dtype=np.uint8, count=nbytes)  # type: ignore[call-overload]
 
     def _take_back(self) -> None:
@@ -174,14 +174,14 @@ class AlignedPool:
 
 
 class Executor(Protocol):
-    """Maps ``fn`` over ``tasks`` with at most ``window`` results ahead of the consumer."""
+    """Maps `fn` over `tasks` with at most `window` results ahead of the consumer."""
 
     def map_ordered(
         self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False
     ) -> OrderedMap[R]:
-        """``defer_wake``: ``fn`` gives the GIL up in a kernel early in each task, or calls
-        :func:`flush_wake` before it blocks; the consumer's wake-up for a result then leaves
-        with the worker's next kernel call (see ``OrderedMap``). An executor may ignore it."""
+        """`defer_wake`: `fn` gives the GIL up in a kernel early in each task, or calls
+        `flush_wake` before it blocks; the consumer's wake-up for a result then leaves
+        with the worker's next kernel call (see `OrderedMap`). An executor may ignore it."""
         ...
 
 
@@ -201,7 +201,7 @@ class ThreadExecutor:
 class StopFlag:
     """Set once, read without a lock.
 
-    ``threading.Event.set`` is Python code that takes a Condition: a Ctrl-C landing inside it
+    `threading.Event.set` is Python code that takes a Condition: a Ctrl-C landing inside it
     can leave that Condition's lock held by the main thread and the flag unset. Setting this is
     one store, so whatever interrupts a close() after it, every worker sees it.
     """
@@ -231,9 +231,9 @@ MAX_PER_WAKE = 4
 
 
 def run_finalizer(finalizer: weakref.finalize) -> None:
-    """Run ``finalizer``'s callback now, keeping it armed until the callback has returned.
+    """Run `finalizer`'s callback now, keeping it armed until the callback has returned.
 
-    ``weakref.finalize.__call__`` disarms first: an exception (a Ctrl-C) inside the callback
+    `weakref.finalize.__call__` disarms first: an exception (a Ctrl-C) inside the callback
     would leave nothing to finish the job. Here a later close(), or the garbage collector,
     runs the (idempotent) callback again.
     """
@@ -265,7 +265,7 @@ class _LockWake:
 
 
 def _new_wake() -> object:
-    """The consumer's wake-up: the compiled kernels' Signal where built (see ``post_later``)."""
+    """The consumer's wake-up: the compiled kernels' Signal where built (see `post_later`)."""
     if _kernels is not None:
         with contextlib.suppress(OSError):  # no unnamed semaphores on this system
             return _kernels.Signal()
@@ -273,7 +273,7 @@ def _new_wake() -> object:
 
 
 def _lower_priority() -> None:
-    """Lower the calling thread's priority by ``WORKER_NICE`` (where the platform has per-thread nice)."""
+    """Lower the calling thread's priority by `WORKER_NICE` (where the platform has per-thread nice)."""
     if WORKER_NICE > 0 and hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
         try:  # relative to the process (its main thread), so a worker's own threads do not compound it
             target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + WORKER_NICE)
@@ -302,13 +302,13 @@ class _State(Generic[T, R]):
 
     Ctrl-C: Python raises KeyboardInterrupt in the main thread, at any bytecode, and only there.
     So the main thread (the consumer, close(), autotune) touches this state only through steps
-    an interrupt cannot split: ``with lock`` on a plain Lock (acquired and released in C),
-    posting ``arrived`` (C code), one store to ``stop``, ``_thread.start_new_thread``. It never enters a
-    threading.Condition: its ``__enter__`` and ``wait`` are Python code that a KeyboardInterrupt
-    can leave holding the lock (measured: 45% of interrupts landing in ``with condition:``), after
+    an interrupt cannot split: `with lock` on a plain Lock (acquired and released in C),
+    posting `arrived` (C code), one store to `stop`, `_thread.start_new_thread`. It never enters a
+    threading.Condition: its `__enter__` and `wait` are Python code that a KeyboardInterrupt
+    can leave holding the lock (measured: 45% of interrupts landing in `with condition:`), after
     which every worker blocks on it forever, the bug this design replaced. It never calls
     Thread.start either (which waits on an Event the same way). Workers, which never see a
-    KeyboardInterrupt, start the threads, leave by themselves once ``stop`` is set or their
+    KeyboardInterrupt, start the threads, leave by themselves once `stop` is set or their
     OrderedMap is gone, and the last one out runs the cleanups (closing files).
     """
 
@@ -320,7 +320,7 @@ class _State(Generic[T, R]):
         self.name = name
         self.lock = threading.Lock()
         self.space = threading.Condition(self.lock)  # the window has room: workers wait here
-        self.waiting = 0  # workers waiting on ``space`` (the consumer notifies only when one is)
+        self.waiting = 0  # workers waiting on `space` (the consumer notifies only when one is)
         # Posted by a worker when the result the consumer waits for arrives.
         self.arrived: Any = _new_wake()
         self.results: dict[int, R | _Failure] = {}
@@ -342,7 +342,7 @@ class _State(Generic[T, R]):
         self.arrived.post()
 
     def launch(self, n: int) -> None:
-        """Start ``n`` workers; runs on a thread started with ``_thread``, never the main thread."""
+        """Start `n` workers; runs on a thread started with `_thread`, never the main thread."""
         with self.lock:
             self.launching += 1
         try:
@@ -493,7 +493,7 @@ class _State(Generic[T, R]):
             del task, result
 
     def _left_behind(self, alive: list[threading.Thread]) -> None:
-        """Warn, once, that the workers ``alive`` outlived a close and run on as daemon threads."""
+        """Warn, once, that the workers `alive` outlived a close and run on as daemon threads."""
         with self.lock:
             if self.warned:
                 return
@@ -510,15 +510,15 @@ class _State(Generic[T, R]):
 
     def _per_wake(self) -> int:
         """Results the consumer takes per wake-up (caller holds the lock): the window less one
-        task per worker, at most ``MAX_PER_WAKE``."""
+        task per worker, at most `MAX_PER_WAKE`."""
         return max(1, min(MAX_PER_WAKE, self.window - (self.running - self.retire)))
 
     def shutdown(self) -> None:
         """Stop and join every worker, then release what they hold.
 
         Idempotent, and a later call finishes what an interrupted one left: the first step
-        is one store to ``stop``, after which the workers leave by themselves. Workers still
-        busy after ``SHUTDOWN_SECONDS`` are named in a warning and left to finish (see there).
+        is one store to `stop`, after which the workers leave by themselves. Workers still
+        busy after `SHUTDOWN_SECONDS` are named in a warning and left to finish (see there).
         """
         self.stop.set()
         with self.lock:
@@ -569,7 +569,7 @@ class _State(Generic[T, R]):
 
 
 class OrderedMap(Generic[R]):
-    """Iterator over ``fn(task)`` in task order; a context manager with idempotent close()."""
+    """Iterator over `fn(task)` in task order; a context manager with idempotent close()."""
 
     def __init__(
         self,
@@ -597,7 +597,7 @@ class OrderedMap(Generic[R]):
         return self._state.stop
 
     def add_cleanup(self, fn: Callable[[], None]) -> None:
-        """Run idempotent ``fn`` at close, once every worker has left (by the last one out, or by close())."""
+        """Run idempotent `fn` at close, once every worker has left (by the last one out, or by close())."""
         st = self._state
         with st.lock:
             st.cleanups.append(fn)

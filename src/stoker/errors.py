@@ -21,8 +21,8 @@ __all__ = [
 class StokerError(Exception):
     """Base of every error stoker raises on purpose.
 
-    Carries where it applies: ``field``, ``path``, ``index`` (record index within the
-    file) and ``offset`` (byte offset within the file, or within the decompressed
+    Carries where it applies: `field`, `path`, `index` (record index within the
+    file) and `offset` (byte offset within the file, or within the decompressed
     stream for compressed fields). Attributes not known are None.
     """
 
@@ -86,7 +86,7 @@ class RecordIndexError(StokerError, IndexError):
 
 
 class SupersededError(StokerError, RuntimeError):
-    """A loader's iterator was used after a newer ``iter(loader)`` ended its pass (one pass at a time)."""
+    """A loader's iterator was used after a newer `iter(loader)` ended its pass (one pass at a time)."""
 
 
 class WriteError(StokerError, OSError):

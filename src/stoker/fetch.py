@@ -3,9 +3,9 @@
 A loader's pass looks ahead along its plan (pure arithmetic: which records of which file come
 next) and asks here, in plan order, for the byte ranges its next batches will read from remote
 files: each raw run, each gather's coalesced stretches, the head of each compressed stream. At
-most ``depth`` requests (the loader's ``num_parallel_reads``) are in flight at once, whatever the
+most `depth` requests (the loader's `num_parallel_reads`) are in flight at once, whatever the
 number of worker threads, and the look-ahead stops asking while the bytes asked for and not yet
-copied reach ``ahead_bytes`` (a share of the loader's ``memory_budget``). A worker takes the
+copied reach `ahead_bytes` (a share of the loader's `memory_budget`). A worker takes the
 bytes of its range when it reaches it, waiting if they have not arrived; a range nobody asked
 for ahead (a batch assembled again after an error, a stream that jumped) is fetched then,
 before anything queued ahead. A compressed stream keeps its next parts asked for while it inflates.
@@ -49,7 +49,7 @@ _QUEUED, _SENT, _ARRIVED = 0, 1, 2
 
 
 class _Part:
-    """One ranged GET: bytes ``start..end`` of ``url``."""
+    """One ranged GET: bytes `start..end` of `url`."""
 
     __slots__ = ("ahead", "arrived", "client", "data", "dropped", "end", "error", "field", "path", "size", "start",
                  "state", "url")  # fmt: skip
@@ -67,10 +67,10 @@ class _Part:
 
 
 class Fetcher:
-    """The ranged GETs of one pass: at most ``depth`` in flight, ahead of the workers.
+    """The ranged GETs of one pass: at most `depth` in flight, ahead of the workers.
 
     Args:
-        depth: requests in flight at most (the loader's ``num_parallel_reads``).
+        depth: requests in flight at most (the loader's `num_parallel_reads`).
         ahead_bytes: bytes asked for ahead and not yet copied, at most (the look-ahead stops
             there; a range a worker waits for is fetched whatever this says).
         part_bytes: bytes per request at most.
@@ -100,12 +100,12 @@ class Fetcher:
 
     def want(self, url: str, options: Mapping[str, Any] | None, start: int, end: int, *, size: int,
              field: str | None) -> None:  # fmt: skip
-        """Bytes ``start..end`` of ``url`` will be read (``read_into``/``read_records``): fetch them ahead."""
+        """Bytes `start..end` of `url` will be read (`read_into`/`read_records`): fetch them ahead."""
         if end > start:
             self._ask(url, options, start, end, size, field, key=(url, start, end))
 
     def want_stream(self, url: str, options: Mapping[str, Any] | None, *, size: int, field: str | None) -> None:
-        """A stream of ``url`` will be opened at its start (``stream``): fetch its first parts ahead."""
+        """A stream of `url` will be opened at its start (`stream`): fetch its first parts ahead."""
         end = min(size, (1 + STREAM_AHEAD) * self.part_bytes)
         if end > 0:
             self._ask(url, options, 0, end, size, field, key=(url, 0, -1))
@@ -129,9 +129,9 @@ class Fetcher:
     # -- taking (workers) -------------------------------------------------------------------
     def read_into(self, url: str, options: Mapping[str, Any] | None, offset: int, dst: memoryview, *, size: int,
                   field: str | None, check: Callable[[], None]) -> int:  # fmt: skip
-        """Fill ``dst`` with the bytes of ``url`` from ``offset``: the parts asked ahead for this
-        range, or fetched now. Returns the bytes read: short only where the object (of ``size``
-        bytes) ends first. ``check`` is called while waiting (it raises to stop the wait)."""
+        """Fill `dst` with the bytes of `url` from `offset`: the parts asked ahead for this
+        range, or fetched now. Returns the bytes read: short only where the object (of `size`
+        bytes) ends first. `check` is called while waiting (it raises to stop the wait)."""
         n = max(0, min(len(dst), size - offset))
         if n:
             parts = self._take(url, options, offset, offset + n, size, field)
@@ -145,8 +145,8 @@ class Fetcher:
     def read_records(self, url: str, options: Mapping[str, Any] | None, base: int, record_bytes: int,
                      index: np.ndarray, *, size: int, field: str | None,
                      check: Callable[[], None]) -> np.ndarray:  # fmt: skip
-        """Records ``index`` (sorted, distinct) of the file as ``(len(index), record_bytes)`` uint8,
-        from the ranges of :func:`stoker.remote.pieces` (asked ahead, or fetched now)."""
+        """Records `index` (sorted, distinct) of the file as `(len(index), record_bytes)` uint8,
+        from the ranges of `stoker.remote.pieces` (asked ahead, or fetched now)."""
         ranges = remote.pieces(index, record_bytes, base, self.part_bytes)
         if ranges and ranges[-1][1] > size:
             raise remote.too_short(url, size, index, ranges[-1][1], field=field)
@@ -160,7 +160,7 @@ class Fetcher:
 
     def stream(self, url: str, options: Mapping[str, Any] | None, offset: int, *, size: int, field: str | None,
                check: Callable[[], None]) -> RemoteStream:  # fmt: skip
-        """A sequential reader of ``url`` from ``offset`` for the inflater (its head taken if asked ahead)."""
+        """A sequential reader of `url` from `offset` for the inflater (its head taken if asked ahead)."""
         with self._lock:
             head = self._pop_wanted((url, offset, -1))
         c, path = remote.client(url, options, connections=max(remote.CONNECTIONS, self.depth))
@@ -168,7 +168,7 @@ class Fetcher:
 
     def _take(self, url: str, options: Mapping[str, Any] | None, start: int, end: int, size: int,
               field: str | None) -> list[_Part]:  # fmt: skip
-        """The parts asked ahead for exactly ``start..end`` (oldest first), or new ones; either way
+        """The parts asked ahead for exactly `start..end` (oldest first), or new ones; either way
         sent before anything queued ahead."""
         with self._lock:
             parts = self._pop_wanted((url, start, end))
@@ -182,7 +182,7 @@ class Fetcher:
         return parts
 
     def _pop_wanted(self, key: tuple[str, int, int]) -> list[_Part] | None:
-        """The oldest parts asked ahead under ``key`` (caller holds the lock)."""
+        """The oldest parts asked ahead under `key` (caller holds the lock)."""
         found = self._wanted.get(key)
         if not found:
             return None
@@ -192,14 +192,14 @@ class Fetcher:
         return parts
 
     def hurry(self, parts: list[_Part]) -> None:
-        """Send ``parts`` (those not sent yet) before anything asked ahead."""
+        """Send `parts` (those not sent yet) before anything asked ahead."""
         with self._lock:
             self._urgent.extend(p for p in parts if p.state == _QUEUED)
             send = self._next_sends()
         self._send(send)
 
     def _wait(self, part: _Part, check: Callable[[], None]) -> bytes:
-        """``part``'s bytes once arrived; its error raised; ``check()`` between waits."""
+        """`part`'s bytes once arrived; its error raised; `check()` between waits."""
         while not part.arrived.wait(_WAIT_SECONDS):
             check()
         if part.error is not None:
@@ -208,7 +208,7 @@ class Fetcher:
         return part.data
 
     def _let_go(self, parts: list[_Part]) -> None:
-        """The reader is done with ``parts`` (copied, or never to be): forget their bytes and
+        """The reader is done with `parts` (copied, or never to be): forget their bytes and
         give their room back (a part still in flight gives it back when it lands)."""
         with self._lock:
             for part in parts:
@@ -217,7 +217,7 @@ class Fetcher:
                     self._forget(part)
 
     def _forget(self, part: _Part) -> None:
-        """Give ``part``'s room back (caller holds the lock; the part is not in flight)."""
+        """Give `part`'s room back (caller holds the lock; the part is not in flight)."""
         if part.ahead:
             part.ahead = False
             self._ahead -= part.end - part.start
@@ -306,13 +306,13 @@ class RemoteStream:
         self._next = head[-1].end if head else offset  # where the next part asked for starts
 
     def pread(self, n: int, offset: int) -> bytes:
-        """Up to ``n`` bytes at ``offset`` (empty at the end)."""
+        """Up to `n` bytes at `offset` (empty at the end)."""
         if offset >= self.size:
             return b""
         parts = self._parts
         while parts and parts[0].end <= offset:  # read past: let go
             self._fetcher._let_go([parts.popleft()])
-        if not parts or parts[0].start > offset:  # a jump: start again at ``offset``
+        if not parts or parts[0].start > offset:  # a jump: start again at `offset`
             self._fetcher._let_go(list(parts))
             parts.clear()
             self._next = offset
@@ -357,11 +357,11 @@ class RemoteStream:
 
 
 def parallel_reads(num_parallel_reads: int | None, room: int) -> tuple[int, int]:
-    """(requests in flight, bytes per request) for a loader whose read-ahead may hold ``room``
+    """(requests in flight, bytes per request) for a loader whose read-ahead may hold `room`
     bytes: PART_BYTES per request where that fits, smaller parts (down to MIN_PART_BYTES) where
-    not; ``None`` is DEFAULT_PARALLEL_READS, or as many as fit.
+    not; `None` is DEFAULT_PARALLEL_READS, or as many as fit.
 
-    Raises SpecError where ``num_parallel_reads`` requests of MIN_PART_BYTES do not fit.
+    Raises SpecError where `num_parallel_reads` requests of MIN_PART_BYTES do not fit.
     """
     if num_parallel_reads is None:
         reads = max(1, min(DEFAULT_PARALLEL_READS, room // MIN_PART_BYTES))

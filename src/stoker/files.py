@@ -54,9 +54,9 @@ _MAGIC16 = int.from_bytes(GZIP_MAGIC, "little")  # ID1 ID2 read as one little-en
 
 
 def _member_headers(buf: np.ndarray, skip_first: bool) -> tuple[bool, bool]:
-    """(a member header in ``buf``, a ``1f 8b`` too near its end to judge) for a chunk.
+    """(a member header in `buf`, a `1f 8b` too near its end to judge) for a chunk.
 
-    A header is what gzip(1) writes: ``1f 8b 08``, FLG's reserved bits 5-7 clear (zlib
+    A header is what gzip(1) writes: `1f 8b 08`, FLG's reserved bits 5-7 clear (zlib
     refuses a member with them set), XFL 0, 2 or 4, OS 0-13 or 255 (RFC 1952's values).
     Vectorized: the magic is looked for as uint16 at even and at odd offsets.
     """
@@ -73,7 +73,7 @@ def _member_headers(buf: np.ndarray, skip_first: bool) -> tuple[bool, bool]:
 
 
 def one_gzip_member(path: str, size: int) -> bool:
-    """True when the local gzip file ``path`` of ``size`` bytes provably holds one member.
+    """True when the local gzip file `path` of `size` bytes provably holds one member.
 
     Any second member starts with a member header somewhere after byte 0; the scan looks
     for one at memory speed, without inflating. Compressed data matches such a header by
@@ -106,7 +106,7 @@ def one_gzip_member(path: str, size: int) -> bool:
 
 @dataclass(frozen=True)
 class Group:
-    """The aligned files of one group: ``paths[field]`` and the shared record count."""
+    """The aligned files of one group: `paths[field]` and the shared record count."""
 
     index: int
     paths: Mapping[str, str]
@@ -120,8 +120,8 @@ def _has_magic(pattern: str) -> bool:
 def expand_files(name: str, spec: Field) -> list[str]:
     """The field's files in pairing order: each glob's matches sorted, explicit paths as given.
 
-    A name with glob characters (``*``, ``?``, ``[``) is a glob, unless a file of exactly that
-    name exists: ``img_[0].bin`` is that file when it exists, never ``img_0.bin``. The same path
+    A name with glob characters (`*`, `?`, `[`) is a glob, unless a file of exactly that
+    name exists: `img_[0].bin` is that file when it exists, never `img_0.bin`. The same path
     twice (listed twice, or matched by two globs) is a SpecError: its records would be read twice.
     """
     patterns = [spec.files] if isinstance(spec.files, str) else list(spec.files)
@@ -185,7 +185,7 @@ def _stat(name: str, path: str) -> os.stat_result:
 
 
 def open_local(name: str, path: str) -> int:
-    """A read-only descriptor of local file ``path`` of field ``name``; a ReadError naming both,
+    """A read-only descriptor of local file `path` of field `name`; a ReadError naming both,
     also for a path that is no longer a regular file (a FIFO put there would block the open)."""
     try:
         return open_regular(path)
@@ -194,7 +194,7 @@ def open_local(name: str, path: str) -> int:
 
 
 def _suffix(path: str) -> str:
-    """``os.path.splitext(path)[1]``, without its per-call overhead (10,000s of files)."""
+    """`os.path.splitext(path)[1]`, without its per-call overhead (10,000s of files)."""
     dot = path.rfind(".")
     start = max(path.rfind(os.sep), path.rfind(os.altsep) if os.altsep else -1) + 1
     return path[dot:] if dot > start and path[start:dot].strip(".") else ""
@@ -295,7 +295,7 @@ def _probe_remote(name: str, spec: Field, paths: Sequence[str]) -> dict[str, Pro
 
 
 def _stem(base: str) -> str:
-    """``os.path.splitext(base)[0]`` of a basename, without its per-call overhead (10,000s of files)."""
+    """`os.path.splitext(base)[0]` of a basename, without its per-call overhead (10,000s of files)."""
     dot = base.rfind(".")
     return base[:dot] if dot > 0 and base[:dot].strip(".") else base
 
@@ -411,7 +411,7 @@ class Catalog:
         )  # fmt: skip
 
     def count(self, g: int) -> int:
-        """Records of group ``g``, settled when first asked (may decompress its files)."""
+        """Records of group `g`, settled when first asked (may decompress its files)."""
         n = self._counts[g]
         if n is not None:
             return n
@@ -434,7 +434,7 @@ class Catalog:
         return self
 
     def part(self, groups: Sequence[int]) -> Catalog:
-        """A catalog of ``groups`` alone (non-empty), numbered 0.. in the order given: their
+        """A catalog of `groups` alone (non-empty), numbered 0.. in the order given: their
         files, settled counts and seek points, each field naming only their files.
 
         What a reader of those groups in another process needs and no more, so what it costs
@@ -458,17 +458,17 @@ class Catalog:
         return part
 
     def set_indexed(self, g: int, name: str, records: int, seek_points: tuple[SeekPoint, ...]) -> None:
-        """Record what a matching persistent index says of field ``name`` of group ``g``."""
+        """Record what a matching persistent index says of field `name` of group `g`."""
         self._exact[(g, name)] = records
         self.seek_points[(g, name)] = seek_points
 
     def index_file(self, g: int, name: str) -> str | None:
-        """The persistent index file that gave group ``g``'s count of field ``name``, if one did."""
+        """The persistent index file that gave group `g`'s count of field `name`, if one did."""
         points = self.seek_points.get((g, name))
         return points[0].index_file if points else None
 
     def trusted_hint(self, g: int, name: str) -> bool:
-        """True when field ``name`` of group ``g`` is counted only by its trailer so far."""
+        """True when field `name` of group `g` is counted only by its trailer so far."""
         info = self.files[g][name]
         return info.compression is not None and info.records_hint == self._counts[g]
 

@@ -1,27 +1,27 @@
 """A persistent index of the data: record counts and seek points, no decompression to open.
 
-``write_index(ds)`` (or ``stoker index DIR``) writes one small JSON file, ``.stoker-index.json``,
-per directory that holds the dataset's files: beside them, or under ``index_dir`` (the
-argument, ``stoker index --index-dir``, or the ``STOKER_INDEX_DIR`` environment variable) in a
+`write_index(ds)` (or `stoker index DIR`) writes one small JSON file, `.stoker-index.json`,
+per directory that holds the dataset's files: beside them, or under `index_dir` (the
+argument, `stoker index --index-dir`, or the `STOKER_INDEX_DIR` environment variable) in a
 folder named for the data directory, for data on read-only storage. Per file it records the
-size and ``mtime_ns`` it was indexed at, the record count, and for gzip/zlib files the
+size and `mtime_ns` it was indexed at, the record count, and for gzip/zlib files the
 decompressed size, the start of every gzip member, and periodic seek points inside members
-and zlib streams: the first deflate block boundary after every ``spacing`` bytes of output
+and zlib streams: the first deflate block boundary after every `spacing` bytes of output
 (1 MiB by default) plus the 32 KiB window before it, kept compressed in a sidecar file
-``.stoker-windows.NAME.BUILD`` beside the index (see :mod:`stoker.seekpoints`).
+`.stoker-windows.NAME.BUILD` beside the index (see `stoker.seekpoints`).
 
 A Dataset built afterwards takes the record counts of compressed files from the index
 when the file's size and mtime still match, so opening 10,000 compressed groups
-decompresses nothing; random access (``ds[i]``, ``ds.read``), subsets and loader reads that
+decompresses nothing; random access (`ds[i]`, `ds.read`), subsets and loader reads that
 start inside a compressed file (shards, resume) start decoding at the last seek point before
 the records they need instead of at the start of the file. Where libz cannot be loaded
 through ctypes, the index holds member starts only (one seek point per gzip member).
 
-Trust: an entry whose file changed size or mtime is stale. ``Dataset(..., index="auto")``
-(the default) raises :class:`~stoker.errors.StaleIndexError` naming the file; an index file
+Trust: an entry whose file changed size or mtime is stale. `Dataset(..., index="auto")`
+(the default) raises `stoker.errors.StaleIndexError` naming the file; an index file
 of another format version, or one that is not well formed (any value of the wrong type or out
-of range) raises naming the index file and the entry. ``index="rebuild"`` rewrites stale,
-missing, malformed and old entries (decompressing only those files); ``index="ignore"`` never
+of range) raises naming the index file and the entry. `index="rebuild"` rewrites stale,
+missing, malformed and old entries (decompressing only those files); `index="ignore"` never
 reads it. What the index says is checked when it is used, not believed: every seek point
 carries a check of its numbers, the file's decompressed size and the first KiB decoded from it;
 every window its CRC-32 and the build of its sidecar; and a count from the index is confirmed
@@ -112,7 +112,7 @@ class IndexEntry:
     # (compressed offset, decompressed offset, check) of each gzip member start; one for zlib.
     members: tuple[tuple[int, int, int], ...] = ()
     # (byte, bit, decompressed offset, window offset, window length, window CRC-32, check) of
-    # each block seek point; the windows live in the sidecar ``windows`` of build ``build``.
+    # each block seek point; the windows live in the sidecar `windows` of build `build`.
     points: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
     windows: str | None = None
     build: str | None = None
@@ -136,7 +136,7 @@ class IndexEntry:
 
 
 def resolve_index_dir(index_dir: str | os.PathLike[str] | None) -> str | None:
-    """Where indexes live: ``index_dir``, else ``$STOKER_INDEX_DIR``, else None (beside the data)."""
+    """Where indexes live: `index_dir`, else `$STOKER_INDEX_DIR`, else None (beside the data)."""
     if index_dir is None:
         index_dir = os.environ.get(ENV_INDEX_DIR) or None
         if index_dir is None:
@@ -150,8 +150,8 @@ def resolve_index_dir(index_dir: str | os.PathLike[str] | None) -> str | None:
 
 
 def index_home(data_dir: str, index_dir: str | None = None) -> str:
-    """The directory holding the index (and windows files) of the data files in ``data_dir``:
-    ``data_dir`` itself, or a folder of ``index_dir`` named for it (its name and a hash of its path)."""
+    """The directory holding the index (and windows files) of the data files in `data_dir`:
+    `data_dir` itself, or a folder of `index_dir` named for it (its name and a hash of its path)."""
     data_dir = os.path.abspath(data_dir)
     if index_dir is None:
         return data_dir
@@ -160,7 +160,7 @@ def index_home(data_dir: str, index_dir: str | None = None) -> str:
 
 
 def index_path(data_file: str, index_dir: str | None = None) -> str:
-    """The index file that covers ``data_file`` (``index_dir`` as :func:`resolve_index_dir` gives it)."""
+    """The index file that covers `data_file` (`index_dir` as `resolve_index_dir` gives it)."""
     return os.path.join(index_home(os.path.dirname(os.path.abspath(data_file)), index_dir), INDEX_NAME)
 
 
@@ -207,7 +207,7 @@ def _load(path: str) -> dict[str, Any] | None:
 
 def scan(name: str, info: FileInfo, home: str, *, spacing: int = seekpoints.SPACING) -> IndexEntry:
     """Index one file: decompress it once to find its size, member starts and seek points; a
-    windows file, if any, is written in ``home`` (the index's directory)."""
+    windows file, if any, is written in `home` (the index's directory)."""
     if info.compression is None:
         return IndexEntry(info.size, info.mtime_ns, None, info.size)
     points: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
@@ -273,7 +273,7 @@ def parse_entry(
     index_file: str, info: FileInfo, doc: Any, field: str | None = None
 ) -> tuple[int, tuple[SeekPoint, ...]]:
     """(decompressed size, seek points sorted by decompressed offset) of an entry that matched
-    ``info``; a StaleIndexError naming the index file and the entry where a value cannot be right."""
+    `info`; a StaleIndexError naming the index file and the entry where a value cannot be right."""
     try:
         return _parse(index_file, info, doc)
     except _Malformed as e:
@@ -382,7 +382,7 @@ def records_of(name: str, spec: Field, info: FileInfo, entry: IndexEntry) -> int
 
 
 def ensure_writable(home: str, data_dir: str) -> None:
-    """Before any work: ``home`` can hold the index of ``data_dir`` (made if missing), or a
+    """Before any work: `home` can hold the index of `data_dir` (made if missing), or a
     WriteError naming it that says where else the index can go."""
     try:
         os.makedirs(home, exist_ok=True)
@@ -416,7 +416,7 @@ def _write_atomic(path: str, doc: Mapping[str, Any]) -> None:
 
 
 def _remove_old_windows(home: str, files: Mapping[str, Any], bases: Iterable[str]) -> None:
-    """Remove the windows files of ``bases`` in ``home`` that no entry of the new index names:
+    """Remove the windows files of `bases` in `home` that no entry of the new index names:
     older builds, version-2 sidecars, and unfinished writes of an interrupted run."""
     keep = {e.get("windows") for e in files.values() if isinstance(e, dict)}
     stems = {seekpoints.windows_stem(b) for b in bases}
@@ -432,7 +432,7 @@ def _remove_old_windows(home: str, files: Mapping[str, Any], bases: Iterable[str
 
 
 def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry], index_dir: str | None) -> list[str]:
-    """Merge ``entries`` into the index file of each directory they live in; returns the paths."""
+    """Merge `entries` into the index file of each directory they live in; returns the paths."""
     by_file: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {}
     for (g, name), entry in entries.items():
         info = catalog.files[g][name]
@@ -462,13 +462,13 @@ def write_index(
     index_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[Path]:
-    """Index every local file of ``dataset`` (decompressing each compressed file once); returns the files written.
+    """Index every local file of `dataset` (decompressing each compressed file once); returns the files written.
 
-    Existing entries of other files in the same index file are kept. ``spacing``: decompressed
-    bytes between seek points inside a member or zlib stream. ``index_dir``: where the index
-    goes (default: the Dataset's ``index_dir``, else ``$STOKER_INDEX_DIR``, else beside the data).
+    Existing entries of other files in the same index file are kept. `spacing`: decompressed
+    bytes between seek points inside a member or zlib stream. `index_dir`: where the index
+    goes (default: the Dataset's `index_dir`, else `$STOKER_INDEX_DIR`, else beside the data).
     Every index directory is checked writable before any file is decompressed (a WriteError
-    naming it otherwise). ``progress(path)`` is called after each file is scanned.
+    naming it otherwise). `progress(path)` is called after each file is scanned.
 
     Example:
         >>> ds = stoker.Dataset(image=..., label=..., index="ignore")  # doctest: +SKIP
@@ -537,7 +537,7 @@ class IndexLookup:
 
 
 def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
-    """Give ``catalog`` the counts and seek points of matching index entries (see module doc).
+    """Give `catalog` the counts and seek points of matching index entries (see module doc).
 
     Runs once per file of a Dataset being opened, so it stays on plain dicts: one index
     file per directory, entries checked field by field.
@@ -621,9 +621,9 @@ def _not_whole_records(name: str, spec: Field, info: FileInfo, total: int, start
 def count_disagrees(
     index_file: str | None, info: FileInfo, name: str, group: int, records: int, found: str, *, record: int, offset: int
 ) -> StaleIndexError | None:
-    """The error for a stream that holds other than the ``records`` an index gave its group,
+    """The error for a stream that holds other than the `records` an index gave its group,
     confirmed at the stream's end as a gzip trailer's count would be: the index's fault when
-    the file is still as it was indexed (``found`` says what the stream holds), else None
+    the file is still as it was indexed (`found` says what the stream holds), else None
     (the data changed: the caller's CorruptDataError stands)."""
     if index_file is None:
         return None

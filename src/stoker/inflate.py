@@ -3,7 +3,7 @@
 Uses isal (1.5-2x faster than stdlib zlib, measured) when installed, else zlib.
 Multi-member gzip files are read member after member, as gzip(1) does; zero padding
 after the last member is accepted, any other trailing bytes are an error. Decoding may
-start at a persistent index's seek point (:mod:`stoker.seekpoints`): a member start, or a
+start at a persistent index's seek point (`stoker.seekpoints`): a member start, or a
 deflate block boundary inside a member, entered as a raw stream primed with its window.
 """
 
@@ -64,9 +64,9 @@ class Inflater:
         storage_options: Mapping[str, Any] | None = None,
         source: Any = None,
     ) -> None:
-        # ``source``: where a URL's compressed bytes come from (``pread(n, offset)``, ``close()``;
+        # `source`: where a URL's compressed bytes come from (`pread(n, offset)`, `close()`;
         # a loader's read-ahead, stoker.fetch), else a RemoteReader of its own.
-        # ``start``: (compressed, decompressed) offset of a gzip member start or of the
+        # `start`: (compressed, decompressed) offset of a gzip member start or of the
         # stream start, or a SeekPoint at a deflate block boundary (stoker.seekpoints),
         # from which decoding may begin (a persistent index's seek point).
         self.path = path
@@ -87,7 +87,7 @@ class Inflater:
         self._check = point if point is not None and point.check is not None else None
         self._index = point.index_file if point is not None else None
         # Decoding from a block boundary: raw deflate primed with the window, until its member
-        # ends (then on at ``_next_member``).
+        # ends (then on at `_next_member`).
         self._raw = False
         self._next_member: tuple[int, int] | None = None
         self._d: Any
@@ -113,7 +113,7 @@ class Inflater:
         assert point.window is not None
         window = load_window(point.window, field=self.field, index=point.index_file)
         self._raw, self._next_member = True, point.next_member
-        if point.bits:  # the block starts inside byte ``compressed``: libz, primed with its bits
+        if point.bits:  # the block starts inside byte `compressed`: libz, primed with its bits
             first = self._pread(1)
             if not first:
                 raise self._at_point(point, "truncated: the file ends at a seek point of its index")
@@ -277,7 +277,7 @@ class Inflater:
                 return
 
     def readinto(self, buf: memoryview) -> int:
-        """Fill ``buf`` with the next decompressed bytes; returns the count (short only at end)."""
+        """Fill `buf` with the next decompressed bytes; returns the count (short only at end)."""
         n = len(buf)
         done = 0
         while done < n:
@@ -291,7 +291,7 @@ class Inflater:
         return done
 
     def skip(self, n: int) -> int:
-        """Discard the next ``n`` decompressed bytes; returns how many were there."""
+        """Discard the next `n` decompressed bytes; returns how many were there."""
         done = 0
         while done < n:
             if self._out_pos >= len(self._out) and not self._refill(n - done):

@@ -1,19 +1,19 @@
 """JAX adapter: a loader's batches as jax arrays, placed on devices ahead of the training step.
 
-:func:`to_jax` (``loader.to_jax()``) puts each batch on the device as ``jax.device_put``
-does (in one process by the C++ call under it, see ``_DirectPut``; with a sharding over
-several processes by ``jax.make_array_from_process_local_data``) and keeps
-``prefetch_to_device`` batches in flight beyond the one the user holds: the put
+`to_jax` (`loader.to_jax()`) puts each batch on the device as `jax.device_put`
+does (in one process by the C++ call under it, see `_DirectPut`; with a sharding over
+several processes by `jax.make_array_from_process_local_data`) and keeps
+`prefetch_to_device` batches in flight beyond the one the user holds: the put
 returns at once and copies asynchronously, so the next batches travel while the step
 runs. On the CPU backend JAX may alias stoker's page-aligned buffers instead of copying;
 that is safe, since JAX keeps the numpy array alive and stoker never rewrites a buffer
 while an array on it is alive.
 
-Each batch carries the loader position it was taken at; ``state_dict()`` saves the
+Each batch carries the loader position it was taken at; `state_dict()` saves the
 position of the last batch handed to the user, not of the batches prefetched, so resume
 is exact.
 
-JAX is imported here only: ``import stoker`` needs numpy alone.
+JAX is imported here only: `import stoker` needs numpy alone.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ JaxBatch = dict[str, jax.Array]
 
 
 def shard_from_jax() -> tuple[int, int]:
-    """``(jax.process_index(), jax.process_count())``: this process's shard of a multi-host job.
+    """`(jax.process_index(), jax.process_count())`: this process's shard of a multi-host job.
 
     Example:
         >>> loader = ds.loader(256, shard=stoker.jax.shard_from_jax())  # doctest: +SKIP
@@ -63,15 +63,15 @@ def shard_from_jax() -> tuple[int, int]:
 
 
 def to_jax(loader: Loader, sharding: Any = None, prefetch_to_device: int = 2) -> JaxLoader:
-    """The loader's batches as dicts of jax arrays; see :class:`JaxLoader`.
+    """The loader's batches as dicts of jax arrays; see `JaxLoader`.
 
     Args:
-        loader: a stoker Loader (``ds.loader(...)``); its batches are this process's.
-        sharding: None (JAX's default device), a ``jax.sharding.Sharding`` (e.g. a
-            ``NamedSharding`` over the batch axis) for every field, or ``{field: Sharding}``.
+        loader: a stoker Loader (`ds.loader(...)`); its batches are this process's.
+        sharding: None (JAX's default device), a `jax.sharding.Sharding` (e.g. a
+            `NamedSharding` over the batch axis) for every field, or `{field: Sharding}`.
             With several processes each loader's batch is the process-local part of a
-            global array (``make_array_from_process_local_data``): give each process
-            its shard, e.g. ``shard=stoker.jax.shard_from_jax()``.
+            global array (`make_array_from_process_local_data`): give each process
+            its shard, e.g. `shard=stoker.jax.shard_from_jax()`.
         prefetch_to_device: batches put on the device ahead of the one being used.
 
     Example:
@@ -103,9 +103,9 @@ def _shardings(loader: Loader, sharding: Any) -> dict[str, Any]:
 class JaxLoader(UserPosition):
     """An iterable of dicts of jax arrays over a stoker Loader, prefetched to the device.
 
-    Each ``iter()`` starts a new pass of the loader. ``state_dict()`` is the position after
+    Each `iter()` starts a new pass of the loader. `state_dict()` is the position after
     the last batch this object returned (prefetched batches are not counted).
-    ``close()`` closes the loader too; a context manager.
+    `close()` closes the loader too; a context manager.
     """
 
     def __init__(self, loader: Loader, *, sharding: Any = None, prefetch_to_device: int = 2) -> None:
@@ -127,7 +127,7 @@ class JaxLoader(UserPosition):
         return self._put_by_jax(batch)
 
     def _put_by_jax(self, batch: Mapping[str, np.ndarray]) -> JaxBatch:
-        """The batch placed by JAX's public calls: what ``_DirectPut`` does faster and is checked against."""
+        """The batch placed by JAX's public calls: what `_DirectPut` does faster and is checked against."""
         if all(self.sharding.get(name) is None for name in batch):  # the per-field test below, for every field
             # One call for the whole batch: device_put's Python costs ~50 us a call, per call
             # rather than per array (W1's two fields: ~57-95 us a batch by field, ~51 in one).
@@ -194,9 +194,9 @@ _X64_DEPENDENT = frozenset(np.dtype(t) for t in (np.int64, np.uint64, np.float64
 
 
 class _DirectPut:
-    """A batch placed as ``jax.device_put`` places it, by the C++ call device_put ends in.
+    """A batch placed as `jax.device_put` places it, by the C++ call device_put ends in.
 
-    ``jax.device_put`` spends ~50 us of Python an array (pytree flattening, resolving the
+    `jax.device_put` spends ~50 us of Python an array (pytree flattening, resolving the
     sharding, layout and copy semantics, dispatch) before the C++ call that places it, and all
     of it holds the GIL that stoker's workers need between their copies. On W1 (float32, batch
     256, 2 cores; scratch, 3 alternated rounds) to_jax ran at 0.69-0.79x of numpy's records/s
@@ -207,14 +207,14 @@ class _DirectPut:
     ~60 us against ~158 with a NamedSharding over 2 CPU devices (that figure with the slices
     computed at every call, not kept). W1: 0.94-1.11x of numpy, 1.92 cores busy.
 
-    A field without a sharding goes to JAX's default device, uncommitted (as ``device_put(x)``);
+    A field without a sharding goes to JAX's default device, uncommitted (as `device_put(x)`);
     one with a sharding is committed to it. The first array of each shape, dtype and sharding
     (a pass's first batch, its shorter last one) is also placed by JAX's public calls and
     compared (type, abstract value, sharding, committed, bytes); on any difference, or any error
     before that, the loader uses those calls from then on and that batch is the one they made
     (where they raise, as for a batch a sharding cannot split evenly, that error is raised).
-    Left to them always: across processes (``make_array_from_process_local_data``),
-    the dtypes JAX narrows without x64 (int64, float64, ...: ``__group__`` and ``__index__``),
+    Left to them always: across processes (`make_array_from_process_local_data`),
+    the dtypes JAX narrows without x64 (int64, float64, ...: `__group__` and `__index__`),
     and anything not a numpy array.
     """
 
@@ -277,8 +277,8 @@ class _DirectPut:
 
     @staticmethod
     def _make_plan(x: np.ndarray, given: Any, where: Any) -> tuple[Any, Any, list[Any], list[Any] | None, bool] | None:
-        """What ``device_put(x, given)`` computes before its C++ call (``where``: the default device
-        when ``given`` is None), or None where the array should take device_put's own way."""
+        """What `device_put(x, given)` computes before its C++ call (`where`: the default device
+        when `given` is None), or None where the array should take device_put's own way."""
         aval = _update_dp_aval(_typeof(x), given)
         if aval.dtype != x.dtype or aval.shape != x.shape:
             return None

@@ -1,24 +1,24 @@
-"""Keras 3 adapter: a loader as a ``keras.utils.PyDataset``, so ``model.fit`` runs on any backend.
+"""Keras 3 adapter: a loader as a `keras.utils.PyDataset`, so `model.fit` runs on any backend.
 
-``loader.to_tf()`` needs TensorFlow; Keras 3 on the JAX or PyTorch backend takes a PyDataset
-instead, which it indexes batch by batch. :func:`to_keras` hands it the loader's batches in
-the loader's order, as ``(x, y)`` or ``(x, y, sample_weight)`` tuples of numpy arrays (the
+`loader.to_tf()` needs TensorFlow; Keras 3 on the JAX or PyTorch backend takes a PyDataset
+instead, which it indexes batch by batch. `to_keras` hands it the loader's batches in
+the loader's order, as `(x, y)` or `(x, y, sample_weight)` tuples of numpy arrays (the
 backend moves them to its device).
 
 Limits, each refused with a SpecError naming the fix rather than worked around:
 
-- Keras must ask for the batches in order: pass ``fit(..., shuffle=False)`` (Keras shuffles a
+- Keras must ask for the batches in order: pass `fit(..., shuffle=False)` (Keras shuffles a
   PyDataset's batch order by default). Shuffle with the loader instead
-  (``shuffle="global"`` or ``"files"`` and a seed).
-- Keras' own workers must stay off (``workers=1``, no multiprocessing, which this adapter
+  (`shuffle="global"` or `"files"` and a seed).
+- Keras' own workers must stay off (`workers=1`, no multiprocessing, which this adapter
   sets): stoker's threads already prepare batches ahead.
-- A Keras epoch is one epoch of the loader (``len(loader)`` batches); the adapter reads the
+- A Keras epoch is one epoch of the loader (`len(loader)` batches); the adapter reads the
   loader's epochs one after the other, and where a pass ends it starts the loader's next pass,
   which goes on with the next epochs: each Keras epoch gets a new order where the loader
-  shuffles (unless ``reshuffle_each_iteration=False``).
+  shuffles (unless `reshuffle_each_iteration=False`).
 - Batches are numpy arrays on the host: no zero-copy handoff to the device here (see
-  :mod:`stoker.jax` and :mod:`stoker.torch` for training loops of your own).
-- On the TensorFlow backend use ``loader.to_tf()``: Keras reads a PyDataset's first batches
+  `stoker.jax` and `stoker.torch` for training loops of your own).
+- On the TensorFlow backend use `loader.to_tf()`: Keras reads a PyDataset's first batches
   there to learn their shapes, which an in-order reader would take from training.
 """
 
@@ -41,12 +41,12 @@ Names = str | Sequence[str]
 
 
 def to_keras(loader: Loader, x: Names, y: Names | None = None, *, sample_weight: str | None = None) -> Any:
-    """``loader`` as a ``keras.utils.PyDataset`` of ``(x, y[, sample_weight])`` batches.
+    """`loader` as a `keras.utils.PyDataset` of `(x, y[, sample_weight])` batches.
 
     Args:
-        loader: a stoker Loader; its ``len()`` batches make one Keras epoch.
+        loader: a stoker Loader; its `len()` batches make one Keras epoch.
         x, y: a field name (its array), or a list of names (a dict of arrays, for a model
-            with named inputs or outputs). ``y`` None: inputs only (``predict``).
+            with named inputs or outputs). `y` None: inputs only (`predict`).
         sample_weight: a field giving each record's weight in the loss.
 
     Example:

@@ -1,23 +1,23 @@
-"""The optional compiled kernels (``stoker._kernels``, built by setup.py where a C compiler is
+"""The optional compiled kernels (`stoker._kernels`, built by setup.py where a C compiler is
 found) and the copy into a batch that uses them; without them numpy gives the same values.
 
-``cast_into`` is ``np.copyto(dst, src, casting="unsafe")`` for the copies that fill a batch.
+`cast_into` is `np.copyto(dst, src, casting="unsafe")` for the copies that fill a batch.
 Where the output is large it writes with streaming (non-temporal) stores: a batch is read by
 its consumer later, after others have gone through the cache, so ordinary stores would first
 read every cache line of the output only to overwrite it. Measured on W1 (int8 frames cast
 to float32, 2 threads, batches rotating through a pool): 2.2x the records/s of the same cast
-with ordinary stores (``benchmarks/w1.py`` has the figures). Integer records cast to float16
+with ordinary stores (`benchmarks/w1.py` has the figures). Integer records cast to float16
 take an F16C loop, bit for bit numpy's rounding (numpy converts one value at a time: ~16x
 slower on W1's frames). Arrays in either spelling of the machine's byte order ("<f4" or
 "=f4") take the kernels; the other order goes to numpy, which swaps it. Integer and float32
-records into ml_dtypes' bfloat16 (``cast="bfloat16"``, ``Cast("bfloat16")``) take a kernel too,
+records into ml_dtypes' bfloat16 (`cast="bfloat16"`, `Cast("bfloat16")`) take a kernel too,
 integers by the CPU's own conversion where it has AVX512_BF16; gathers into bfloat16 as well.
 Records stored as bfloat16 widen into float32 by a kernel loop too, in order and gathered.
 
 Reads from memory maps of files another process may cut short go through the kernels only,
-whose reads are guarded: a SIGBUS there raises :class:`MapFault` instead of killing the
-process (``_kernels.c``). numpy's copies cannot be guarded, so records numpy would cast from a
-map are first copied out by the kernels (or read with ``pread`` where they are not built).
+whose reads are guarded: a SIGBUS there raises `MapFault` instead of killing the
+process (`_kernels.c`). numpy's copies cannot be guarded, so records numpy would cast from a
+map are first copied out by the kernels (or read with `pread` where they are not built).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ _said_slow = False  # the missing kernels are said once per process (slow_path_w
 
 
 class _MapFault(OSError):
-    """A bus error reading a memory map (a file cut short under it); ``address``: where."""
+    """A bus error reading a memory map (a file cut short under it); `address`: where."""
 
     address: int
 
@@ -108,19 +108,19 @@ ISA_LEVELS = ("none", "avx2", "all")
 
 
 def isa() -> str:
-    """The hand-written loops allowed now (see :func:`set_isa`): one of ``ISA_LEVELS``."""
+    """The hand-written loops allowed now (see `set_isa`): one of `ISA_LEVELS`."""
     return ISA_LEVELS[_kernels.set_isa(-1)] if _kernels is not None else "none"
 
 
 def set_isa(level: str) -> str:
     """Which of the kernels' hand-written loops may run from now on; returns the level before.
 
-    ``"all"`` (the default): the widest the CPU has (AVX512_BF16's conversion for integers into
-    bfloat16). ``"avx2"``: what a CPU with AVX2 and F16C but no AVX512_BF16 runs. ``"none"``: no
+    `"all"` (the default): the widest the CPU has (AVX512_BF16's conversion for integers into
+    bfloat16). `"avx2"`: what a CPU with AVX2 and F16C but no AVX512_BF16 runs. `"none"`: no
     hand-written loop, as on a CPU without AVX2 (the generic kernels, and numpy where they have
     no loop). Every level gives the same bits; this exists so tests check each path on one
     machine and benchmarks can compare them. Process-wide: call it with no loader running.
-    ``STOKER_KERNELS_ISA`` sets it at import.
+    `STOKER_KERNELS_ISA` sets it at import.
     """
     if level not in ISA_LEVELS:
         raise ValueError(f"set_isa: level {level!r} is not one of {', '.join(ISA_LEVELS)}")
@@ -163,25 +163,25 @@ def slow_path_warning() -> None:
 
 
 def file_sizes(fds: list[int]) -> list[int]:
-    """:func:`file_size` of each descriptor, in one call where the kernels are built (a global
+    """`file_size` of each descriptor, in one call where the kernels are built (a global
     shuffle's batch checks every file it reads from: hundreds on W1-big)."""
     return _kernels.file_sizes(fds) if _kernels is not None else [os.fstat(fd).st_size for fd in fds]
 
 
 def file_size(fd: int) -> int:
-    """The size of open file ``fd`` now (``os.fstat(fd).st_size``), keeping the GIL where the
-    kernels are built: ``os.fstat`` gives it up for a one-microsecond call, and taking it back
+    """The size of open file `fd` now (`os.fstat(fd).st_size`), keeping the GIL where the
+    kernels are built: `os.fstat` gives it up for a one-microsecond call, and taking it back
     waits out whichever thread took it meanwhile (~18 us a run on a W1 worker)."""
     return _kernels.file_size(fd) if _kernels is not None else os.fstat(fd).st_size
 
 
 def map_file(fd: int, size: int) -> Any:
-    """A read-only memory map of open file ``fd``'s first ``size`` bytes (``size`` > 0).
+    """A read-only memory map of open file `fd`'s first `size` bytes (`size` > 0).
 
-    Where the kernels are built this is their ``FileMap``, which keeps no file descriptor: a
+    Where the kernels are built this is their `FileMap`, which keeps no file descriptor: a
     loader keeps such maps between its passes without holding files open (see
-    ``stoker.batch.KeptMaps``). Otherwise ``mmap.mmap``, which keeps a duplicate of ``fd`` until
-    it is closed. Both give the buffer protocol, ``close()`` and ``madvise()``.
+    `stoker.batch.KeptMaps`). Otherwise `mmap.mmap`, which keeps a duplicate of `fd` until
+    it is closed. Both give the buffer protocol, `close()` and `madvise()`.
     """
     if _kernels is not None:
         _kernels.guard_maps()
@@ -190,14 +190,14 @@ def map_file(fd: int, size: int) -> Any:
 
 
 def guard_maps() -> None:
-    """Make faults in the kernels' reads of memory maps raise :class:`MapFault` (installs their
+    """Make faults in the kernels' reads of memory maps raise `MapFault` (installs their
     SIGBUS handler once; nothing without the kernels). Called before a file is mapped."""
     if _kernels is not None:
         _kernels.guard_maps()
 
 
 def maps_hold_descriptors() -> bool:
-    """Whether :func:`map_file`'s maps keep a file descriptor open (only without the kernels)."""
+    """Whether `map_file`'s maps keep a file descriptor open (only without the kernels)."""
     return _kernels is None
 
 
@@ -206,7 +206,7 @@ def address(x: np.ndarray) -> int:
 
 
 def map_address(mapped: Any) -> int:
-    """Where memory map ``mapped`` (open) begins in memory; no buffer of it outlives the call,
+    """Where memory map `mapped` (open) begins in memory; no buffer of it outlives the call,
     so it can still be closed (unmapped)."""
     view = np.frombuffer(mapped, np.uint8, count=1)
     try:
@@ -216,7 +216,7 @@ def map_address(mapped: Any) -> int:
 
 
 def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
-    """The gather kernel's (source, output) dtype codes for a copy of ``src`` into ``dst``, or
+    """The gather kernel's (source, output) dtype codes for a copy of `src` into `dst`, or
     None where the kernel does not apply (no build, a dtype or cast it lacks, a strided or
     read-only array). ml_dtypes' bfloat16 is "E" (its type code): as the output, from the
     sources its loops take; as the source, into float32."""
@@ -224,7 +224,7 @@ def _codes(dst: np.ndarray, src: np.ndarray) -> tuple[str, str] | None:
 
 
 def _dtype_codes(dst: np.ndarray, src: np.dtype) -> tuple[str, str] | None:
-    """:func:`_codes` for contiguous records of dtype ``src``."""
+    """`_codes` for contiguous records of dtype `src`."""
     if _kernels is None:
         slow_path_warning()
         return None
@@ -244,10 +244,10 @@ def _dtype_codes(dst: np.ndarray, src: np.dtype) -> tuple[str, str] | None:
 
 
 def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """``np.copyto(dst, src, casting="unsafe")``, by the compiled kernel where it applies.
+    """`np.copyto(dst, src, casting="unsafe")`, by the compiled kernel where it applies.
 
     The kernel takes the arrays themselves and checks them in C (contiguity, shape, dtypes,
-    a writable output): on W1 the same checks in Python, with two ``__array_interface__``
+    a writable output): on W1 the same checks in Python, with two `__array_interface__`
     lookups for the addresses, were ~5% of a worker's time.
     """
     if _kernels is None:
@@ -263,18 +263,18 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def cast_mapped(dst: np.ndarray, src: np.ndarray) -> bool:
-    """:func:`cast_into` where a compiled kernel does the copy, whose reads of a map are guarded
-    (a SIGBUS raises :class:`MapFault`); False, with nothing read, where numpy would do it."""
+    """`cast_into` where a compiled kernel does the copy, whose reads of a map are guarded
+    (a SIGBUS raises `MapFault`); False, with nothing read, where numpy would do it."""
     if _kernels is None:
         return False
     return bool(_kernels.cast_into(dst, src, STREAM_MIN_BYTES) or _bfloat16_into(dst, src) or _widen_bf16(dst, src))
 
 
 def copy_records(out: np.ndarray, fd: int, mapped_at: int, offsets: np.ndarray) -> None:
-    """Row ``k`` of ``out`` (uint8, ``(n, record bytes)``) = the bytes at ``offsets[k]`` of the
-    file open as ``fd`` and mapped at address ``mapped_at``: the records numpy is to cast, copied
-    out of the map by the guarded kernel, or read with ``pread`` where it is not built. Bytes the
-    file no longer holds raise :class:`MapFault` (``.address``: where they would be mapped)."""
+    """Row `k` of `out` (uint8, `(n, record bytes)`) = the bytes at `offsets[k]` of the
+    file open as `fd` and mapped at address `mapped_at`: the records numpy is to cast, copied
+    out of the map by the guarded kernel, or read with `pread` where it is not built. Bytes the
+    file no longer holds raise `MapFault` (`.address`: where they would be mapped)."""
     n, length = out.shape
     offsets = np.ascontiguousarray(offsets, np.int64)
     if _kernels is not None:
@@ -297,14 +297,14 @@ def copy_records(out: np.ndarray, fd: int, mapped_at: int, offsets: np.ndarray) 
 
 
 def _elementwise(dst: np.ndarray, src: np.ndarray) -> bool:
-    """Whether a loop over ``dst.size`` values can convert ``src`` into ``dst`` by address: the
-    same shape, both C-contiguous, the output writable (what the C ``cast_into`` checks itself)."""
+    """Whether a loop over `dst.size` values can convert `src` into `dst` by address: the
+    same shape, both C-contiguous, the output writable (what the C `cast_into` checks itself)."""
     return dst.shape == src.shape and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable
 
 
 def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
     """Integer or float32 records into ml_dtypes' bfloat16 by the kernel, where it applies (numpy
-    exports no buffer for that dtype, so the kernel's ``cast_into`` cannot take it). ml_dtypes
+    exports no buffer for that dtype, so the kernel's `cast_into` cannot take it). ml_dtypes
     casts one value at a time."""
     code = _BF16_CODES.get(src.dtype)
     if code is None or not is_bfloat16(dst.dtype) or not _elementwise(dst, src):
@@ -315,7 +315,7 @@ def _bfloat16_into(dst: np.ndarray, src: np.ndarray) -> bool:
 
 
 def _widen_bf16(dst: np.ndarray, src: np.ndarray) -> bool:
-    """bfloat16 records (``Field(dtype="bfloat16")``) into float32 by the kernel, where it applies:
+    """bfloat16 records (`Field(dtype="bfloat16")`) into float32 by the kernel, where it applies:
     exact, each value's bits moved to the top half, as ml_dtypes' cast does one value at a time."""
     if not is_bfloat16(src.dtype) or dst.dtype != np.float32 or not _elementwise(dst, src):
         return False
@@ -325,7 +325,7 @@ def _widen_bf16(dst: np.ndarray, src: np.ndarray) -> bool:
 
 
 def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.ndarray) -> None:
-    """``dst[rows] = src[index]`` (cast as ``np.copyto`` casts), one pass per record where the
+    """`dst[rows] = src[index]` (cast as `np.copyto` casts), one pass per record where the
     compiled kernel applies; numpy's fancy indexing otherwise (a copy of the records, then a
     second pass to scatter and cast them)."""
     codes = _codes(dst, src) if len(rows) == len(index) and dst.shape[1:] == src.shape[1:] else None
@@ -340,8 +340,8 @@ def gather_into(dst: np.ndarray, rows: np.ndarray, src: np.ndarray, index: np.nd
 
 
 def willneed_records(fds: np.ndarray | int, offsets: np.ndarray, length: int) -> None:
-    """``POSIX_FADV_WILLNEED`` on records of ``length`` bytes, record ``k`` at ``offsets[k]`` of
-    file ``fds[k]`` (or of the one file ``fds``), ascending within each file; records that
+    """`POSIX_FADV_WILLNEED` on records of `length` bytes, record `k` at `offsets[k]` of
+    file `fds[k]` (or of the one file `fds`), ascending within each file; records that
     follow one another share a call. The GIL is given up for the system calls where the kernels
     are built. Advice only: failures are ignored."""
     offsets = np.ascontiguousarray(offsets, np.int64)
@@ -357,18 +357,18 @@ def willneed_records(fds: np.ndarray | int, offsets: np.ndarray, length: int) ->
 
 
 def gathers(dst: np.ndarray, dtype: np.dtype) -> bool:
-    """Whether :func:`gather_records` copies records of ``dtype`` into ``dst``."""
+    """Whether `gather_records` copies records of `dtype` into `dst`."""
     return _dtype_codes(dst, dtype) is not None
 
 
 def gather_records(dst: np.ndarray, rows: np.ndarray, addresses: np.ndarray, dtype: np.dtype) -> bool:
-    """``dst[rows[k]]`` = the record at memory address ``addresses[k]`` (``dst.shape[1:]``
-    values of ``dtype``, contiguous), cast as ``np.copyto`` casts: one pass per record, records
+    """`dst[rows[k]]` = the record at memory address `addresses[k]` (`dst.shape[1:]`
+    values of `dtype`, contiguous), cast as `np.copyto` casts: one pass per record, records
     from any number of files or arrays in one call. False, with nothing done, where the
-    compiled kernel does not apply (see :func:`_codes`).
+    compiled kernel does not apply (see `_codes`).
 
     The addresses are not checked: the caller holds the memory of every record and has
-    checked that each lies inside it. ``rows`` are checked against ``dst``.
+    checked that each lies inside it. `rows` are checked against `dst`.
     """
     codes = _dtype_codes(dst, dtype)
     if codes is None:
@@ -384,15 +384,15 @@ def gather_records(dst: np.ndarray, rows: np.ndarray, addresses: np.ndarray, dty
 
 
 def gather_runs(dst: np.ndarray, runs: Sequence[int], dtype: np.dtype) -> bool:
-    """:func:`gather_records` of whole runs: ``runs`` holds four ints per run, ``(row, address,
-    count, stride)``: ``count`` records of ``dtype`` (``dst.shape[1:]`` values each,
-    contiguous), the first at memory ``address`` and each ``stride`` bytes after the one before,
-    into rows ``row..row + count - 1`` of ``dst``. One call for a batch's runs, however many;
+    """`gather_records` of whole runs: `runs` holds four ints per run, `(row, address,
+    count, stride)`: `count` records of `dtype` (`dst.shape[1:]` values each,
+    contiguous), the first at memory `address` and each `stride` bytes after the one before,
+    into rows `row..row + count - 1` of `dst`. One call for a batch's runs, however many;
     False, with nothing done, where the compiled kernel does not apply. Where every run's records
-    lie back to back (``stride`` a record's bytes) each run goes to the copy loop whole, as
-    :func:`cast_into` takes it; otherwise record by record.
+    lie back to back (`stride` a record's bytes) each run goes to the copy loop whole, as
+    `cast_into` takes it; otherwise record by record.
 
-    The addresses are not checked (see :func:`gather_records`); the rows are, against ``dst``.
+    The addresses are not checked (see `gather_records`); the rows are, against `dst`.
     """
     codes = _dtype_codes(dst, dtype)
     if codes is None:
@@ -405,8 +405,8 @@ def gather_runs(dst: np.ndarray, runs: Sequence[int], dtype: np.dtype) -> bool:
 
 
 def permute(keys: np.ndarray, half: int, n: int, positions: np.ndarray) -> tuple[np.ndarray, int] | None:
-    """:class:`stoker.order.Permutation` at int64 ``positions`` by the compiled loop: (where
-    each goes, the index of the first position outside ``[0, n)`` or -1), or None where the
+    """`stoker.order.Permutation` at int64 `positions` by the compiled loop: (where
+    each goes, the index of the first position outside `[0, n)` or -1), or None where the
     kernels are not built (the caller's numpy code gives the same values)."""
     if _kernels is None:
         return None

@@ -1,4 +1,4 @@
-"""The Loader: a plan, an assembler and an executor put together behind ``for batch in loader``."""
+"""The Loader: a plan, an assembler and an executor put together behind `for batch in loader`."""
 
 from __future__ import annotations
 
@@ -93,11 +93,11 @@ def _positive(name: str, value: object, *, allow_none: bool = True) -> int | Non
 class Loader:
     """Batches of a Dataset, in the plan's order, prepared by worker threads.
 
-    Each ``iter(loader)`` starts a new pass over ``epochs`` epochs, and ends the previous
+    Each `iter(loader)` starts a new pass over `epochs` epochs, and ends the previous
     pass if one is still open (its iterator then raises SupersededError). Pass k covers
-    epochs ``k*epochs .. k*epochs+epochs-1``, each in its own order (``(seed, epoch)``), as
-    a PyTorch DataLoader or tf.data reshuffles each iteration; ``reshuffle_each_iteration=
-    False`` replays epochs ``0 .. epochs-1`` every pass. Threads start at the first batch
+    epochs `k*epochs .. k*epochs+epochs-1`, each in its own order (`(seed, epoch)`), as
+    a PyTorch DataLoader or tf.data reshuffles each iteration; `reshuffle_each_iteration=
+    False` replays epochs `0 .. epochs-1` every pass. Threads start at the first batch
     asked for, and stop when the pass ends, is closed, is broken out of, or is dropped.
 
     Example:
@@ -183,7 +183,7 @@ class Loader:
         # What the default prefetch takes half of: the batches the budget holds beside the
         # decoded files the loader keeps (at most KEPT_DECODED_BYTES, an eighth of what
         # prefetch leaves; see _kept_decoded), so the pool can recycle as many batches as are
-        # in flight. Halving ``fits`` alone left it one short where the budget binds: W1
+        # in flight. Halving `fits` alone left it one short where the budget binds: W1
         # float32 at batch 2048 in 1600MiB (prefetch 6, room for 5) made a fresh 128 MiB
         # buffer for one batch in ten in 2 of 4 rounds, at 0.56-0.64x the records/s of the
         # others; at prefetch 5 none did (4 alternated rounds of 4 s).
@@ -267,7 +267,7 @@ class Loader:
         # (stoker.batch.KeptDecoded), within an eighth of what the batches in flight leave of
         # the memory budget; the buffer pool keeps the rest (see _Pass).
         self._kept_decoded = KeptDecoded(max(0, min(KEPT_DECODED_BYTES, self._spare_bytes // 8)))
-        # Ranged GETs of files behind URLs kept in flight (stoker.fetch), whatever ``threads``; their
+        # Ranged GETs of files behind URLs kept in flight (stoker.fetch), whatever `threads`; their
         # bytes come out of half of what prefetch leaves of the budget.
         reads = _positive("num_parallel_reads", num_parallel_reads)
         room = self._spare_bytes // 2 if self._remote else 1 << 62
@@ -276,7 +276,7 @@ class Loader:
         self._pool: Allocator | None = None  # the batch buffers, kept between passes (see _pass_pool)
         self._pool_factory: Callable[[int], Allocator] | None = None
         # No finalizer closes the maps when the loader goes: a pass still running holds them
-        # through its assembler (``iter(ds.loader(...))`` keeps only the pass), and each map is
+        # through its assembler (`iter(ds.loader(...))` keeps only the pass), and each map is
         # unmapped when its last holder goes (a FileMap unmaps when freed).
         if state is not None:
             self.load_state_dict(state)
@@ -327,14 +327,14 @@ class Loader:
         target = COALESCE_REMOTE_BYTES if self._remote else COALESCE_BYTES
         parts = max(1, min(MAX_COALESCE, round(target / self.batch_bytes)))
         # The budget must hold twice a look-ahead of one assembly per starting worker plus the
-        # consumer's spares (batches it takes per wake-up: an assembly holds ``parts`` of them).
+        # consumer's spares (batches it takes per wake-up: an assembly holds `parts` of them).
         while parts > 1 and self._fits // parts < 2 * (self.threads + -(-SPARE // parts)):
             parts -= 1
         return parts
 
     @property
     def _spare_bytes(self) -> int:
-        """What the batches in flight (``prefetch`` of them) leave of ``memory_budget``."""
+        """What the batches in flight (`prefetch` of them) leave of `memory_budget`."""
         return self.memory_budget - self.prefetch * self.batch_bytes
 
     def _check_resident(self, fields: Mapping[str, Any]) -> None:
@@ -385,10 +385,10 @@ class Loader:
         return parts
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands: after the last batch ``__next__`` returned.
+        """Where this loader stands: after the last batch `__next__` returned.
 
         Small and JSON-serializable. Batches prefetched but not yet returned are not
-        counted, so nothing is skipped on resume. ``position`` counts records of the
+        counted, so nothing is skipped on resume. `position` counts records of the
         epoch's global sequence; batch_size and shard may change on resume (elastic).
         Once a pass has ended, the loader stands at the start of the next pass, so a loop
         that saves after each pass resumes with the pass it had not begun.
@@ -397,11 +397,11 @@ class Loader:
 
     @property
     def position(self) -> tuple[int, int]:
-        """``(epoch, position)`` after the last batch ``__next__`` returned (the start of a pass
-        not yet delivered from, once ``iter()`` has begun it or the pass before has ended).
+        """`(epoch, position)` after the last batch `__next__` returned (the start of a pass
+        not yet delivered from, once `iter()` has begun it or the pass before has ended).
 
         Adapters that run ahead of their user (device prefetch, worker processes) keep this
-        with each batch and save ``_state_dict_at`` the position their user actually reached.
+        with each batch and save `_state_dict_at` the position their user actually reached.
         """
         return self._delivered
 
@@ -420,13 +420,13 @@ class Loader:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from ``state``: the next ``iter()`` continues right after the saved batch."""
+        """Resume from `state`: the next `iter()` continues right after the saved batch."""
         self._resume = self._delivered = self._checked_state(state)
 
     def _checked_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
-        """``(epoch, position)`` of a state this loader can resume from, or a StateError saying why not.
+        """`(epoch, position)` of a state this loader can resume from, or a StateError saying why not.
 
-        Types are exact (``True`` is not a position) and ranges checked, so a crafted or
+        Types are exact (`True` is not a position) and ranges checked, so a crafted or
         damaged state is an error here rather than a short or empty run.
         """
         first = self.dataset.files[0][next(iter(self.dataset.fields))].path if self.dataset.files else None
@@ -496,7 +496,7 @@ class Loader:
         return p
 
     def _next_start(self) -> tuple[int, int]:
-        """``(epoch, position)`` the next pass starts from: a loaded state's, else the pass after the last."""
+        """`(epoch, position)` the next pass starts from: a loaded state's, else the pass after the last."""
         if self._resume is not None:
             return self._resume
         if self._first_epoch is None:
@@ -511,8 +511,8 @@ class Loader:
         PyTorch loop, Keras' fit) then starts on the buffers of the last one, whose pages are
         mapped already, instead of faulting in fresh ones (W1 float32, five passes of one epoch:
         1.37x (1.35..1.51, 3 alternated runs) the records/s of a pool per pass, level with one
-        pass over five epochs). At most ``pooled`` bytes are kept for reuse, as in a pass;
-        ``close()`` lets them go. A pool built by another ``allocator_factory`` (an adapter asking
+        pass over five epochs). At most `pooled` bytes are kept for reuse, as in a pass;
+        `close()` lets them go. A pool built by another `allocator_factory` (an adapter asking
         for pinned memory) replaces it.
         """
         if self.workers != "thread":  # worker processes map buffers by descriptor, per pass
@@ -528,8 +528,8 @@ class Loader:
     def stats(self) -> LoaderStats:
         """Counters since this loader's first batch: records, bytes, time per stage, waits, CPU.
 
-        Cheap enough to leave on (a few clock reads per batch). ``print(loader.stats())``
-        shows one screen; :func:`stoker.doctor.verdict` says what limits the pipeline.
+        Cheap enough to leave on (a few clock reads per batch). `print(loader.stats())`
+        shows one screen; `stoker.doctor.verdict` says what limits the pipeline.
         """
         return self._counters.snapshot(
             threads=self.threads,
@@ -554,7 +554,7 @@ class Loader:
     def _keep_files_open(self) -> None:
         """A global shuffle reads from most of the dataset's raw files in every batch: raise the
         soft descriptor limit so a pass keeps them all open (stoker.batch.raise_open_files),
-        once per loader; what was done, or why not, shows in stats' ``tuning``."""
+        once per loader; what was done, or why not, shows in stats' `tuning`."""
         if self.shuffle != "global" or self._open_files is not None:
             return
         wanted = sum(
@@ -573,28 +573,28 @@ class Loader:
             self._open_files = ""
 
     def _readahead_said(self) -> str:
-        """What stoker.readahead does for this loader, in a few words (stats' ``tuning``)."""
+        """What stoker.readahead does for this loader, in a few words (stats' `tuning`)."""
         if self.shuffle != "global":
             return "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else "")
         if self.drop_behind:
             return "willneed on each record a few batches ahead, maps MADV_RANDOM (larger than RAM/2)"
         return "the kernel's read-around (fits in RAM/2)"
 
-    # The adapters' own signatures, so ``loader.to_torch("cuda", ...)`` works as documented.
+    # The adapters' own signatures, so `loader.to_torch("cuda", ...)` works as documented.
     def to_torch(self, device: Any = None, pin_memory: bool = False, cast_on_device: Any = None) -> Any:
-        """This loader as an iterable of dicts of torch tensors; see :func:`stoker.torch.to_torch`."""
+        """This loader as an iterable of dicts of torch tensors; see `stoker.torch.to_torch`."""
         from .torch import to_torch
 
         return to_torch(self, device=device, pin_memory=pin_memory, cast_on_device=cast_on_device)
 
     def to_jax(self, sharding: Any = None, prefetch_to_device: int = 2) -> Any:
-        """This loader as an iterable of dicts of jax arrays; see :func:`stoker.jax.to_jax`."""
+        """This loader as an iterable of dicts of jax arrays; see `stoker.jax.to_jax`."""
         from .jax import to_jax
 
         return to_jax(self, sharding=sharding, prefetch_to_device=prefetch_to_device)
 
     def to_tf(self, *, element_spec: Any = None) -> Any:
-        """This loader as a ``tf.data.Dataset`` (zero-copy); see :func:`stoker.tf.to_tf`."""
+        """This loader as a `tf.data.Dataset` (zero-copy); see `stoker.tf.to_tf`."""
         from .tf import to_tf
 
         return to_tf(self, element_spec=element_spec)
@@ -630,7 +630,7 @@ class Loader:
         return len(self) * self.epochs
 
     def _shown_prefetch(self) -> int:
-        """Batches that can be in flight: ``prefetch``, and no more than the data holds."""
+        """Batches that can be in flight: `prefetch`, and no more than the data holds."""
         data = self._pass_batches()
         return self.prefetch if data is None else min(self.prefetch, data)
 
@@ -647,7 +647,7 @@ class Loader:
 class UserPosition:
     """State for adapters that run ahead of their user (device prefetch, copies in flight).
 
-    Subclasses set ``self.loader`` and update ``self._position`` to the loader position
+    Subclasses set `self.loader` and update `self._position` to the loader position
     recorded with each batch as they hand it to the user, so a saved state resumes right
     after the last batch the user actually received.
     """
@@ -660,13 +660,13 @@ class UserPosition:
         return self.loader._state_dict_at(self._position)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from ``state``: the next ``iter()`` continues right after the saved batch."""
+        """Resume from `state`: the next `iter()` continues right after the saved batch."""
         self.loader.load_state_dict(state)
         self._position = self.loader.position
 
 
 def _is_int(value: object, *, least: int = 0) -> bool:
-    """An integer (not a bool, which Python counts as one) of at least ``least``."""
+    """An integer (not a bool, which Python counts as one) of at least `least`."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool) and bool(value >= least)
 
 
@@ -684,7 +684,7 @@ def _is_digests(value: object) -> bool:
 def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator | None) -> None:
     # Idempotent, and safe to run again after a Ctrl-C cut it short (see stoker.engine._State):
     # the stop flag first, then the join; the files are also closed by the last worker out.
-    # ``pool``: the pass's own, cleared with it (None: the loader's, kept for its next pass).
+    # `pool`: the pass's own, cleared with it (None: the loader's, kept for its next pass).
     assembler.stop.set()
     batches.close()
     assembler.close()
@@ -693,8 +693,8 @@ def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler
 
 
 def _units(plans: Iterator[BatchPlan], parts: int, redoable: Callable[[BatchPlan], bool]) -> Iterator[BatchPlan]:
-    """``plans`` with up to ``parts`` consecutive batches of one epoch coalesced into one
-    (stoker.plan.coalesce), where each can be assembled again on its own (``redoable``); a
+    """`plans` with up to `parts` consecutive batches of one epoch coalesced into one
+    (stoker.plan.coalesce), where each can be assembled again on its own (`redoable`); a
     batch that cannot (padding, a compressed stream read in turns) goes alone.
 
     A planning error comes after the batches planned before it, as it does without this.
@@ -777,8 +777,8 @@ def _assemble_parts(assembler: Assembler, task: Task) -> Any:
 
 
 def _advising_ahead(tasks: Iterator[Task], depth: int) -> Iterator[Task]:
-    """``tasks``, each asking the disk for the records of the one ``depth`` after it first (the
-    first for its own and the ``depth`` after it): a global shuffle's records, read from a
+    """`tasks`, each asking the disk for the records of the one `depth` after it first (the
+    first for its own and the `depth` after it): a global shuffle's records, read from a
     dataset larger than RAM/2, are on their way by the time a worker copies them. On W1-big
     (cold, 2 threads, one scratch run each): 33k records/s asking for each batch's own records
     only, 40k two ahead, 43k four ahead; asking 3 or 15 ahead later ran alike (35k-36k), so
@@ -813,9 +813,9 @@ def _advising_ahead(tasks: Iterator[Task], depth: int) -> Iterator[Task]:
 
 
 class _Pass:
-    """One pass over the loader's epochs: the iterator ``iter(loader)`` returns.
+    """One pass over the loader's epochs: the iterator `iter(loader)` returns.
 
-    It plans epochs ``start[0] .. stop - 1`` (None: forever), from position ``start[1]`` of the first.
+    It plans epochs `start[0] .. stop - 1` (None: forever), from position `start[1]` of the first.
     """
 
     def __init__(self, loader: Loader, start: tuple[int, int], stop: int | None) -> None:
@@ -957,7 +957,7 @@ class _Pass:
                 loader.prefetch = tuner.prefetch_for(tuner.threads) * self._parts
 
     def supersede(self) -> None:
-        """End this pass for a newer one; a pass still open then says so at its next ``next()``."""
+        """End this pass for a newer one; a pass still open then says so at its next `next()`."""
         if not self._closed:
             self._superseded = True
         self.close()

@@ -2,14 +2,14 @@
 its limits on open descriptors and memory mappings; and how it opens a file for reading
 without hanging on one that is not a regular file.
 
-A container's CPU quota (``docker run --cpus``, a Kubernetes CPU limit) and memory limit are
-cgroup settings: ``os.sched_getaffinity`` still lists every core of the host and ``sysconf``
+A container's CPU quota (`docker run --cpus`, a Kubernetes CPU limit) and memory limit are
+cgroup settings: `os.sched_getaffinity` still lists every core of the host and `sysconf`
 all of its RAM. A loader sized by those on a 64-core node with a 4-CPU limit would start 64
 workers that the quota throttles in turn, report "CPU 6% of 64 cores" to a user who asked
 why their CPUs look idle, and take a 100 GiB dataset for one that fits in the page cache of an
 8 GiB container (no drop-behind: stoker.readahead). So both are bounded by the limits of the
-process's cgroup and of every cgroup above it, cgroup v2 (``cpu.max``, ``memory.max``) or v1
-(``cpu.cfs_quota_us``/``cpu.cfs_period_us``, ``memory.limit_in_bytes``).
+process's cgroup and of every cgroup above it, cgroup v2 (`cpu.max`, `memory.max`) or v1
+(`cpu.cfs_quota_us`/`cpu.cfs_period_us`, `memory.limit_in_bytes`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def available_cores() -> int:
 
 
 def cores_phrase(n: int) -> str:
-    """``"1 core"``, ``"2 cores"``: how the figures and verdicts name a count of cores."""
+    """`"1 core"`, `"2 cores"`: how the figures and verdicts name a count of cores."""
     return f"{n} core" if n == 1 else f"{n} cores"
 
 
@@ -77,8 +77,8 @@ def physical_memory() -> int:
 
 
 def default_memory_budget(memory: int | None = None) -> int:
-    """A loader's ``memory_budget`` by default: a quarter of the memory this process may use
-    (``physical_memory()``, a container's limit included), at least 512 MiB (half of the memory
+    """A loader's `memory_budget` by default: a quarter of the memory this process may use
+    (`physical_memory()`, a container's limit included), at least 512 MiB (half of the memory
     where that is below 1 GiB; 512 MiB where it is unknown).
 
     A fixed 512 MiB held W1's batch of 1024 to a prefetch of 3 on a 16-core host, where each
@@ -122,7 +122,7 @@ _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a 
 
 
 def open_regular(path: str) -> int:
-    """A read-only descriptor of the regular file ``path``; OSError for anything else.
+    """A read-only descriptor of the regular file `path`; OSError for anything else.
 
     Opened with O_NONBLOCK, so that a FIFO (or a device) put where a file was answers at once
     instead of blocking the open until a writer comes: an open of a FIFO blocks even a Ctrl-C's
@@ -143,7 +143,7 @@ def open_regular(path: str) -> int:
 
 
 def max_map_count() -> int:
-    """Memory mappings this process may hold (Linux's ``vm.max_map_count``; its default where unknown)."""
+    """Memory mappings this process may hold (Linux's `vm.max_map_count`; its default where unknown)."""
     try:
         with open("/proc/sys/vm/max_map_count", "rb") as f:
             return int(f.read().strip() or DEFAULT_MAX_MAP_COUNT)
@@ -168,8 +168,8 @@ def cgroup_memory_limit(proc_cgroup: str = PROC_CGROUP, root: str = CGROUP_ROOT)
 def _tightest(
     proc_cgroup: str, root: str, v2: Callable[[Path], T | None], controller: str, v1: Callable[[Path], T | None]
 ) -> T | None:
-    """The smallest limit ``v2`` reads in a directory of the v2 hierarchy, or ``v1`` in one of
-    v1's hierarchy holding ``controller``, over the process's cgroup and those above it."""
+    """The smallest limit `v2` reads in a directory of the v2 hierarchy, or `v1` in one of
+    v1's hierarchy holding `controller`, over the process's cgroup and those above it."""
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
@@ -180,8 +180,8 @@ def _tightest(
 
 
 def _dirs(lines: list[str], root: str, controller: str | None) -> list[Path]:
-    """The directories of the cgroup named in ``lines`` (/proc/self/cgroup's) and of those above
-    it: of the v2 hierarchy (``controller`` None) or of v1's hierarchy holding ``controller``.
+    """The directories of the cgroup named in `lines` (/proc/self/cgroup's) and of those above
+    it: of the v2 hierarchy (`controller` None) or of v1's hierarchy holding `controller`.
 
     In a container with its own cgroup namespace, /proc/self/cgroup says "/" and the
     container's cgroup is what is mounted; without one it names the host's path, which may not
@@ -223,7 +223,7 @@ def _read(path: Path) -> str | None:
 
 
 def _cpu_max(path: Path) -> float | None:
-    """cgroup v2's ``cpu.max``: "QUOTA PERIOD" or "max PERIOD"."""
+    """cgroup v2's `cpu.max`: "QUOTA PERIOD" or "max PERIOD"."""
     text = _read(path)
     if not text:
         return None

@@ -2,26 +2,26 @@
 
 Everything here is a function of its arguments alone (no I/O, no clock, no global RNG) and
 works on whole numpy arrays at a time, so the plan's Python work grows with batches, not
-records. Random choices come from ``numpy.random.SeedSequence`` keyed by ``(seed, epoch)``
+records. Random choices come from `numpy.random.SeedSequence` keyed by `(seed, epoch)`
 and a per-purpose stream number, then from fixed uint64 arithmetic: the same arguments give
 the same order on every machine and numpy version.
 
 Positions and shards:
-    An epoch is one global sequence of positions ``0, 1, ..., total - 1`` (after shuffling,
-    position ``p`` names record ``perm(p)``). Shard ``i`` of ``c`` takes the positions
-    ``p >= start`` with ``p % c == i`` relative to ``start``, i.e. ``start + i + c * m`` for
-    ``m = 0, 1, ...``. The shards of an epoch are disjoint and together cover
-    ``[start, total)``. With ``even`` sharding each shard stops after :func:`even_length`
+    An epoch is one global sequence of positions `0, 1, ..., total - 1` (after shuffling,
+    position `p` names record `perm(p)`). Shard `i` of `c` takes the positions
+    `p >= start` with `p % c == i` relative to `start`, i.e. `start + i + c * m` for
+    `m = 0, 1, ...`. The shards of an epoch are disjoint and together cover
+    `[start, total)`. With `even` sharding each shard stops after `even_length`
     records, so every shard yields the same number (the few left over are dropped).
 
 Elastic resume:
-    Data-parallel shards move in lockstep: when a shard has consumed ``k`` records of its
+    Data-parallel shards move in lockstep: when a shard has consumed `k` records of its
     own subsequence, so has every other shard. Then exactly the positions
-    ``start <= p < start + c * k`` are consumed, and nothing beyond. The resume position is
-    ``P = start + c * k`` (:func:`resume_position`), whatever the shard's index. A new job
-    with any shard count ``c'`` continues with shard ``j`` taking ``P + j + c' * m``: every
+    `start <= p < start + c * k` are consumed, and nothing beyond. The resume position is
+    `P = start + c * k` (`resume_position`), whatever the shard's index. A new job
+    with any shard count `c'` continues with shard `j` taking `P + j + c' * m`: every
     position of the epoch is then read exactly once across both jobs, no repeats, no
-    skips. If shards were *not* in lockstep, resuming from the smallest ``k`` among them
+    skips. If shards were *not* in lockstep, resuming from the smallest `k` among them
     still skips nothing but repeats what the faster shards read beyond it.
 
 Example:
@@ -63,7 +63,7 @@ __all__ = [
     "window_shuffle",
 ]
 
-# Positions travel as int64; 2**62 leaves headroom for ``start + c * k`` style sums.
+# Positions travel as int64; 2**62 leaves headroom for `start + c * k` style sums.
 MAX_RECORDS = 1 << 62
 # Six rounds: a Feistel network needs at least four to look random as a permutation
 # (Luby-Rackoff); two more because the half width can be as small as one bit.
@@ -82,7 +82,7 @@ _S31 = np.uint64(31)
 
 
 def _check_count(name: str, value: object, *, limit: int = MAX_RECORDS) -> int:
-    """``value`` as an int in ``[0, limit]``, or SpecError naming ``name``."""
+    """`value` as an int in `[0, limit]`, or SpecError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= limit:
         raise SpecError(f"{name}={value!r} must be an integer in [0, {limit}]")
     return int(value)
@@ -110,14 +110,14 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class Permutation:
-    """A seeded bijection of ``[0, n)``, evaluated at any positions without an n-sized table.
+    """A seeded bijection of `[0, n)`, evaluated at any positions without an n-sized table.
 
-    A balanced Feistel network over ``[0, 2**bits)``, ``bits`` the smallest even width with
-    ``2**bits >= n`` (at least 2), encrypts a position; results ``>= n`` are encrypted
+    A balanced Feistel network over `[0, 2**bits)`, `bits` the smallest even width with
+    `2**bits >= n` (at least 2), encrypts a position; results `>= n` are encrypted
     again (cycle walking) until they land in range, which keeps it a bijection of
-    ``[0, n)``. As ``2**bits < 4 * n``, a lane walks fewer than four steps on average.
-    Built by :func:`index_permutation`; ``stream`` separates independent uses of one
-    ``(seed, epoch)``.
+    `[0, n)`. As `2**bits < 4 * n`, a lane walks fewer than four steps on average.
+    Built by `index_permutation`; `stream` separates independent uses of one
+    `(seed, epoch)`.
 
     Example:
         >>> p = Permutation(5, seed=1, epoch=2)
@@ -150,10 +150,10 @@ class Permutation:
         return self.n
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
-        """Where each position goes: ``perm(positions)``, int64, the same shape as ``positions``.
+        """Where each position goes: `perm(positions)`, int64, the same shape as `positions`.
 
         Raises:
-            SpecError: a position is not an integer in ``[0, n)``.
+            SpecError: a position is not an integer in `[0, n)`.
         """
         positions = np.asarray(positions)
         if positions.dtype.kind not in "iu" and positions.size:
@@ -183,7 +183,7 @@ class Permutation:
         )
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        """One pass of the Feistel network over ``[0, 2**(2 * half))``."""
+        """One pass of the Feistel network over `[0, 2**(2 * half))`."""
         half = np.uint64(self._half)
         mask = np.uint64((1 << self._half) - 1)
         left = x >> half
@@ -194,11 +194,11 @@ class Permutation:
 
 
 def index_permutation(n: int, seed: int, epoch: int) -> Permutation:
-    """The epoch's record order for "global" shuffle: position ``p`` reads record ``perm(p)``.
+    """The epoch's record order for "global" shuffle: position `p` reads record `perm(p)`.
 
     Args:
-        n: records in the epoch, ``0 <= n <= MAX_RECORDS``.
-        seed: the user's seed (non-negative); epochs with the same seed differ by ``epoch``.
+        n: records in the epoch, `0 <= n <= MAX_RECORDS`.
+        seed: the user's seed (non-negative); epochs with the same seed differ by `epoch`.
         epoch: the epoch number (non-negative).
 
     Example:
@@ -210,9 +210,9 @@ def index_permutation(n: int, seed: int, epoch: int) -> Permutation:
 
 
 def permute_groups(num_groups: int, seed: int, epoch: int) -> np.ndarray:
-    """The order groups are opened in for "files" shuffle: a permutation of ``arange(num_groups)``.
+    """The order groups are opened in for "files" shuffle: a permutation of `arange(num_groups)`.
 
-    Drawn from its own stream, independent of :func:`index_permutation` for the same
+    Drawn from its own stream, independent of `index_permutation` for the same
     seed and epoch.
 
     Example:
@@ -224,11 +224,11 @@ def permute_groups(num_groups: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def window_shuffle(num_items: int, window: int, seed: int, epoch: int) -> np.ndarray:
-    """Item order shuffled only within consecutive windows of ``window`` items.
+    """Item order shuffled only within consecutive windows of `window` items.
 
-    Returns ``order`` (int64, length ``num_items``): output position ``k`` holds item
-    ``order[k]``, and ``order[k]`` lies in the same window ``k // window`` (the last may be
-    shorter), so no item moves ``window`` or more places. ``window=1`` keeps the order.
+    Returns `order` (int64, length `num_items`): output position `k` holds item
+    `order[k]`, and `order[k]` lies in the same window `k // window` (the last may be
+    shorter), so no item moves `window` or more places. `window=1` keeps the order.
 
     Example:
         >>> order = window_shuffle(7, 3, seed=0, epoch=0)
@@ -249,10 +249,10 @@ def window_shuffle(num_items: int, window: int, seed: int, epoch: int) -> np.nda
 
 
 def validate_shard(shard: object) -> tuple[int, int]:
-    """``shard`` as ``(index, count)`` of ints, or SpecError saying what is wrong.
+    """`shard` as `(index, count)` of ints, or SpecError saying what is wrong.
 
     Accepts a tuple or list (a state read back from JSON holds lists) of two integers,
-    not bools, with ``count >= 1`` and ``0 <= index < count``.
+    not bools, with `count >= 1` and `0 <= index < count`.
     """
     message = f"shard={shard!r} must be (index, count) with 0 <= index < count"
     if not isinstance(shard, tuple | list) or len(shard) != 2:
@@ -270,11 +270,11 @@ def validate_shard(shard: object) -> tuple[int, int]:
 
 
 def shard_from_rank(rank: int, world_size: int) -> tuple[int, int]:
-    """The ``shard`` for one process of a data-parallel job: ``(rank, world_size)``.
+    """The `shard` for one process of a data-parallel job: `(rank, world_size)`.
 
-    Use the job's process rank and size, e.g. ``torch.distributed.get_rank()`` and
-    ``get_world_size()``, or ``jax.process_index()`` and ``jax.process_count()``; each
-    process then reads a disjoint ``1 / world_size`` of every epoch.
+    Use the job's process rank and size, e.g. `torch.distributed.get_rank()` and
+    `get_world_size()`, or `jax.process_index()` and `jax.process_count()`; each
+    process then reads a disjoint `1 / world_size` of every epoch.
 
     Example:
         >>> shard_from_rank(3, 8)
@@ -288,7 +288,7 @@ def shard_from_rank(rank: int, world_size: int) -> tuple[int, int]:
 
 
 def shard_length(total: int, index: int, count: int, start: int = 0) -> int:
-    """Positions of ``[start, total)`` that shard ``index`` of ``count`` takes."""
+    """Positions of `[start, total)` that shard `index` of `count` takes."""
     index, count = validate_shard((index, count))
     total, start = _check_count("total", total), _check_count("start", start)
     remaining = total - start - index
@@ -296,10 +296,10 @@ def shard_length(total: int, index: int, count: int, start: int = 0) -> int:
 
 
 def even_length(total: int, count: int, start: int = 0) -> int:
-    """Records every one of ``count`` shards can provide from ``start``: the least shard length.
+    """Records every one of `count` shards can provide from `start`: the least shard length.
 
-    The last shard has the fewest, ``ceil((total - start - (count - 1)) / count)``, which is
-    ``(total - start) // count``.
+    The last shard has the fewest, `ceil((total - start - (count - 1)) / count)`, which is
+    `(total - start) // count`.
     """
     _, count = validate_shard((0, count))
     total, start = _check_count("total", total), _check_count("start", start)
@@ -307,11 +307,11 @@ def even_length(total: int, count: int, start: int = 0) -> int:
 
 
 def shard_positions(total: int, shard: tuple[int, int], start: int = 0, *, even: bool = False) -> np.ndarray:
-    """The epoch positions shard ``(index, count)`` takes from ``start``, in order (int64).
+    """The epoch positions shard `(index, count)` takes from `start`, in order (int64).
 
-    These are ``start + index + count * m`` below ``total``; with ``even`` only the first
-    :func:`even_length` of them, so all shards yield the same number. Materializes one
-    shard's positions: for slices of them, use ``start + index + count * arange(a, b)``.
+    These are `start + index + count * m` below `total`; with `even` only the first
+    `even_length` of them, so all shards yield the same number. Materializes one
+    shard's positions: for slices of them, use `start + index + count * arange(a, b)`.
     """
     index, count = validate_shard(shard)
     total, start = _check_count("total", total), _check_count("start", start)
@@ -320,12 +320,12 @@ def shard_positions(total: int, shard: tuple[int, int], start: int = 0, *, even:
 
 
 def resume_position(consumed_by_this_shard: int, count: int, index: int, start: int) -> int:
-    """Epoch position ``P`` to resume from: every position below it is consumed.
+    """Epoch position `P` to resume from: every position below it is consumed.
 
-    Assumes lockstep data parallelism (every shard of the ``count``-shard job, begun at
-    ``start``, consumed ``consumed_by_this_shard`` records), so ``P = start + count * k``
-    for any ``index``. Shard ``j`` of a new job with ``c'`` shards continues with
-    positions ``P + j + c' * m``; see the module docstring.
+    Assumes lockstep data parallelism (every shard of the `count`-shard job, begun at
+    `start`, consumed `consumed_by_this_shard` records), so `P = start + count * k`
+    for any `index`. Shard `j` of a new job with `c'` shards continues with
+    positions `P + j + c' * m`; see the module docstring.
 
     Example:
         >>> resume_position(5, count=4, index=2, start=0)
@@ -343,7 +343,7 @@ def resume_position(consumed_by_this_shard: int, count: int, index: int, start: 
 
 
 def _canonical(value: object, where: str) -> object:
-    """``value`` as plain JSON types: numpy scalars and arrays, tuples and sets made plain."""
+    """`value` as plain JSON types: numpy scalars and arrays, tuples and sets made plain."""
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, numbers.Integral):
@@ -375,7 +375,7 @@ def _dumps(value: object, where: str) -> str:
 
 
 def fingerprint(parts: Mapping[str, object]) -> str:
-    """A short stable hex digest of ``parts``: the first 16 hex digits of sha256 of canonical JSON.
+    """A short stable hex digest of `parts`: the first 16 hex digits of sha256 of canonical JSON.
 
     Equal for equal contents whatever the key order, tuple-or-list, or numpy-or-Python
     numbers, so a state saved as JSON and read back fingerprints the same.

@@ -1,9 +1,9 @@
 """Which records, in what order: pure index arithmetic, no I/O.
 
 The plan turns the dataset's geometry (how many groups, how many records each) and the
-loader's settings into batches of coalesced runs: ``(group, first record, count, row in
-the batch)``. Python work grows with runs, not records. Order is exactly that of
-``tf.data.Dataset.interleave(cycle_length, block_length, deterministic=True)`` over the
+loader's settings into batches of coalesced runs: `(group, first record, count, row in
+the batch)`. Python work grows with runs, not records. Order is exactly that of
+`tf.data.Dataset.interleave(cycle_length, block_length, deterministic=True)` over the
 groups in order, so tf.data is the reference in tests.
 
 Record counts are asked for through a callable, lazily, as the interleave opens each
@@ -52,16 +52,16 @@ def default_block_length(max_record_bytes: int) -> int:
 
 
 def default_cycle_length(num_groups: int) -> int:
-    """Groups read side by side: ``min(num_groups, 4)``."""
+    """Groups read side by side: `min(num_groups, 4)`."""
     return max(1, min(num_groups, DEFAULT_CYCLE))
 
 
 def pass_end(first_epoch: int, epochs: int | None, *, reshuffle: bool = True) -> int | None:
-    """One past the last epoch of the pass that holds ``first_epoch`` (None: it never ends).
+    """One past the last epoch of the pass that holds `first_epoch` (None: it never ends).
 
-    Pass k of a loader with ``epochs=E`` covers epochs ``k*E .. k*E+E-1``, so iterating it
-    again continues with new orders, as tf.data's ``reshuffle_each_iteration`` does; without
-    ``reshuffle`` every pass covers epochs ``0 .. E-1``.
+    Pass k of a loader with `epochs=E` covers epochs `k*E .. k*E+E-1`, so iterating it
+    again continues with new orders, as tf.data's `reshuffle_each_iteration` does; without
+    `reshuffle` every pass covers epochs `0 .. E-1`.
 
     Example:
         >>> pass_end(0, 1), pass_end(7, 3), pass_end(1, 3, reshuffle=False)
@@ -73,9 +73,9 @@ def pass_end(first_epoch: int, epochs: int | None, *, reshuffle: bool = True) ->
 
 
 def next_pass(first_epoch: int, last_epoch: int, epochs: int | None, *, reshuffle: bool = True) -> int:
-    """The first epoch of the pass after one that began at ``first_epoch`` and reached ``last_epoch``.
+    """The first epoch of the pass after one that began at `first_epoch` and reached `last_epoch`.
 
-    Passes of a loader that repeats forever (``epochs=None``) end only when left: the next
+    Passes of a loader that repeats forever (`epochs=None`) end only when left: the next
     goes on with the epoch after the last one it delivered from.
 
     Example:
@@ -90,9 +90,9 @@ def next_pass(first_epoch: int, last_epoch: int, epochs: int | None, *, reshuffl
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """``count`` records of ``group`` from ``start`` every ``step``, landing at batch rows ``row..``.
+    """`count` records of `group` from `start` every `step`, landing at batch rows `row..`.
 
-    ``final`` is True on the run that reads the group's last record in this shard's plan
+    `final` is True on the run that reads the group's last record in this shard's plan
     (a run of count 0 when another shard holds that record), so the engine can confirm
     the end of compressed streams and release the group's files.
     """
@@ -106,13 +106,13 @@ class Run:
 
     @property
     def stop(self) -> int:
-        """One past the last record read (with ``step``)."""
+        """One past the last record read (with `step`)."""
         return self.start + (self.count - 1) * self.step + 1 if self.count else self.start
 
 
 @dataclass(frozen=True, slots=True)
 class Gather:
-    """Records by random access: row r of the batch is record ``index[r]`` of ``groups[r]``."""
+    """Records by random access: row r of the batch is record `index[r]` of `groups[r]`."""
 
     groups: np.ndarray
     index: np.ndarray
@@ -120,7 +120,7 @@ class Gather:
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
-    """One batch: ``rows`` records made of ``runs`` in row order, or of one ``gather``."""
+    """One batch: `rows` records made of `runs` in row order, or of one `gather`."""
 
     epoch: int
     index: int  # batch number within the epoch (for this pass)
@@ -128,9 +128,9 @@ class BatchPlan:
     rows: int
     runs: tuple[Run, ...]
     gather: Gather | None = None
-    # pad_last: rows ``valid..rows`` are padding (the runs/gather fill only ``0..valid``).
+    # pad_last: rows `valid..rows` are padding (the runs/gather fill only `0..valid`).
     valid: int | None = None
-    # Made by :func:`coalesce`: the batches this one holds end to end, delivered one by one.
+    # Made by `coalesce`: the batches this one holds end to end, delivered one by one.
     parts: tuple[BatchPlan, ...] | None = None
 
 
@@ -139,7 +139,7 @@ Shuffle = Literal[False, "global", "files"]
 
 def coalesce(plans: Sequence[BatchPlan]) -> BatchPlan:
     """Consecutive batches of one epoch (no padding) as one batch holding them end to end
-    (``parts``). Runs: each moved down by the rows before its batch, and a run that goes on
+    (`parts`). Runs: each moved down by the rows before its batch, and a run that goes on
     where the one before it stopped (same group, the next record) merged into it, so a file's
     records are read in one call where they were read in several. Gathers: one gather of all
     their records, which visits each file once.
@@ -194,13 +194,13 @@ def interleave(
     block_length: int,
     order: Sequence[int] | np.ndarray | None = None,
 ) -> Iterator[tuple[int, int, int]]:
-    """Pieces ``(group, start, stop)`` in tf.data's deterministic interleave order.
+    """Pieces `(group, start, stop)` in tf.data's deterministic interleave order.
 
     A literal transcription of tf.data's InterleaveDataset iterator at block granularity:
     a slot whose group ran out is noticed only when the cycle comes back to it (then it
     is emptied and the cycle moves on); an empty slot with groups left is filled and read
     from on the same visit; a block cut short by the end of its group moves the cycle on.
-    ``order`` gives the groups in the order they are opened (default: 0, 1, 2, ...).
+    `order` gives the groups in the order they are opened (default: 0, 1, 2, ...).
     """
     slots: list[list[int] | None] = [None] * cycle_length
     next_group = 0
@@ -246,11 +246,11 @@ class Plan:
         self.config = config
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[BatchPlan]:
-        """This shard's batches of one epoch, from epoch position ``start`` on.
+        """This shard's batches of one epoch, from epoch position `start` on.
 
-        Shard ``i`` of ``c`` takes positions ``start + i, start + i + c, ...`` of the epoch's
-        sequence, so a state saved after k records resumes at ``start + c * k`` with any
-        shard count (see :mod:`stoker.order`).
+        Shard `i` of `c` takes positions `start + i, start + i + c, ...` of the epoch's
+        sequence, so a state saved after k records resumes at `start + c * k` with any
+        shard count (see `stoker.order`).
         """
         if self.config.shuffle == "global":
             yield from self._global(epoch, start)
@@ -266,7 +266,7 @@ class Plan:
         return max(0, (total - start) // c)
 
     def pieces(self, epoch: int) -> Iterator[tuple[int, int, int]]:
-        """The epoch's sequence as contiguous pieces ``(group, start, stop)``."""
+        """The epoch's sequence as contiguous pieces `(group, start, stop)`."""
         cfg = self.config
         order = None
         if cfg.shuffle == "files":
@@ -301,7 +301,7 @@ class Plan:
         runs: list[Run] = []
         rows = 0
         index = 0
-        taken = 0  # records this shard took since ``start``
+        taken = 0  # records this shard took since `start`
         pos = 0  # epoch position of the piece's first record
         # Where the ends of groups can be trimmed from the epoch (drop_remainder, shards,
         # pad_last), a full batch is held back until the next one is full, so those ends
@@ -371,7 +371,7 @@ class Plan:
         yield from self._with_ends([*last, *rest], ends)
 
     def _with_ends(self, batches: list[BatchPlan], groups: list[int]) -> list[BatchPlan]:
-        """``batches`` with empty final runs for ``groups`` added to the last one.
+        """`batches` with empty final runs for `groups` added to the last one.
 
         Those groups' last records are not delivered in this epoch (a dropped remainder,
         the even-shard trim); the empty runs make the engine read on to each stream's end
@@ -387,7 +387,7 @@ class Plan:
         return [*batches[:-1], replace(last, runs=last.runs + ends)]
 
     def padded_batches(self, total: int, start: int = 0) -> int:
-        """pad_last: batches every shard yields from ``start``: enough for the longest shard."""
+        """pad_last: batches every shard yields from `start`: enough for the longest shard."""
         longest = max(0, -(-(total - start) // self.config.shard[1]))
         return -(-longest // self.config.batch_size)
 
@@ -449,10 +449,10 @@ class Plan:
             yield from self._padded(epoch, -(-n // size), start + c * n, start, 0, ())
 
     def batches(self, epochs: int | None, *, first_epoch: int = 0, start: int = 0) -> Iterator[BatchPlan]:
-        """Batches of epochs ``first_epoch, first_epoch + 1, ...`` (forever if ``epochs`` is None).
+        """Batches of epochs `first_epoch, first_epoch + 1, ...` (forever if `epochs` is None).
 
-        A whole epoch with no batch ends the run even when ``epochs`` is None, as tf.data's
-        ``repeat()`` does: repeating nothing would spin forever without yielding.
+        A whole epoch with no batch ends the run even when `epochs` is None, as tf.data's
+        `repeat()` does: repeating nothing would spin forever without yielding.
         """
         epoch = first_epoch
         while epochs is None or epoch < epochs:

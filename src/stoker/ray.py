@@ -1,7 +1,7 @@
-"""Ray Data adapter: a stoker Dataset as a ``ray.data.Dataset``, read by a custom Datasource.
+"""Ray Data adapter: a stoker Dataset as a `ray.data.Dataset`, read by a custom Datasource.
 
 Each read task carries only its own groups: their file infos, settled counts and seek points
-(:meth:`stoker.files.Catalog.part`), never the whole catalog, so what Ray ships per task does
+(`stoker.files.Catalog.part`), never the whole catalog, so what Ray ships per task does
 not grow with the dataset. A task reads a range of the dataset's records with stoker's own
 reader (raw fields by ranged reads, compressed fields by streaming inflate from the start or
 from an index seek point, local paths or fsspec URLs) and yields columnar blocks. A block holds
@@ -10,29 +10,29 @@ cannot come apart whatever Ray does with blocks afterwards.
 
 Tasks and blocks:
 
-- The records are cut into about ``parallelism`` tasks (Ray's requested read parallelism:
-  ``override_num_blocks=``, or what Ray derives from the cluster), or into tasks of
-  ``records_per_task`` records. Small groups share a task; large groups are cut into record
+- The records are cut into about `parallelism` tasks (Ray's requested read parallelism:
+  `override_num_blocks=`, or what Ray derives from the cluster), or into tasks of
+  `records_per_task` records. Small groups share a task; large groups are cut into record
   ranges where cutting is free: raw files anywhere, compressed files at the persistent
-  index's seek points (:mod:`stoker.index`; without an index a compressed group is read
+  index's seek points (`stoker.index`; without an index a compressed group is read
   whole by one task, since a range of it would inflate the stream from its start).
-- Tasks and blocks are whole multiples of ``batch_size`` records (the hint), so Ray's
-  ``iter_batches(batch_size=batch_size)`` slices batches out of blocks without copying; only
+- Tasks and blocks are whole multiples of `batch_size` records (the hint), so Ray's
+  `iter_batches(batch_size=batch_size)` slices batches out of blocks without copying; only
   the last block, and a task that had to take a group it could not cut, end short.
-- Fields ship in their stored dtype unless ``cast=`` asks for the cast in the read task: an
+- Fields ship in their stored dtype unless `cast=` asks for the cast in the read task: an
   int8 image cast to float32 there is 4x the bytes through Ray's object store. Cast where the
-  batch is consumed instead with :func:`iter_batches` / :func:`cast_batch`.
+  batch is consumed instead with `iter_batches` / `cast_batch`.
 
 Order, shuffling, sharding:
 
 - Tasks are listed in dataset order; Ray runs them in parallel and, unless
-  ``DataContext.get_current().execution_options.preserve_order = True``, hands blocks on in
+  `DataContext.get_current().execution_options.preserve_order = True`, hands blocks on in
   the order they finish.
-- ``seed=`` lists the groups (and their ranges) in a seeded permutation before they are cut
-  into tasks (a cheap group-level shuffle, like ``shuffle="files"``; pass ``seed + epoch``
+- `seed=` lists the groups (and their ranges) in a seeded permutation before they are cut
+  into tasks (a cheap group-level shuffle, like `shuffle="files"`; pass `seed + epoch`
   for a new order per epoch). For record level mixing use Ray's
-  ``iter_batches(local_shuffle_buffer_size=...)`` or ``random_shuffle(seed=...)``.
-- ``streaming_split(n, equal=False)`` hands every block to exactly one of ``n`` consumers:
+  `iter_batches(local_shuffle_buffer_size=...)` or `random_shuffle(seed=...)`.
+- `streaming_split(n, equal=False)` hands every block to exactly one of `n` consumers:
   every record reaches exactly one training worker per epoch.
 
 Example:
@@ -118,7 +118,7 @@ def _worker_kept() -> tuple[KeptMaps | None, KeptDecoded]:
 
 
 def check_ray_version(version: str) -> None:
-    """ImportError unless Ray ``version`` is at least :data:`MIN_RAY` (a clear one, before any
+    """ImportError unless Ray `version` is at least `MIN_RAY` (a clear one, before any
     missing attribute of an older Ray's Datasource API would surface mid-read)."""
     m = re.match(r"(\d+)\.(\d+)", version)
     if m is None or (int(m.group(1)), int(m.group(2))) < MIN_RAY:
@@ -148,25 +148,25 @@ def read(
     with_index: bool = False,
     **read_args: Any,
 ) -> ray.data.Dataset:
-    """A ``ray.data.Dataset`` of ``ds``: one row per record, one column per field.
+    """A `ray.data.Dataset` of `ds`: one row per record, one column per field.
 
     Args:
         ds: the stoker Dataset or Subset (its files: local paths on every node, or URLs).
-        batch_size: the batch size the consumer asks ``iter_batches`` for: tasks and blocks
+        batch_size: the batch size the consumer asks `iter_batches` for: tasks and blocks
             are cut at whole multiples of it, so batches are slices of blocks (no copy).
-        cast: one dtype or ``{field: dtype}``, applied in the read task (None: the stored
-            dtypes travel, the fewest bytes; cast at the consumer with :func:`iter_batches`).
+        cast: one dtype or `{field: dtype}`, applied in the read task (None: the stored
+            dtypes travel, the fewest bytes; cast at the consumer with `iter_batches`).
         records_per_task: records per read task (None: as many tasks as Ray's requested
-            parallelism, ``override_num_blocks=``, by default
-            :meth:`StokerDatasource.default_tasks`).
+            parallelism, `override_num_blocks=`, by default
+            `StokerDatasource.default_tasks`).
         records_per_block: rows per output block (None: the fewest whole batches over Ray's
-            ``DataContext.target_max_block_size``; Ray joins smaller blocks of a task into
+            `DataContext.target_max_block_size`; Ray joins smaller blocks of a task into
             one of several chunks, which its batcher then copies whole).
         seed: list the groups in a seeded permutation before they are cut into tasks.
-        with_index: add int64 ``__group__`` and ``__index__`` columns (the root dataset's group
+        with_index: add int64 `__group__` and `__index__` columns (the root dataset's group
             and record in the file).
-        read_args: passed to ``ray.data.read_datasource`` (``override_num_blocks``,
-            ``concurrency``, ``ray_remote_args``, ...).
+        read_args: passed to `ray.data.read_datasource` (`override_num_blocks`,
+            `concurrency`, `ray_remote_args`, ...).
     """
     import ray.data
 
@@ -185,9 +185,9 @@ def read(
 
 
 def cast_batch(batch: Mapping[str, np.ndarray], cast: Any) -> dict[str, np.ndarray]:
-    """``batch`` with its fields converted as ``cast`` says (one dtype for every field, or
-    ``{field: dtype}``, ``"bfloat16"`` included) by stoker's compiled casts into new arrays;
-    other arrays (``__group__``, ``__index__``) as they are.
+    """`batch` with its fields converted as `cast` says (one dtype for every field, or
+    `{field: dtype}`, `"bfloat16"` included) by stoker's compiled casts into new arrays;
+    other arrays (`__group__`, `__index__`) as they are.
 
     Example:
         >>> cast_batch({"image": np.arange(4, dtype=np.int8)}, {"image": "float32"})["image"]
@@ -213,11 +213,11 @@ def cast_batch(batch: Mapping[str, np.ndarray], cast: Any) -> dict[str, np.ndarr
 
 
 def iter_batches(source: Any, *, batch_size: int = 256, cast: Any = None, **iter_args: Any) -> Iterator[dict[str, Any]]:
-    """``source.iter_batches(batch_size=..., batch_format="numpy")`` with fields cast on the
-    consumer (see :func:`cast_batch`); ``source``: a ``ray.data.Dataset`` or a Ray Train
-    worker's ``DataIterator`` (``ray.train.get_dataset_shard(name)``).
+    """`source.iter_batches(batch_size=..., batch_format="numpy")` with fields cast on the
+    consumer (see `cast_batch`); `source`: a `ray.data.Dataset` or a Ray Train
+    worker's `DataIterator` (`ray.train.get_dataset_shard(name)`).
 
-    Pass ``read(..., batch_size=)`` the same batch size, so batches are slices of blocks.
+    Pass `read(..., batch_size=)` the same batch size, so batches are slices of blocks.
     """
     for batch in source.iter_batches(batch_size=batch_size, batch_format="numpy", **iter_args):
         yield batch if cast is None else cast_batch(batch, cast)
@@ -241,7 +241,7 @@ class _Unit(NamedTuple):
 
 
 class Piece(NamedTuple):
-    """Records ``start..stop`` of unit ``unit`` (positions in its selection, for a record subset)."""
+    """Records `start..stop` of unit `unit` (positions in its selection, for a record subset)."""
 
     unit: int
     start: int
@@ -249,12 +249,12 @@ class Piece(NamedTuple):
 
 
 def plan_tasks(records: Sequence[int], grains: Sequence[int], per_task: int) -> list[list[Piece]]:
-    """Units of ``records[u]`` records (groups, in the order given) cut into tasks of about
-    ``per_task`` records: pure index arithmetic.
+    """Units of `records[u]` records (groups, in the order given) cut into tasks of about
+    `per_task` records: pure index arithmetic.
 
-    A task takes units in order until it holds ``per_task`` records, cutting the unit that
+    A task takes units in order until it holds `per_task` records, cutting the unit that
     fills it at the next multiple of the unit's grain at or after that point (raw groups:
-    a grain of 1, cut exactly). So every task but the last holds ``per_task`` records where
+    a grain of 1, cut exactly). So every task but the last holds `per_task` records where
     grains allow, and at most one grain more where they do not.
 
     Example:
@@ -281,7 +281,7 @@ def plan_tasks(records: Sequence[int], grains: Sequence[int], per_task: int) -> 
 
 
 class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
-    """A Ray Datasource reading a stoker Dataset in tasks of record ranges (see :func:`read`)."""
+    """A Ray Datasource reading a stoker Dataset in tasks of record ranges (see `read`)."""
 
     def __init__(
         self,
@@ -344,7 +344,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
         return units
 
     def _grain(self, g: int) -> int:
-        """Where group ``g`` may be cut between tasks, in records (evenly, in whole batches).
+        """Where group `g` may be cut between tasks, in records (evenly, in whole batches).
 
         Raw files: anywhere (a grain of 1). A compressed file decoded whole by any reader of
         it (at most stoker.batch.VERIFY_WHOLE_BYTES) is decoded by each task that reads a range
@@ -403,10 +403,10 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
 
     def default_tasks(self) -> int:
         """Read tasks when none are asked for: Ray's own estimate without its floor of
-        ``DataContext.read_op_min_num_blocks`` (200), which would cut W1's 16 files (1 GiB) into
+        `DataContext.read_op_min_num_blocks` (200), which would cut W1's 16 files (1 GiB) into
         200 tasks of 5 MiB, each paying Ray's per-task costs (measured: see
         benchmarks/results/ray.md). One task per target-size block of output, and at least two
-        per CPU of the cluster (or of this machine, before ``ray.init``)."""
+        per CPU of the cluster (or of this machine, before `ray.init`)."""
         import ray
         from ray.data import DataContext
 
@@ -418,7 +418,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
         return self._records * self._row_bytes
 
     def tasks(self, parallelism: int) -> list[list[Piece]]:
-        """The pieces each read task reads, for Ray's requested ``parallelism`` (or records_per_task)."""
+        """The pieces each read task reads, for Ray's requested `parallelism` (or records_per_task)."""
         per_task = self._per_task
         if per_task is None:
             per_task = math.ceil(self._records / max(1, parallelism))
@@ -428,7 +428,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
     ) -> list[Any]:
-        """About ``parallelism`` tasks, each carrying only its own groups (see :func:`read`)."""
+        """About `parallelism` tasks, each carrying only its own groups (see `read`)."""
         from ray.data.block import BlockMetadata
         from ray.data.datasource import ReadTask
 
@@ -460,7 +460,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
 
 
 class _Part(NamedTuple):
-    """What a task reads of one of its groups: records ``start..stop``, or ``records`` (a record subset's)."""
+    """What a task reads of one of its groups: records `start..stop`, or `records` (a record subset's)."""
 
     group: int  # in the task's catalog
     start: int
@@ -490,7 +490,7 @@ class _ReadTask:
         self.with_index = with_index
 
     def _blocks(self) -> Iterator[list[_Part]]:
-        """The parts cut into blocks of ``per_block`` rows (the last one shorter)."""
+        """The parts cut into blocks of `per_block` rows (the last one shorter)."""
         block: list[_Part] = []
         rows = 0
         for part in self.parts:
@@ -540,7 +540,7 @@ class _ReadTask:
 
 
 def _gather(block: Sequence[_Part]) -> tuple[np.ndarray, np.ndarray]:
-    """(group in the task's catalog, record in the file) of every row of ``block``."""
+    """(group in the task's catalog, record in the file) of every row of `block`."""
     groups = np.concatenate([np.full(p.stop - p.start, p.group, np.int64) for p in block])
     records = np.concatenate(
         [np.arange(p.start, p.stop, dtype=np.int64) if p.records is None else p.records for p in block]

@@ -1,27 +1,27 @@
 """Page-cache advice for raw files read front to back: read ahead of the reader, drop behind it.
 
-Ahead: ``POSIX_FADV_WILLNEED`` on the next ``AHEAD_BYTES`` of the file after each run, so a
+Ahead: `POSIX_FADV_WILLNEED` on the next `AHEAD_BYTES` of the file after each run, so a
 cold file is already on its way from the disk when the next run asks for it. The advice is not
 free even when every page is cached (the kernel walks the range: about 100 us per 16 MiB here,
 a tenth of a W1 int8 batch), so it is given only where it can help: two one-byte reads with
-``RWF_NOWAIT`` (about 1 us each, they never touch the disk) probe the page after the run and
+`RWF_NOWAIT` (about 1 us each, they never touch the disk) probe the page after the run and
 the file's last page, and a file whose both are cached gets no more advice ahead this epoch.
 
 Behind: when the dataset's raw files are larger than half of this machine's RAM, the pages
-a run has finished with are dropped (``MADV_DONTNEED`` on our mapping, then
-``POSIX_FADV_DONTNEED``), so streaming a dataset bigger than RAM neither evicts the
+a run has finished with are dropped (`MADV_DONTNEED` on our mapping, then
+`POSIX_FADV_DONTNEED`), so streaming a dataset bigger than RAM neither evicts the
 training process's memory nor keeps gigabytes of pages nobody reads again this epoch.
 Smaller datasets keep their pages: the next epoch reads them from memory.
 
-Gathers (``shuffle="global"``) of a dataset larger than half the RAM: every record is asked of
-the disk with ``POSIX_FADV_WILLNEED`` a few batches before it is copied (see
-stoker.loader._advising_ahead), and the files' maps are advised ``MADV_RANDOM``. Left to page
-faults, a record missing from the cache was read by the kernel's read-around (``read_ahead_kb``
+Gathers (`shuffle="global"`) of a dataset larger than half the RAM: every record is asked of
+the disk with `POSIX_FADV_WILLNEED` a few batches before it is copied (see
+stoker.loader._advising_ahead), and the files' maps are advised `MADV_RANDOM`. Left to page
+faults, a record missing from the cache was read by the kernel's read-around (`read_ahead_kb`
 around the fault: 8 MiB on this machine's disk, so a 16 KiB record cost ~160x its bytes) and,
 once the kernel gave that up, a page per fault: W1-big ran at 700 records/s. Its pages are not
 dropped behind: they stay in the cache, not marked as recently used (MADV_RANDOM), so the kernel
 reclaims them before other pages. Dropping each record's pages once copied halved the records/s
-(``MADV_DONTNEED`` or ``MADV_PAGEOUT``: a flush of the other core's TLB per call, 2 threads). A
+(`MADV_DONTNEED` or `MADV_PAGEOUT`: a flush of the other core's TLB per call, 2 threads). A
 dataset that fits keeps the read-around: its first epoch's faults bring whole stretches of each
 file in at the disk's sequential rate, and every later epoch reads from memory.
 
@@ -49,18 +49,18 @@ AHEAD_BYTES = 16 << 20
 BEHIND_SLACK = 4 << 20
 _PAGE = mmap.PAGESIZE
 # Bound at import: the probe is advice about the cache, not a read of the data, so it keeps
-# the real call even where a test wraps ``os.preadv`` to inject faults into the data reads.
+# the real call even where a test wraps `os.preadv` to inject faults into the data reads.
 _preadv = getattr(os, "preadv", None)
 
 
 def drop_behind_for(raw_bytes: int) -> bool:
-    """Whether a dataset with ``raw_bytes`` of raw files should drop pages behind the reader."""
+    """Whether a dataset with `raw_bytes` of raw files should drop pages behind the reader."""
     ram = physical_memory()
     return bool(ram) and raw_bytes > ram // 2
 
 
 class Readahead:
-    """Advice for one pass; ``after_read`` is called after each run of a raw file."""
+    """Advice for one pass; `after_read` is called after each run of a raw file."""
 
     def __init__(self, *, drop_behind: bool, gathers: bool = False) -> None:
         self.drop_behind = drop_behind
@@ -75,9 +75,9 @@ class Readahead:
         self._dropped: dict[int, int] = {}
 
     def after_read(self, fd: int, mapped: Any, size: int, offset: int, nbytes: int, *, ahead: bool = True) -> bool:
-        """Advise after a run; True when the rest of the file is cached (``ahead`` can stop).
+        """Advise after a run; True when the rest of the file is cached (`ahead` can stop).
 
-        The caller keeps that answer per open file and passes ``ahead=False`` from then on, so a
+        The caller keeps that answer per open file and passes `ahead=False` from then on, so a
         warm file costs two probes per epoch, not two per run: each probe is a system call that
         gives up the GIL, and a consumer running Python holds it for up to the switch interval.
         """
@@ -109,7 +109,7 @@ class Readahead:
         return self.enabled and self.drop_behind and self.gathers
 
     def on_map(self, mapped: Any) -> None:
-        """A new map of a raw file: with ``gathers_ahead``, advised ``MADV_RANDOM``, so a record
+        """A new map of a raw file: with `gathers_ahead`, advised `MADV_RANDOM`, so a record
         the advice missed costs its own pages, not the kernel's read-around, and its pages are
         not taken as recently used (reclaimed before the training process's)."""
         if self.gathers_ahead and hasattr(mmap, "MADV_RANDOM"):
@@ -117,14 +117,14 @@ class Readahead:
                 mapped.madvise(mmap.MADV_RANDOM)
 
     def before_gather(self, fds: np.ndarray, offsets: np.ndarray, length: int) -> None:
-        """Ask the disk for a gather's records at once, record ``k`` at ``offsets[k]`` of file
-        ``fds[k]`` (``gathers_ahead`` only)."""
+        """Ask the disk for a gather's records at once, record `k` at `offsets[k]` of file
+        `fds[k]` (`gathers_ahead` only)."""
         if self.gathers_ahead and len(offsets):
             willneed_records(fds, offsets, length)
             self.advised += 1
 
     def _cached(self, fd: int, offset: int) -> bool:
-        """Whether the page holding ``offset`` is in the page cache (False when unknown).
+        """Whether the page holding `offset` is in the page cache (False when unknown).
 
         A probe that misses returns at once, but the kernel starts its own readahead from that
         page: on a cold file the probe is the first request, never a wasted one.

@@ -1,21 +1,21 @@
-"""Files behind fsspec URLs (``s3://``, ``gs://``, ``memory://``, ...): filesystems, retries, ranged reads.
+"""Files behind fsspec URLs (`s3://`, `gs://`, `memory://`, ...): filesystems, retries, ranged reads.
 
 Local paths never come here: files.py, batch.py and inflate.py keep their descriptor and
 memory-map paths for them and call this module only for a path that carries a protocol
-(:func:`is_remote`). Every request (listing, stat, ranged GET) is a coroutine run on the
+(`is_remote`). Every request (listing, stat, ranged GET) is a coroutine run on the
 filesystem's event loop (fsspec's I/O thread; a filesystem without async methods has its calls
 run in that loop's executor), so requests overlap without a thread of stoker's per request.
 A loader's pass keeps its ranged GETs in flight ahead of its workers through stoker.fetch.
 
 One retry layer: a request that fails on a transient error (dropped connection, timeout, 5xx,
-429, short body) is made again after an exponential backoff (:data:`RETRY`); a permanent error
+429, short body) is made again after an exponential backoff (`RETRY`); a permanent error
 (no such object, access denied) or a transient one that outlasts the retries is a
-:class:`~stoker.ReadError` naming the field, the URL and the byte offset. The libraries
+`stoker.ReadError` naming the field, the URL and the byte offset. The libraries
 underneath retry too by default (botocore up to 5 attempts, and s3fs 5 around each call, twice
 nested for a read): stacked under stoker's, one failing part could take hundreds of attempts and
 minutes before anyone heard of it. So the filesystems stoker reads through are its own instances
-with those retries off (botocore's ``total_max_attempts=1`` unless ``storage_options`` set
-``retries``, s3fs's ``retries=1``); the instances a user's own code gets from fsspec are left alone.
+with those retries off (botocore's `total_max_attempts=1` unless `storage_options` set
+`retries`, s3fs's `retries=1`); the instances a user's own code gets from fsspec are left alone.
 
 Example:
     >>> import stoker
@@ -95,7 +95,7 @@ _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
 class Retry:
     """How often and how patiently a transient failure is tried again.
 
-    The k-th retry waits ``min(initial_s * 2**k, max_s)``; ``attempts`` counts the first try.
+    The k-th retry waits `min(initial_s * 2**k, max_s)`; `attempts` counts the first try.
     """
 
     attempts: int = 6
@@ -115,12 +115,12 @@ class _ShortRead(Exception):
 
 
 def is_remote(path: str) -> bool:
-    """True for a URL with a protocol (``s3://...``); plain paths stay on the local fast path."""
+    """True for a URL with a protocol (`s3://...`); plain paths stay on the local fast path."""
     return "://" in path
 
 
 def transient(error: BaseException, _depth: int = 0) -> bool:
-    """Whether ``error`` is worth another try: dropped connections, timeouts, 5xx, short bodies."""
+    """Whether `error` is worth another try: dropped connections, timeouts, 5xx, short bodies."""
     if isinstance(error, _PERMANENT):
         return False
     if isinstance(error, (_ShortRead, ConnectionError, TimeoutError, asyncio.TimeoutError)):
@@ -164,17 +164,17 @@ class Client:
             self.loop = get_loop()
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``fs.<method>(*args, **kwargs)``: its coroutine, or the blocking call in the loop's executor."""
+        """`fs.<method>(*args, **kwargs)`: its coroutine, or the blocking call in the loop's executor."""
         if self._async:
             return await getattr(self.fs, "_" + method)(*args, **kwargs)
         return await asyncio.to_thread(getattr(self.fs, method), *args, **kwargs)
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Start ``coro`` on the loop; its result in a future any thread may wait on."""
+        """Start `coro` on the loop; its result in a future any thread may wait on."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and wait for it."""
+        """Run `coro` on the loop and wait for it."""
         return self.submit(coro).result()
 
 
@@ -183,7 +183,7 @@ _clients_lock = threading.Lock()
 
 
 def _options_for(cls: type, options: Mapping[str, Any], connections: int) -> dict[str, Any]:
-    """``options`` with the library's own retries off and room for ``connections`` (s3fs/botocore)."""
+    """`options` with the library's own retries off and room for `connections` (s3fs/botocore)."""
     opts = dict(options)
     protocols = cls.protocol if isinstance(cls.protocol, tuple) else (cls.protocol,)  # type: ignore[attr-defined]
     if "s3" in protocols:
@@ -195,7 +195,7 @@ def _options_for(cls: type, options: Mapping[str, Any], connections: int) -> dic
 
 
 def client(url: str, options: Mapping[str, Any] | None, *, connections: int = CONNECTIONS) -> tuple[Client, str]:
-    """stoker's own filesystem for ``url`` (see the module's doc) wrapped as a Client, and the path on it.
+    """stoker's own filesystem for `url` (see the module's doc) wrapped as a Client, and the path on it.
 
     Instances are kept per process, per protocol and options, and made again in a forked child.
     """
@@ -237,8 +237,8 @@ def _read_error(
 async def attempt(
     url: str, what: str, request: Callable[[], Awaitable[T]], *, field: str | None, offset: int | None = None
 ) -> T:
-    """``await request()`` under the retry policy (the one retry layer); a permanent or exhausted
-    failure is a ReadError naming ``url`` (the original error is its ``__cause__``)."""
+    """`await request()` under the retry policy (the one retry layer); a permanent or exhausted
+    failure is a ReadError naming `url` (the original error is its `__cause__`)."""
     policy = RETRY
     for k in range(policy.attempts):
         try:
@@ -253,7 +253,7 @@ async def attempt(
 async def get_range(
     client: Client, url: str, path: str, start: int, end: int, *, size: int, field: str | None
 ) -> bytes:
-    """Bytes ``start..end`` of the object (``size`` bytes long), whole or a ReadError."""
+    """Bytes `start..end` of the object (`size` bytes long), whole or a ReadError."""
 
     async def once() -> bytes:
         data = await client.call("cat_file", path, start=start, end=end)
@@ -340,9 +340,9 @@ async def _empty() -> bytes:
 
 
 def pieces(index: np.ndarray, record_bytes: int, base: int, part_bytes: int) -> list[tuple[int, int]]:
-    """The byte ranges that read records ``index`` (sorted, distinct) of a file whose records start
-    at ``base``: neighbours read by one request (holes under _GAP_BYTES read through), each range
-    at most ``part_bytes`` long (or one record)."""
+    """The byte ranges that read records `index` (sorted, distinct) of a file whose records start
+    at `base`: neighbours read by one request (holes under _GAP_BYTES read through), each range
+    at most `part_bytes` long (or one record)."""
     if not len(index):
         return []
     gap = max(1, _GAP_BYTES // record_bytes)
@@ -364,7 +364,7 @@ def too_short(url: str, size: int, index: np.ndarray, end: int, *, field: str | 
 
 def place(ranges: Sequence[tuple[int, int]], parts: Sequence[bytes], index: np.ndarray, record_bytes: int,
           base: int) -> np.ndarray:  # fmt: skip
-    """Records ``index`` as ``(len(index), record_bytes)`` uint8, cut from the ``parts`` read for ``ranges``."""
+    """Records `index` as `(len(index), record_bytes)` uint8, cut from the `parts` read for `ranges`."""
     out = np.empty((len(index), record_bytes), np.uint8)
     for (start, end), data in zip(ranges, parts, strict=True):
         a, b = (start - base) // record_bytes, (end - base) // record_bytes
@@ -384,8 +384,8 @@ def read_records(
     size: int,
     field: str | None = None,
 ) -> np.ndarray:
-    """Records ``index`` (sorted, distinct) of the file, as ``(len(index), record_bytes)`` uint8,
-    by concurrent ranged reads (see :func:`pieces`); random access, outside any loader."""
+    """Records `index` (sorted, distinct) of the file, as `(len(index), record_bytes)` uint8,
+    by concurrent ranged reads (see `pieces`); random access, outside any loader."""
     if not len(index):
         return np.empty((0, record_bytes), np.uint8)
     ranges = pieces(index, record_bytes, base, PART_BYTES)
@@ -417,7 +417,7 @@ class RemoteReader:
         self._block_start = 0
 
     def pread(self, n: int, offset: int) -> bytes:
-        """Up to ``n`` bytes at ``offset`` (empty at the end), served from one cached part."""
+        """Up to `n` bytes at `offset` (empty at the end), served from one cached part."""
         if not self._block_start <= offset < self._block_start + len(self._block):
             end = min(self.size, offset + max(n, PART_BYTES))
             if offset >= end:

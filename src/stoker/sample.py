@@ -1,11 +1,11 @@
 """Sample datasets in the seed's layout, with contents that make pairing checkable.
 
-Images: int8 frames of ``inrez x inrez x 1``; the first 4 bytes of each frame hold the
+Images: int8 frames of `inrez x inrez x 1`; the first 4 bytes of each frame hold the
 record's global index (little-endian uint32) and the rest a cheap pattern. Labels: one
 float32 per frame, gzip-compressed, equal to the same global index (exact below 2**24),
-so ``label == int.from_bytes(image[:4])`` checks that every image met its own label.
-Beside the files, ``stoker.toml`` records the fields (globs relative to the directory), so
-``stoker inspect DIR`` and the other commands know the frame size without being told.
+so `label == int.from_bytes(image[:4])` checks that every image met its own label.
+Beside the files, `stoker.toml` records the fields (globs relative to the directory), so
+`stoker inspect DIR` and the other commands know the frame size without being told.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ def write_sample(
     replace: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Write ``pairs`` image files (``img_0000.bin``) and gzip label files (``out_0000.bin.gz``).
+    """Write `pairs` image files (`img_0000.bin`) and gzip label files (`out_0000.bin.gz`).
 
     A directory that already holds a sample's files (or their index) is refused: writing beside
-    them would leave old files and a stale index among the new ones. ``replace=True`` removes
-    those first, and only those (:func:`sample_files`). ``progress(pairs_done, pairs)`` is
+    them would leave old files and a stale index among the new ones. `replace=True` removes
+    those first, and only those (`sample_files`). `progress(pairs_done, pairs)` is
     called after each pair is written.
     """
     for name, value in (("pairs", pairs), ("records", records), ("inrez", inrez)):
@@ -100,7 +100,7 @@ def write_sample(
 
 
 def sample_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The files of ``directory`` that a sample wrote (images, labels, its config) or that index
+    """The files of `directory` that a sample wrote (images, labels, its config) or that index
     them (the index of `stoker index`), sorted; none where it does not exist."""
     out = Path(directory)
     if not out.is_dir():
@@ -110,7 +110,7 @@ def sample_files(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def sample_config(inrez: int) -> str:
-    """The ``--config`` file of a sample directory: its two fields, globs relative to it."""
+    """The `--config` file of a sample directory: its two fields, globs relative to it."""
     return (
         "# Written by `stoker sample`: the fields of this dataset (globs relative to this file).\n"
         "[fields.image]\n"
@@ -133,7 +133,7 @@ def cached_sample(
     inrez: int = 128,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """``write_sample`` once: reuse ``directory`` when an earlier call finished writing it."""
+    """`write_sample` once: reuse `directory` when an earlier call finished writing it."""
     out = Path(directory)
     marker = out / _COMPLETE  # written last, so a half-written sample is never reused
     if not marker.exists():

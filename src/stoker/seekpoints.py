@@ -2,35 +2,35 @@
 
 A deflate stream can be entered at any block boundary given the 32 KiB of output before it
 (the window back-references may reach into) and the boundary's bit position. Finding block
-boundaries needs ``inflate(Z_BLOCK)``, which Python's ``zlib`` module does not offer, so
-:func:`scan_file` drives the system's libz through ``ctypes`` (the library CPython's own
-``zlib`` module links to) and records a point at the first block boundary after every
-``spacing`` bytes of output: ``(byte, bit, decompressed offset, window)``. The same pass checks
+boundaries needs `inflate(Z_BLOCK)`, which Python's `zlib` module does not offer, so
+`scan_file` drives the system's libz through `ctypes` (the library CPython's own
+`zlib` module links to) and records a point at the first block boundary after every
+`spacing` bytes of output: `(byte, bit, decompressed offset, window)`. The same pass checks
 every member's CRC and length. Resuming from a point on a byte boundary needs nothing beyond
-the standard library (or isal): ``decompressobj(wbits=-15, zdict=window)`` fed the file's bytes
-from the point. A point inside a byte is resumed by libz too (:class:`PrimedInflate`): its
-``inflatePrime`` takes the byte's remaining bits, and the file's own bytes follow, so a stored
+the standard library (or isal): `decompressobj(wbits=-15, zdict=window)` fed the file's bytes
+from the point. A point inside a byte is resumed by libz too (`PrimedInflate`): its
+`inflatePrime` takes the byte's remaining bits, and the file's own bytes follow, so a stored
 block's padding to a byte boundary falls where the encoder put it. (Until 2026-12-06 such a
-point's bytes were shifted into whole bytes and fed to ``decompressobj``: every stored block
+point's bytes were shifted into whole bytes and fed to `decompressobj`: every stored block
 after the point then read its length from the wrong bytes, an "invalid stored block lengths"
 on incompressible data, found by tests/test_seekpoints.py's property test.) See
-:class:`stoker.inflate.Inflater`.
+`stoker.inflate.Inflater`.
 
 Windows are stored zlib-compressed in a small sidecar file per data file
-(``.stoker-windows.NAME.BUILD``) beside the index, and read only when a point is used, so
-opening a dataset never touches them. Where libz cannot be loaded (:func:`available` is False)
+(`.stoker-windows.NAME.BUILD`) beside the index, and read only when a point is used, so
+opening a dataset never touches them. Where libz cannot be loaded (`available` is False)
 the index holds member starts only, as gzip itself would allow.
 
 Nothing an index says is taken on trust where it decides which bytes are records. Every point
-carries a check (:func:`point_check`): a CRC-32 over the point's own numbers, the file's
-decompressed size, and the first :data:`CHECK_BYTES` decoded from it, verified before any of
+carries a check (`point_check`): a CRC-32 over the point's own numbers, the file's
+decompressed size, and the first `CHECK_BYTES` decoded from it, verified before any of
 those bytes is handed out; every window carries its CRC-32 and is inflated with a size limit;
 a sidecar's header names the data file (size, mtime) and the build (a hash of its contents)
 the index entry was written with. So a point off by a byte, a window of another point, a
 sidecar of another generation or a wrong file size is a StaleIndexError, never wrong records.
 
-Why not ``indexed_gzip``: it does the same for gzip through the same zlib calls, but fails on
-zlib streams (measured: ``ZRAN_BUILD_INDEX_FAIL``), stores windows uncompressed, and would be a
+Why not `indexed_gzip`: it does the same for gzip through the same zlib calls, but fails on
+zlib streams (measured: `ZRAN_BUILD_INDEX_FAIL`), stores windows uncompressed, and would be a
 compiled dependency for what is ~150 lines over libz here.
 """
 
@@ -107,23 +107,23 @@ class WindowRef(NamedTuple):
 class SeekPoint(NamedTuple):
     """A place decoding can start: a member (or stream) start, or a block boundary inside one.
 
-    Indexable as ``(compressed, decompressed, ...)``. A member start has ``window=None``.
+    Indexable as `(compressed, decompressed, ...)`. A member start has `window=None`.
     """
 
     compressed: int  # member start: its first byte; block: the byte holding the block's first bit
     decompressed: int
-    bits: int = 0  # the block starts this many bits into byte ``compressed`` (deflate packs LSB first)
+    bits: int = 0  # the block starts this many bits into byte `compressed` (deflate packs LSB first)
     window: WindowRef | None = None
     # A block point decodes raw deflate, which stops at its member's end: where the next member
     # starts as (compressed, decompressed), or None when none follows.
     next_member: tuple[int, int] | None = None
     check: int | None = None  # point_check() of this point, None where nothing vouches for it
-    total: int = 0  # the file's decompressed size, as the index says (bound into ``check``)
+    total: int = 0  # the file's decompressed size, as the index says (bound into `check`)
     index_file: str | None = None  # the index file the point came from, named by errors
 
 
 def point_check(compressed: int, bits: int, decompressed: int, total: int, head_crc: int) -> int:
-    """A point's check: CRC-32 of the first CHECK_BYTES decoded from it (``head_crc``, fewer
+    """A point's check: CRC-32 of the first CHECK_BYTES decoded from it (`head_crc`, fewer
     where the file ends sooner) continued over the point's numbers and the file's size, so no
     number of it can change alone."""
     return zlib.crc32(_CHECKED.pack(compressed, bits, decompressed, total), head_crc)
@@ -141,8 +141,8 @@ def stale_point(point: SeekPoint, path: str, field: str | None, why: str) -> Sta
 
 
 class Scan(NamedTuple):
-    """What one pass over a compressed file found; ``head`` is the CRC-32 of the first
-    CHECK_BYTES decoded after a point (see :func:`point_check`)."""
+    """What one pass over a compressed file found; `head` is the CRC-32 of the first
+    CHECK_BYTES decoded after a point (see `point_check`)."""
 
     decompressed_bytes: int
     members: tuple[tuple[int, int, int], ...]  # (compressed, decompressed, head) of each member start
@@ -158,17 +158,17 @@ class Heads:
         self._open: list[tuple[int, int]] = []  # (slot in crcs, decompressed offset of its point)
 
     def add(self, at: int) -> int:
-        """Start one at decompressed offset ``at``; returns its slot in ``crcs``."""
+        """Start one at decompressed offset `at`; returns its slot in `crcs`."""
         self.crcs.append(0)
         self._open.append((len(self.crcs) - 1, at))
         return len(self.crcs) - 1
 
     def wanted(self, at: int) -> int:
-        """How many bytes of output from ``at`` on the open ones still need."""
+        """How many bytes of output from `at` on the open ones still need."""
         return max((start + CHECK_BYTES - at for _, start in self._open), default=0)
 
     def feed(self, data: bytes | memoryview, at: int) -> None:
-        """The decoded bytes at decompressed offsets ``at .. at + len(data)``."""
+        """The decoded bytes at decompressed offsets `at .. at + len(data)`."""
         end = at + len(data)
         still = []
         for slot, start in self._open:
@@ -229,15 +229,15 @@ def _libz() -> Any:
 
 
 def available() -> bool:
-    """True when block seek points can be built here (libz with ``inflateGetDictionary`` found)."""
+    """True when block seek points can be built here (libz with `inflateGetDictionary` found)."""
     return _libz() is not None
 
 
 class PrimedInflate:
-    """Raw deflate from a block boundary ``bits`` (1-7) into a byte whose value is ``first``:
-    libz's inflate primed with that byte's remaining bits and with ``window``, then fed the
-    file's bytes after it. As ``zlib.decompressobj``: ``decompress(data, max_length)``,
-    ``eof``, ``unused_data``, ``unconsumed_tail``; libz's errors raise ``zlib.error``."""
+    """Raw deflate from a block boundary `bits` (1-7) into a byte whose value is `first`:
+    libz's inflate primed with that byte's remaining bits and with `window`, then fed the
+    file's bytes after it. As `zlib.decompressobj`: `decompress(data, max_length)`,
+    `eof`, `unused_data`, `unconsumed_tail`; libz's errors raise `zlib.error`."""
 
     def __init__(self, bits: int, first: int, window: bytes) -> None:
         lib = _libz()
@@ -280,7 +280,7 @@ class PrimedInflate:
 
 
 def scan_file(path: str, kind: str, *, spacing: int = SPACING, field: str | None = None) -> Scan:
-    """Decompress ``path`` once (checking CRCs and lengths) and find its members and seek points."""
+    """Decompress `path` once (checking CRCs and lengths) and find its members and seek points."""
     lib = _libz()
     if lib is None:
         raise RuntimeError("libz is not available for seek points")  # callers check available() first
@@ -371,13 +371,13 @@ def _check_padding(fd: int, offset: int, corrupt: Callable[[str], CorruptDataErr
 
 
 def windows_name(base: str, build: str) -> str:
-    """The sidecar holding the windows of data file ``base``'s points, in the build ``build``:
+    """The sidecar holding the windows of data file `base`'s points, in the build `build`:
     each build under its own name, so a new one never overwrites what an older index points into."""
     return f".stoker-windows.{windows_stem(base)}.{build}"
 
 
 def windows_stem(base: str) -> str:
-    """``base`` as windows file names carry it: shortened with a hash of it where the name with a
+    """`base` as windows file names carry it: shortened with a hash of it where the name with a
     build and a temp suffix would pass the 255 bytes a file name may have."""
     if len(os.fsencode(base)) <= _LONGEST_BASE:
         return base
@@ -387,7 +387,7 @@ def windows_stem(base: str) -> str:
 def write_windows(
     directory: str, base: str, data_size: int, data_mtime_ns: int, windows: Sequence[bytes]
 ) -> tuple[str, str, list[tuple[int, int, int]]]:
-    """Write ``windows`` (compressed) beside the index in ``directory``, atomically, under a new name.
+    """Write `windows` (compressed) beside the index in `directory`, atomically, under a new name.
 
     Returns (the file's basename, its build, each window's (offset, length, CRC-32)). The build is
     a hash of everything written, so the same windows of the same data file get the same name.
@@ -421,7 +421,7 @@ def write_windows(
 
 
 def readable_by_all(path: str) -> None:
-    """Give a temp file the mode a plain ``open`` would (mkstemp makes it 0600): others read the data too."""
+    """Give a temp file the mode a plain `open` would (mkstemp makes it 0600): others read the data too."""
     os.chmod(path, 0o666 & ~_umask())
 
 

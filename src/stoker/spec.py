@@ -31,7 +31,7 @@ _UNITS = {
 
 
 def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:
-    """Parse ``512MiB``, ``1.5GB`` or a plain integer into a positive byte count."""
+    """Parse `512MiB`, `1.5GB` or a plain integer into a positive byte count."""
     if isinstance(value, bool):
         raise SpecError(f"{name}={value!r} must be a byte count like 512MiB or an integer")
     if isinstance(value, int):
@@ -49,7 +49,7 @@ def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:
 
 
 def resolve_dtype(value: Any) -> np.dtype:
-    """A numpy dtype from ``value``; ``"bfloat16"`` through ml_dtypes (installed with TF and JAX)."""
+    """A numpy dtype from `value`; `"bfloat16"` through ml_dtypes (installed with TF and JAX)."""
     if isinstance(value, str) and value.lower() == "bfloat16":
         try:
             import ml_dtypes
@@ -63,10 +63,10 @@ def resolve_dtype(value: Any) -> np.dtype:
 
 
 def is_bfloat16(dtype: np.dtype) -> bool:
-    """Whether ``dtype`` is ml_dtypes' bfloat16 (TensorFlow's and JAX's numpy bfloat16 is that one).
+    """Whether `dtype` is ml_dtypes' bfloat16 (TensorFlow's and JAX's numpy bfloat16 is that one).
 
-    By its scalar type's name: numpy computes ``dtype.name`` in Python (~1.7 us, against ~0.08),
-    and the casts ask on every batch (``stoker.kernels.cast_into``).
+    By its scalar type's name: numpy computes `dtype.name` in Python (~1.7 us, against ~0.08),
+    and the casts ask on every batch (`stoker.kernels.cast_into`).
     """
     return dtype.type.__name__ == "bfloat16"
 
@@ -126,17 +126,17 @@ class Field:
         files: a glob pattern, a list of patterns, or a list of paths. A glob's matches are
             sorted by code point; an explicit list keeps its order. A name that is an existing
             file is that file, whatever characters it holds (see stoker.files.expand_files).
-        dtype: the stored element type (``"int8"``, ``"float32"``, ...; ``"bfloat16"`` is
+        dtype: the stored element type (`"int8"`, `"float32"`, ...; `"bfloat16"` is
             ml_dtypes' type, stored little-endian).
-        shape: the shape of one record; ``()`` for a scalar per record.
+        shape: the shape of one record; `()` for a scalar per record.
         header_bytes, footer_bytes: skipped at the start/end of every file (of the
             decompressed stream for compressed files), as tf.data.FixedLengthRecordDataset does.
-        compression: ``"auto"`` (by suffix and magic bytes), ``None``, ``"gzip"``, ``"zlib"``.
-        byte_order: ``"little"`` or ``"big"``: how multi-byte elements are stored. None
-            (default): the order the dtype states (``">u2"`` is big-endian), else little.
+        compression: `"auto"` (by suffix and magic bytes), `None`, `"gzip"`, `"zlib"`.
+        byte_order: `"little"` or `"big"`: how multi-byte elements are stored. None
+            (default): the order the dtype states (`">u2"` is big-endian), else little.
             A byte_order that contradicts the dtype's stated order is a SpecError.
         storage_options: keyword arguments for the fsspec filesystem of URL files
-            (``s3://...``; e.g. ``{"endpoint_url": ..., "anon": True}``); see stoker.remote.
+            (`s3://...`; e.g. `{"endpoint_url": ..., "anon": True}`); see stoker.remote.
 
     Example:
         >>> Field("data/img_*.bin", "int8", (128, 128, 1)).record_bytes
@@ -214,7 +214,7 @@ class Field:
 
 def shape_hint(fields: Mapping[str, Field], counts: Mapping[str, int | None]) -> str:
     """Where one field's record count is a whole multiple of another's, the shapes that would make
-    them agree (a ``(64, 64, 1)`` field over 128x128 frames counts 4x its partner's records);
+    them agree (a `(64, 64, 1)` field over 128x128 frames counts 4x its partner's records);
     "" where no count is a multiple of another."""
     known = {n: c for n, c in counts.items() if c}
     if len(known) < 2:
@@ -240,7 +240,7 @@ def shape_hint(fields: Mapping[str, Field], counts: Mapping[str, int | None]) ->
 
 
 def _scaled(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
-    """``shape`` holding ``k`` times the values: both leading sides scaled where ``k`` is a square
+    """`shape` holding `k` times the values: both leading sides scaled where `k` is a square
     (frames), else the first."""
     if not shape:
         return (k,)
@@ -251,7 +251,7 @@ def _scaled(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
 
 
 def _scaled_down(shape: tuple[int, ...], k: int) -> tuple[int, ...] | None:
-    """``shape`` holding ``k`` times fewer values, as :func:`_scaled` would undo; None where none does."""
+    """`shape` holding `k` times fewer values, as `_scaled` would undo; None where none does."""
     side = math.isqrt(k)
     if len(shape) >= 2 and side * side == k and shape[0] % side == 0 and shape[1] % side == 0:
         return (shape[0] // side, shape[1] // side, *shape[2:])

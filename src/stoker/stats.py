@@ -1,22 +1,22 @@
-"""Where a loader's time goes: cheap running counters, and the snapshot ``loader.stats()`` returns.
+"""Where a loader's time goes: cheap running counters, and the snapshot `loader.stats()` returns.
 
-Workers add the seconds of each stage of a batch (a couple of ``perf_counter`` calls per
-run of records, never per record); the loader's ``__next__`` adds how long the consumer
+Workers add the seconds of each stage of a batch (a couple of `perf_counter` calls per
+run of records, never per record); the loader's `__next__` adds how long the consumer
 waited for a batch and how long it kept the batch before asking for the next. That is
-enough to say what limits a pipeline (see :mod:`stoker.doctor`), and cheap enough to leave on.
+enough to say what limits a pipeline (see `stoker.doctor`), and cheap enough to leave on.
 
 Stages (worker-seconds, summed over worker threads):
 
-- ``read``: raw bytes read into the batch with no cast (``preadv``, or a copy from a memory map
+- `read`: raw bytes read into the batch with no cast (`preadv`, or a copy from a memory map
   kept from an earlier epoch);
-- ``read+cast``: raw records copied from a memory map with the cast fused into the copy
+- `read+cast`: raw records copied from a memory map with the cast fused into the copy
   (one pass: the page-cache or disk read and the cast cannot be told apart);
-- ``decompress``: gzip/zlib inflate, skips included;
-- ``cast``: decompressed records cast into the batch;
-- ``copy``: decompressed records copied into the batch (a small file is decoded whole first);
-- ``gather``: random-access copies of ``shuffle="global"``;
-- ``turn``: waiting for another worker's turn on the same compressed stream;
-- ``assemble``: everything else in a worker's batch (buffer allocation, opening files, ...).
+- `decompress`: gzip/zlib inflate, skips included;
+- `cast`: decompressed records cast into the batch;
+- `copy`: decompressed records copied into the batch (a small file is decoded whole first);
+- `gather`: random-access copies of `shuffle="global"`;
+- `turn`: waiting for another worker's turn on the same compressed stream;
+- `assemble`: everything else in a worker's batch (buffer allocation, opening files, ...).
 """
 
 from __future__ import annotations
@@ -90,13 +90,13 @@ class Counters:
         *,
         runs: Sequence[Run] = (),
     ) -> None:
-        """A worker assembled a batch in ``seconds`` from ``runs`` (none: a gather); ``cpu_seconds``
+        """A worker assembled a batch in `seconds` from `runs` (none: a gather); `cpu_seconds`
         of its CPU where sampled.
 
         A worker reads its CPU clock (a system call, not a vDSO read) on one batch in every
         CPU_SAMPLE_SECONDS, not on each: two reads per batch were 10% of the GIL-held time on
         W1. The busy CPU is the busy time at the sampled batches' CPU share. Where the kernel
-        keeps scheduler statistics, the same sample gives ``runnable_seconds``: time the worker
+        keeps scheduler statistics, the same sample gives `runnable_seconds`: time the worker
         could have run but waited for a CPU (taken by other threads or processes). The rest of
         the off-CPU time it was blocked: on a lock, the GIL, or a read.
         """
@@ -117,7 +117,7 @@ class Counters:
     def delivered(
         self, batch: Mapping[str, np.ndarray], rows: int, asked: float, got: float, last: float | None
     ) -> None:
-        """A batch left ``__next__``: asked for at ``asked``, returned at ``got``; ``last`` = previous return."""
+        """A batch left `__next__`: asked for at `asked`, returned at `got`; `last` = previous return."""
         with self._lock:
             if self._cpu_first is None:
                 self._cpu_first, self._wall_first = time.process_time(), asked
@@ -187,7 +187,7 @@ _SCHEDSTAT: list[bool] = []  # [False] once /proc/thread-self/schedstat proved u
 def thread_clock() -> tuple[float, float | None]:
     """This thread's CPU seconds, and its seconds runnable but waiting for a CPU (None: unknown).
 
-    The CPU from ``time.thread_time()``; the wait from ``/proc/thread-self/schedstat`` (Linux:
+    The CPU from `time.thread_time()`; the wait from `/proc/thread-self/schedstat` (Linux:
     nanoseconds on a run queue, counted when the thread gets a CPU, so exact for the thread
     reading it; ~2 us a read). Its on-CPU figure is not used: it lags up to a scheduler tick.
     """
@@ -206,7 +206,7 @@ def thread_clock() -> tuple[float, float | None]:
 
 
 def machine_jiffies() -> tuple[int, int] | None:
-    """The whole machine's (busy, total) CPU time in clock ticks, every CPU (``/proc/stat``), or None."""
+    """The whole machine's (busy, total) CPU time in clock ticks, every CPU (`/proc/stat`), or None."""
     try:
         with open("/proc/stat", "rb") as f:
             ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
@@ -232,10 +232,10 @@ def disk_read_bytes() -> int | None:
 
 @dataclass(frozen=True)
 class LoaderStats:
-    """A loader's counters since its first batch; ``str()`` gives a one-screen summary.
+    """A loader's counters since its first batch; `str()` gives a one-screen summary.
 
-    Worker stage times are worker-seconds (summed over threads); ``wait_seconds`` is the
-    time the consumer spent blocked in ``__next__`` and ``consumer_seconds`` the time it
+    Worker stage times are worker-seconds (summed over threads); `wait_seconds` is the
+    time the consumer spent blocked in `__next__` and `consumer_seconds` the time it
     kept each batch before asking for the next (its training step).
     """
 
@@ -313,7 +313,7 @@ class LoaderStats:
 
     @property
     def budget_batches(self) -> int:
-        """How many whole batches ``memory_budget`` holds (0 where either is not known)."""
+        """How many whole batches `memory_budget` holds (0 where either is not known)."""
         return self.memory_budget // self.batch_bytes if self.batch_bytes > 0 else 0
 
     @property
@@ -323,7 +323,7 @@ class LoaderStats:
 
     @property
     def stage_seconds(self) -> dict[str, float]:
-        """Worker-seconds per stage, over every field (``assemble`` is the rest of a worker's batch)."""
+        """Worker-seconds per stage, over every field (`assemble` is the rest of a worker's batch)."""
         out = dict.fromkeys(STAGES, 0.0)
         for stages in self.field_stage_seconds.values():
             for st, s in stages.items():
@@ -366,7 +366,7 @@ class LoaderStats:
 
     @property
     def settings(self) -> str:
-        """``threads=... prefetch=...``, what bounds them, and what autotune chose."""
+        """`threads=... prefetch=...`, what bounds them, and what autotune chose."""
         bound = ""
         if self.prefetch_limited:
             bound = (
@@ -383,7 +383,7 @@ class LoaderStats:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable fields (``from_dict`` reverses it)."""
+        """JSON-serializable fields (`from_dict` reverses it)."""
         return asdict(self)
 
     @classmethod
@@ -412,7 +412,7 @@ class LoaderStats:
 
     @property
     def stage_split(self) -> str:
-        """``worker time by stage: ...``, each stage's share of the workers' busy time."""
+        """`worker time by stage: ...`, each stage's share of the workers' busy time."""
         return "worker time by stage: " + ", ".join(f"{st}[{n}] {share:.0%}" for st, n, _, share in self.stage_table())
 
     @property

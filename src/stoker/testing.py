@@ -34,9 +34,9 @@ def assert_same_batches(expected: Iterable[Mapping[str, np.ndarray]], actual: It
 def assert_resumable(make_loader: Callable[[], Loader], steps: int | Iterable[int] = 8, *, passes: int = 1) -> None:
     """Check that saving after any batch and resuming in a new loader continues exactly.
 
-    Runs ``make_loader()`` uninterrupted for ``passes`` passes (it must be finite: ``epochs``
-    not None), then for each restore point k saves ``state_dict()`` after k batches of
-    those passes, round-trips it through JSON, loads it into a fresh ``make_loader()``
+    Runs `make_loader()` uninterrupted for `passes` passes (it must be finite: `epochs`
+    not None), then for each restore point k saves `state_dict()` after k batches of
+    those passes, round-trips it through JSON, loads it into a fresh `make_loader()`
     and checks that the batches before plus the batches after (the rest of the pass the
     state was saved in, then the passes that follow) equal the uninterrupted run, batch for
     batch. At the end of a pass it checks both states: after its last batch, and after
@@ -46,7 +46,7 @@ def assert_resumable(make_loader: Callable[[], Loader], steps: int | Iterable[in
         make_loader: builds the same loader each time (threads/prefetch may differ).
         steps: how many restore points, spread evenly (int), or the exact points.
         passes: how many times the run iterates the loader (each pass continues with the
-            next epochs unless ``reshuffle_each_iteration=False``).
+            next epochs unless `reshuffle_each_iteration=False`).
 
     Example:
         >>> assert_resumable(lambda: ds.loader(64, epochs=2, shuffle="global", seed=1))  # doctest: +SKIP
@@ -80,9 +80,9 @@ def assert_resumable(make_loader: Callable[[], Loader], steps: int | Iterable[in
 
 
 def _take(loader: Loader, k: int, lengths: list[int], *, ended: bool) -> tuple[list[dict[str, Any]], int]:
-    """The first ``k`` batches of ``loader``'s passes, and the pass a state saved then resumes in.
+    """The first `k` batches of `loader`'s passes, and the pass a state saved then resumes in.
 
-    ``ended``: the k-th batch is a pass's last; end that pass too (the state then resumes in the next).
+    `ended`: the k-th batch is a pass's last; end that pass too (the state then resumes in the next).
     """
     before: list[dict[str, Any]] = []
     for j, length in enumerate(lengths):

@@ -1,25 +1,25 @@
-"""TensorFlow adapter: a loader as a ``tf.data.Dataset``, and a pure-graph tf.data pipeline.
+"""TensorFlow adapter: a loader as a `tf.data.Dataset`, and a pure-graph tf.data pipeline.
 
-Two ways in, for two needs, and a third for ``tf.distribute``:
+Two ways in, for two needs, and a third for `tf.distribute`:
 
-- :func:`to_tf` (``loader.to_tf()``): stoker's engine feeds ``tf.data`` through one op,
-  ``StokerNextBatch`` (``_tfbridge.c``, compiled at first use against TensorFlow's C API):
+- `to_tf` (`loader.to_tf()`): stoker's engine feeds `tf.data` through one op,
+  `StokerNextBatch` (`_tfbridge.c`, compiled at first use against TensorFlow's C API):
   it takes the GIL once per batch, pulls the loader's next batch and wraps each array's
   memory as a tensor, zero-copy, keeping the array alive as long as the tensor. stoker's
   batch buffers are page aligned; less aligned arrays (a transform's output) are copied.
   stoker never rewrites a buffer while an array on it is alive, so a tensor you hold never
   changes under you (tests check both). Where the op cannot be built (no C compiler),
-  ``tf.numpy_function`` does the same with ~0.5 ms more CPU per batch (see :func:`bridge`).
-  Measured on W1 (2 cores): ``from_generator`` converting numpy batches ≈ 13k records/s,
-  yielding DLPack tensors (:func:`as_tensor`) ≈ 1.9 ms of TF CPU per batch.
-- :func:`distributed_dataset`: ``to_tf()`` of each worker's own shard under a ``tf.distribute``
+  `tf.numpy_function` does the same with ~0.5 ms more CPU per batch (see `bridge`).
+  Measured on W1 (2 cores): `from_generator` converting numpy batches ≈ 13k records/s,
+  yielding DLPack tensors (`as_tensor`) ≈ 1.9 ms of TF CPU per batch.
+- `distributed_dataset`: `to_tf()` of each worker's own shard under a `tf.distribute`
   strategy, each record once per epoch over all replicas.
-- :func:`native_dataset`: the same records in the same order as ``ds.loader(...)`` with
-  ``shuffle=False``, as a serializable tf.data graph (TPU, tf.data service), built the
+- `native_dataset`: the same records in the same order as `ds.loader(...)` with
+  `shuffle=False`, as a serializable tf.data graph (TPU, tf.data service), built the
   way tf.data is fastest: per-group zip inside an interleave, whole blocks per element,
   one vectorized decode per block, parallel and deterministic.
 
-TensorFlow is imported here only: ``import stoker`` needs numpy alone.
+TensorFlow is imported here only: `import stoker` needs numpy alone.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ _TF_COMPRESSION = {None: "", "gzip": "GZIP", "zlib": "ZLIB"}
 
 
 def as_tensor(array: np.ndarray) -> tf.Tensor:
-    """``array`` as an eager tensor: zero-copy via DLPack when TensorFlow can alias it, else a copy.
+    """`array` as an eager tensor: zero-copy via DLPack when TensorFlow can alias it, else a copy.
 
     TensorFlow aliases DLPack memory that is 64-byte aligned and C-contiguous, and keeps
     the producer (the numpy array) alive as long as the tensor. Less aligned memory must
@@ -109,10 +109,10 @@ def as_tensor(array: np.ndarray) -> tf.Tensor:
 
 
 def element_spec(loader: Loader) -> dict[str, tf.TensorSpec]:
-    """The ``element_spec`` of ``to_tf(loader)``: static batch dimension with drop_remainder.
+    """The `element_spec` of `to_tf(loader)`: static batch dimension with drop_remainder.
 
-    Built-in transforms (``stoker.transforms``) declare what they make of each field; a
-    user function in ``transform=`` is run once on a batch of zeros of the shapes and
+    Built-in transforms (`stoker.transforms`) declare what they make of each field; a
+    user function in `transform=` is run once on a batch of zeros of the shapes and
     dtypes it receives, and the spec is read off its output. A leading dimension equal to
     the batch size is the batch dimension (static with drop_remainder, else None).
     """
@@ -153,41 +153,41 @@ def _traced_spec(stage: Stage, rows: int, batch: int | None) -> dict[str, tf.Ten
 
 
 def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = None) -> tf.data.Dataset:
-    """The loader's batches as a ``tf.data.Dataset`` of dicts field -> tensor, zero-copy.
+    """The loader's batches as a `tf.data.Dataset` of dicts field -> tensor, zero-copy.
 
-    Each iteration of the returned dataset (each Keras epoch, each ``for``) starts a fresh
-    pass ``iter(loader)``, which closes a pass still open on the same loader; the pass
+    Each iteration of the returned dataset (each Keras epoch, each `for`) starts a fresh
+    pass `iter(loader)`, which closes a pass still open on the same loader; the pass
     closes, with its threads and files, when TensorFlow lets go of the iterator. Use
-    ``epochs=None`` on the loader for a dataset that repeats without restarting. The
-    dataset carries ``tf.data.Options`` with ``inject_prefetch=False``: the loader runs
+    `epochs=None` on the loader for a dataset that repeats without restarting. The
+    dataset carries `tf.data.Options` with `inject_prefetch=False`: the loader runs
     ahead already, and TensorFlow's added prefetch thread cost ~25% on W1 (2 cores); a
-    ``.prefetch()`` you add yourself is kept.
+    `.prefetch()` you add yourself is kept.
 
-    Under ``tf.distribute`` (``strategy.experimental_distribute_dataset``, Keras' ``fit``), a
-    sharded loader's dataset carries ``auto_shard_policy=OFF``: its records already are this
+    Under `tf.distribute` (`strategy.experimental_distribute_dataset`, Keras' `fit`), a
+    sharded loader's dataset carries `auto_shard_policy=OFF`: its records already are this
     worker's, so TensorFlow must not keep only a part of each batch; each batch is then split
-    among all replicas in sync (the loader's ``batch_size`` is the global batch). An unsharded
-    loader's carries ``DATA``: every worker reads everything and keeps its part of each batch,
+    among all replicas in sync (the loader's `batch_size` is the global batch). An unsharded
+    loader's carries `DATA`: every worker reads everything and keeps its part of each batch,
     once per record only where every worker's loader gives the same batches. So where this
-    process is a worker of a multi-worker cluster (``TF_CONFIG``, or a
+    process is a worker of a multi-worker cluster (`TF_CONFIG`, or a
     MultiWorkerMirroredStrategy in scope), an unsharded loader with a shuffle, or a loader
     sharded among another number of workers, is a SpecError: stoker cannot see the other
-    workers' seeds. See :func:`distributed_dataset`, the one call that shards and batches right.
+    workers' seeds. See `distributed_dataset`, the one call that shards and batches right.
 
-    Iterated eagerly (``for batch in loader.to_tf()``, a custom training loop), the dataset
+    Iterated eagerly (`for batch in loader.to_tf()`, a custom training loop), the dataset
     gives an iterator that skips two of TensorFlow's per-element costs it does not need (see
-    ``_BatchIterator``: ~80 us of CPU a batch on W1). A dataset built on it (``.map``,
-    ``.prefetch``) is iterated by TensorFlow's own iterator, as any other.
+    `_BatchIterator`: ~80 us of CPU a batch on W1). A dataset built on it (`.map`,
+    `.prefetch`) is iterated by TensorFlow's own iterator, as any other.
 
-    Consumed inside a ``tf.function`` (Keras' ``fit``) on a host with few cores, call
-    ``tf.config.threading.set_inter_op_parallelism_threads(1)`` before TensorFlow's first op:
+    Consumed inside a `tf.function` (Keras' `fit`) on a host with few cores, call
+    `tf.config.threading.set_inter_op_parallelism_threads(1)` before TensorFlow's first op:
     the graph's ops then stay on one thread instead of hopping between spinning pool threads
     that take CPU from the loader's workers (W1, 2 cores: 0.87-0.89x of the numpy loop's
     records/s against 0.84-0.85x in two runs; README, From tf.data).
 
     Args:
-        element_spec: the spec of each element, for a ``transform=`` that cannot run on a
-            batch of zeros (see :func:`element_spec`, which is used otherwise). Every batch
+        element_spec: the spec of each element, for a `transform=` that cannot run on a
+            batch of zeros (see `element_spec`, which is used otherwise). Every batch
             is checked against it.
 
     Example:
@@ -265,28 +265,28 @@ def distributed_dataset(
     map_func: Callable[[dict[str, tf.Tensor]], Any] | None = None,
     **loader_kwargs: Any,
 ) -> Any:
-    """``ds``'s records spread over every replica of ``strategy``, each record once per epoch.
+    """`ds`'s records spread over every replica of `strategy`, each record once per epoch.
 
-    Built on ``strategy.distribute_datasets_from_function``: each input pipeline (one per
-    worker) iterates ``ds.loader(per_replica_batch, shard=(input_pipeline_id,
-    num_input_pipelines), **loader_kwargs).to_tf()``, where ``per_replica_batch`` is
-    ``global_batch_size`` over ``strategy.num_replicas_in_sync``; each worker reads only its own
-    shard of every epoch's sequence, which one seed (``loader_kwargs``' ``seed``) orders the same
+    Built on `strategy.distribute_datasets_from_function`: each input pipeline (one per
+    worker) iterates `ds.loader(per_replica_batch, shard=(input_pipeline_id,
+    num_input_pipelines), **loader_kwargs).to_tf()`, where `per_replica_batch` is
+    `global_batch_size` over `strategy.num_replicas_in_sync`; each worker reads only its own
+    shard of every epoch's sequence, which one seed (`loader_kwargs`' `seed`) orders the same
     on every worker. Where the workers are several processes, they compare their loaders'
     configurations (one collective) and raise a SpecError naming what differs (a seed drawn
     per worker, say), which would lose records without a word.
 
     Args:
-        strategy: any ``tf.distribute.Strategy`` (MultiWorkerMirroredStrategy, MirroredStrategy, ...).
+        strategy: any `tf.distribute.Strategy` (MultiWorkerMirroredStrategy, MirroredStrategy, ...).
         ds: the Dataset.
         global_batch_size: records per step over all replicas; a multiple of the replicas in sync.
-        map_func: applied to each batch in the graph (``Dataset.map``), e.g. ``lambda b: (b["image"],
-            b["label"])`` for Keras' ``fit``, which wants ``(x, y)``.
-        **loader_kwargs: passed to :meth:`Dataset.loader` (``shuffle``, ``seed``, ``cast``,
-            ``drop_remainder``, ``epochs``, ...), all but ``shard``, which this sets.
+        map_func: applied to each batch in the graph (`Dataset.map`), e.g. `lambda b: (b["image"],
+            b["label"])` for Keras' `fit`, which wants `(x, y)`.
+        **loader_kwargs: passed to `Dataset.loader` (`shuffle`, `seed`, `cast`,
+            `drop_remainder`, `epochs`, ...), all but `shard`, which this sets.
 
     Returns:
-        A ``tf.distribute.DistributedDataset``, for a custom loop (``strategy.run``) or Keras' ``fit``.
+        A `tf.distribute.DistributedDataset`, for a custom loop (`strategy.run`) or Keras' `fit`.
 
     Example:
         >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()  # doctest: +SKIP
@@ -328,7 +328,7 @@ def _check_agreement(strategy: tf.distribute.Strategy, loader: Loader) -> None:
 
     Each replica contributes a hash of every part of its loader's fingerprint (the dataset's
     files and counts, shuffle, seed, window, interleave: what orders the epoch's sequence, as
-    ``state_dict`` records it); one gather compares them.
+    `state_dict` records it); one gather compares them.
     """
     parts = loader.state_dict()["parts"]
     names = sorted(parts)
@@ -361,11 +361,11 @@ def _auto_shard_policy(loader: Loader) -> tf.data.experimental.AutoShardPolicy:
 
 
 def _cluster() -> tuple[int, str] | None:
-    """``(workers, where seen)`` where this process is one of several tf.distribute workers, else None.
+    """`(workers, where seen)` where this process is one of several tf.distribute workers, else None.
 
     Workers as MultiWorkerMirroredStrategy counts them (chief and worker tasks). A cluster with
     parameter servers, or a task that is neither (an evaluator), builds no per-worker dataset
-    through ``experimental_distribute_dataset``: None.
+    through `experimental_distribute_dataset`: None.
     """
     if tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
@@ -426,7 +426,7 @@ def _missing_eager() -> str:
     """What of TensorFlow's iterator internals _BatchIterator needs this TensorFlow lacks ("" if none).
 
     Probed once per process on a one-element iterator, so a TensorFlow that renamed one falls
-    back when to_tf's dataset is made, not at its first ``next()``.
+    back when to_tf's dataset is made, not at its first `next()`.
     """
     if _Unchanged is None:
         return "tf.data's iterator modules"
@@ -442,8 +442,8 @@ def _missing_eager() -> str:
 
 
 def _eager_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """``dataset``, whose iterators made eagerly skip two of TensorFlow's costs per element
-    (see _BatchIterator); ``dataset`` itself where this TensorFlow lacks what that needs, or
+    """`dataset`, whose iterators made eagerly skip two of TensorFlow's costs per element
+    (see _BatchIterator); `dataset` itself where this TensorFlow lacks what that needs, or
     where it is built in a graph (its iterators are TensorFlow's there anyway)."""
     if not tf.executing_eagerly():
         return dataset
@@ -463,23 +463,23 @@ def _eager_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
 if _Unchanged is not None:
 
     class _BatchIterator(_OwnedIterator):
-        """TensorFlow's eager iterator less two costs of each ``next()`` that to_tf's batches do
+        """TensorFlow's eager iterator less two costs of each `next()` that to_tf's batches do
         not need, together ~80 us of the consuming thread's CPU a batch (W1, 2 cores: ~100-125
         us instead of ~180; the to_tf loop's records/s 0.86-0.95x of the numpy loop's against
         0.79-0.84x, 3 alternated scratch rounds each, and 0.89x against 0.80x in
         benchmarks/tf_compare.py runs 20 minutes apart).
 
-        - ``execution_mode(SYNC)`` around each ``IteratorGetNext``: it makes a new executor,
+        - `execution_mode(SYNC)` around each `IteratorGetNext`: it makes a new executor,
           swaps it in and waits on both, so that the end of the data raises at the call even
           under an asynchronous executor. Under the synchronous one, TensorFlow's default, the
           op runs synchronously anyway; under an asynchronous one this iterator takes
           TensorFlow's own path.
-        - rebuilding the dict through ``structure.from_compatible_tensor_list``: each tensor
+        - rebuilding the dict through `structure.from_compatible_tensor_list`: each tensor
           already has its spec's dtype (the op's output types) and a shape the bridge checked
-          against the spec (``_checked``); the tensors come in ``tf.nest``'s order of the
+          against the spec (`_checked`); the tensors come in `tf.nest`'s order of the
           spec's keys, and the dict is built in the spec's own order, as TensorFlow builds it.
 
-        Inside a ``tf.function`` (an iterator made eagerly and used in a graph, as Keras does),
+        Inside a `tf.function` (an iterator made eagerly and used in a graph, as Keras does),
         TensorFlow's own path runs.
         """
 
@@ -498,9 +498,9 @@ if _Unchanged is not None:
             return {name: values[j] for name, j in self._stoker_slots}
 
     class _EagerBatches(_Unchanged):
-        """to_tf's dataset, unchanged (the same graph, ``element_spec`` and options), whose
-        iterators made eagerly are ``_BatchIterator``. What the user builds on it (``map``,
-        ``prefetch``, a distribution) is TensorFlow's own dataset and iterator."""
+        """to_tf's dataset, unchanged (the same graph, `element_spec` and options), whose
+        iterators made eagerly are `_BatchIterator`. What the user builds on it (`map`,
+        `prefetch`, a distribution) is TensorFlow's own dataset and iterator."""
 
         def __init__(self, dataset: tf.data.Dataset) -> None:
             super().__init__(dataset, dataset._variant_tensor)
@@ -526,7 +526,7 @@ def _open_pass(
     shapes: list[tf.TensorShape],
     seen: list[tuple[int, ...] | None],
 ) -> int:
-    """Start a pass of ``loader``; its batches are pulled under the key returned, its close under -key.
+    """Start a pass of `loader`; its batches are pulled under the key returned, its close under -key.
 
     The pass's end closes the loader's pass at once (threads and files); its entries stay until
     the close call, so a late call finds its key (a pull gets the end again, a close nothing).
@@ -584,12 +584,12 @@ def _public_chain(
     shapes: list[tf.TensorShape],
     tout: list[tf.DType],
 ) -> tf.data.Dataset:
-    """``to_tf``'s dataset from public tf.data alone, for a TensorFlow without the internals it uses.
+    """`to_tf`'s dataset from public tf.data alone, for a TensorFlow without the internals it uses.
 
-    A pass per iterator comes from ``from_generator`` (whose generator closes the pass when
-    TensorFlow drops it). The public ``map`` keeps cardinality: an OutOfRange from inside it is
+    A pass per iterator comes from `from_generator` (whose generator closes the pass when
+    TensorFlow drops it). The public `map` keeps cardinality: an OutOfRange from inside it is
     an error, not the end of the pass. So the bridge returns a flag first (False once the pass
-    is over, with empty arrays that never leave ``take_while``), through ``tf.numpy_function``
+    is over, with empty arrays that never leave `take_while`), through `tf.numpy_function`
     (the native op ends a pass by OutOfRange): same batches, ~3 stages and more CPU per batch
     than the one-stage map.
     """
@@ -644,8 +644,8 @@ def _checked(
 ) -> list[np.ndarray]:
     """The batch's arrays in spec order, native byte order and C-contiguous; a SpecError if one does not fit.
 
-    ``seen``: per field, the last array shape found compatible with the spec; an array of that
-    very shape skips ``TensorShape.is_compatible_with`` (Python that builds a TensorShape from
+    `seen`: per field, the last array shape found compatible with the spec; an array of that
+    very shape skips `TensorShape.is_compatible_with` (Python that builds a TensorShape from
     the array's shape): the whole check of a W1 batch of two fields took 1.0 us instead of 4.2.
     """
     out: list[np.ndarray] = []
@@ -686,7 +686,7 @@ _CARRIED: dict[int, list[int]] = {}
 
 
 def _next_values(key: int) -> list[np.ndarray] | None:
-    """The next batch's arrays of pass ``key`` (None at its end), or a pass's close under -key."""
+    """The next batch's arrays of pass `key` (None at its end), or a pass's close under -key."""
     fn = _PASSES.get(key)
     if fn is None:
         if key < 0:  # closed already
@@ -696,7 +696,7 @@ def _next_values(key: int) -> list[np.ndarray] | None:
 
 
 def _native_next(key: int) -> list[np.ndarray] | None:
-    """Called by the StokerNextBatch op (``_tfbridge.c``) with the GIL held."""
+    """Called by the StokerNextBatch op (`_tfbridge.c`) with the GIL held."""
     values = _next_values(key)
     carried = _CARRIED.get(key)
     if carried and values:
@@ -713,15 +713,15 @@ _drains: list[Any] = []  # the library's stoker_tfbridge_drain, once loaded
 
 
 def bridge() -> str:
-    """Which bridge :func:`to_tf` uses in this process: ``"native"``, or why not.
+    """Which bridge `to_tf` uses in this process: `"native"`, or why not.
 
-    ``"native"``: the StokerNextBatch op, compiled at first use from ``_tfbridge.c``
+    `"native"`: the StokerNextBatch op, compiled at first use from `_tfbridge.c`
     against the installed TensorFlow's C API (~0.3 s, cached per TensorFlow and source
-    version under ``$STOKER_CACHE/tfbridge``, else ``~/.cache/stoker/tfbridge``, or the
-    temp directory where that cannot be made). Else ``"numpy_function: <reason>"``: no C
-    compiler or Python headers, or ``STOKER_TF_BRIDGE=numpy_function`` set; same batches,
+    version under `$STOKER_CACHE/tfbridge`, else `~/.cache/stoker/tfbridge`, or the
+    temp directory where that cannot be made). Else `"numpy_function: <reason>"`: no C
+    compiler or Python headers, or `STOKER_TF_BRIDGE=numpy_function` set; same batches,
     ~0.5 ms more CPU per batch (W1: 0.71x of numpy against the op's 0.77x).
-    ``STOKER_TF_BRIDGE=native`` makes a failed build an error instead of a fallback.
+    `STOKER_TF_BRIDGE=native` makes a failed build an error instead of a fallback.
     """
     missing = _missing_internals()
     if missing:
@@ -768,15 +768,15 @@ def _load_bridge() -> Any:
 
 def _drain() -> None:
     """Release the arrays of tensors TensorFlow dropped on its own threads since the op's last
-    call (``_tfbridge.c`` defers them to a thread that holds the GIL): at a pass's end, so its
+    call (`_tfbridge.c` defers them to a thread that holds the GIL): at a pass's end, so its
     last batches' buffers go back to the loader without waiting for another pass."""
     for drain in _drains:
         drain()
 
 
 def _bridge_dir() -> Path:
-    """Where the bridge is cached: ``$STOKER_CACHE/tfbridge``, else the user's cache directory
-    (see :func:`_private_dir` for when it is used)."""
+    """Where the bridge is cached: `$STOKER_CACHE/tfbridge`, else the user's cache directory
+    (see `_private_dir` for when it is used)."""
     base = os.environ.get("STOKER_CACHE")
     if base:
         return Path(base) / "tfbridge"
@@ -784,13 +784,13 @@ def _bridge_dir() -> Path:
 
 
 def _only_mine(st: os.stat_result, kind: Callable[[int], bool]) -> bool:
-    """Whether ``st`` (of lstat: a symlink is not followed) is of ``kind``, owned by this user,
+    """Whether `st` (of lstat: a symlink is not followed) is of `kind`, owned by this user,
     and writable by no group or other user: what may hold or be a library this process loads."""
     return kind(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def _private_dir(path: Path) -> Path | None:
-    """``path`` when it is a directory only this user can write to, made (mode 0700) if missing;
+    """`path` when it is a directory only this user can write to, made (mode 0700) if missing;
     else None. A directory of this user's that others may write to (made under a looser umask)
     is first narrowed to 0700. Another user's directory, or a symlink, is never used: anyone
     who can write where the bridge is cached can make this process load their code."""
@@ -806,7 +806,7 @@ def _private_dir(path: Path) -> Path | None:
 
 
 def _build_bridge() -> Path:
-    """Compile ``_tfbridge.c`` into a shared library once per source, TensorFlow and Python version."""
+    """Compile `_tfbridge.c` into a shared library once per source, TensorFlow and Python version."""
     source = Path(__file__).with_name("_tfbridge.c")
     tf_dir = Path(tf.sysconfig.get_lib())
     framework = tf_dir / "libtensorflow_framework.so.2"
@@ -882,8 +882,8 @@ def _check_positive(name: str, value: object) -> int | None:
 
 
 def _decode(strings: tf.Tensor, stored: np.dtype, shape: tuple[int, ...], out: np.dtype, rows: int = -1) -> tf.Tensor:
-    """A block of raw bytes (scalar string) -> ``(k, *shape)`` tensor of ``out`` (``k`` static
-    where ``rows`` is given)."""
+    """A block of raw bytes (scalar string) -> `(k, *shape)` tensor of `out` (`k` static
+    where `rows` is given)."""
     native = stored.newbyteorder("=")
     little = stored.byteorder == "<" or (stored.byteorder in "=|" and np.little_endian)
     if native in _DECODE_RAW:
@@ -901,16 +901,16 @@ def _counted(
     parts: dict[str, tf.data.Dataset], row: Mapping[str, tf.Tensor], block: int, checked: Mapping[str, int]
 ) -> tf.data.Dataset:
     """The group's fields zipped, failing (naming the field and file) where a field in
-    ``checked`` (name -> record bytes) holds other blocks than the group's count says.
+    `checked` (name -> record bytes) holds other blocks than the group's count says.
 
     A compressed stream's record count comes from its trailer where that agrees with the
     other fields (stoker.files); the loader confirms it at the stream's end (CorruptDataError).
     tf.data's zip would stop at the shortest field instead, dropping the rest of the group
     without a word. So each field ends in an empty block, a block that no record makes: the
-    zipped group is then ``blocks + 1`` elements long, and each checked field's block must be
-    ``block`` records (the group's last: its short tail) before the last element and empty in
+    zipped group is then `blocks + 1` elements long, and each checked field's block must be
+    `block` records (the group's last: its short tail) before the last element and empty in
     it, else the Assert fails the pipeline; the last element is dropped. Elements are
-    ``(index, blocks)``, the index left for the decode map to drop: with the check in a map
+    `(index, blocks)`, the index left for the decode map to drop: with the check in a map
     and a filter and a map after it, the guard cost ~7% of W1's records/s (scratch, 9
     alternated rounds); as one filter feeding the decode, 0.98-1.04x (3 rounds).
     """
@@ -950,38 +950,38 @@ def native_dataset(
     num_parallel_calls: int | None = tf.data.AUTOTUNE,
     deterministic: bool = True,
 ) -> tf.data.Dataset:
-    """``ds``'s records as a pure tf.data graph, in the order of ``ds.loader(batch_size)``.
+    """`ds`'s records as a pure tf.data graph, in the order of `ds.loader(batch_size)`.
 
-    ``epochs`` passes (None: forever), each in ``shuffle=False`` order, batches never
+    `epochs` passes (None: forever), each in `shuffle=False` order, batches never
     spanning two, as the loader's. They repeat inside the graph, ahead of its prefetch, so
-    the next epoch's first blocks are read while the last batches are taken; a ``.repeat()``
+    the next epoch's first blocks are read while the last batches are taken; a `.repeat()`
     after the graph drains it at every epoch's end. The order: tf.data's interleave over the
-    groups with the same ``cycle_length`` and ``block_length`` defaults as the loader. Per
-    group, each field's ``FixedLengthRecordDataset`` is read a whole block per element (a
+    groups with the same `cycle_length` and `block_length` defaults as the loader. Per
+    group, each field's `FixedLengthRecordDataset` is read a whole block per element (a
     compressed stream in chunks of records that tile the group's blocks) and zipped with the
     other fields, so images and labels stay together inside the group; one decode per block
-    (``decode_raw`` + byte order + reshape + cast) runs in parallel; ``rebatch`` cuts the
+    (`decode_raw` + byte order + reshape + cast) runs in parallel; `rebatch` cuts the
     blocks into batches with a single copy, or is left out where each block is a batch.
-    Serializable: works with ``tf.data.experimental.service`` (``processing_mode="distributed_epoch"`` hands out
+    Serializable: works with `tf.data.experimental.service` (`processing_mode="distributed_epoch"` hands out
     whole groups to workers; order across workers is then not defined) and TPUs.
 
-    ``shuffle="files"`` (with ``seed=``): each epoch opens the groups in a permutation of its
+    `shuffle="files"` (with `seed=`): each epoch opens the groups in a permutation of its
     own and reads each group's blocks in a permutation of their own, drawn in the graph by
-    stateless ops (``tf.random.experimental.index_shuffle`` keyed by seed, epoch and group), so
+    stateless ops (`tf.random.experimental.index_shuffle` keyed by seed, epoch and group), so
     the same seed gives the same batches on every run and every tf.data service worker;
-    records within a block stay together (a smaller ``block_length`` shuffles finer). Raw
+    records within a block stay together (a smaller `block_length` shuffles finer). Raw
     files are read a block at a time at its offset; a compressed field's group is read whole
     (it cannot seek) and kept decompressed while the group is open. The epochs run on in one
-    interleave, each ``(epoch, group)`` an element of the graph's source (``distributed_epoch``
+    interleave, each `(epoch, group)` an element of the graph's source (`distributed_epoch`
     hands those to the workers), so near an epoch's end its last groups and the next epoch's
-    first share the open slots, and a batch there may hold records of both; over ``E`` epochs
-    every record comes ``E`` times. A ``.repeat()`` after the graph would replay the first
-    epoch's order: pass ``epochs=`` instead. ``"global"`` (a record-level shuffle) is the
-    loader's: ``ds.loader(..., shuffle="global").to_tf()``.
+    first share the open slots, and a batch there may hold records of both; over `E` epochs
+    every record comes `E` times. A `.repeat()` after the graph would replay the first
+    epoch's order: pass `epochs=` instead. `"global"` (a record-level shuffle) is the
+    loader's: `ds.loader(..., shuffle="global").to_tf()`.
 
     Fields must be files TensorFlow's file system opens (local paths, and URLs of its
-    registered schemes, such as ``gs://``); any other URL (``s3://``, fsspec's others) is a
-    SpecError naming the field: stoker's own reader opens them, through ``loader.to_tf()``.
+    registered schemes, such as `gs://`); any other URL (`s3://`, fsspec's others) is a
+    SpecError naming the field: stoker's own reader opens them, through `loader.to_tf()`.
 
     Every group's record counts are checked before the graph is built (this may
     decompress compressed files whose gzip trailer disagrees), raising PairingError. A
@@ -1136,15 +1136,15 @@ _GROUP_ORDER = 0
 
 
 def _key(seed: int, epoch: tf.Tensor, stream: tf.Tensor | int) -> tf.Tensor:
-    """The ``[2]`` int64 key of one stateless permutation: ``(seed, epoch, stream)`` folded together."""
+    """The `[2]` int64 key of one stateless permutation: `(seed, epoch, stream)` folded together."""
     key = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), epoch, alg="philox")
     return tf.random.experimental.stateless_fold_in(key, tf.cast(stream, tf.int64), alg="philox")
 
 
 def _shuffled_slots(columns: Mapping[str, Any], num_groups: int, passes: int | None, seed: int) -> tf.data.Dataset:
-    """One element per ``(epoch, group)``, each epoch's groups in a permutation of their own.
+    """One element per `(epoch, group)`, each epoch's groups in a permutation of their own.
 
-    The source is a range over the slots, so tf.data service's ``distributed_epoch`` hands
+    The source is a range over the slots, so tf.data service's `distributed_epoch` hands
     each (epoch, group) to whichever worker asks, and every element carries its epoch.
     """
     table = {name: tf.constant(column) for name, column in columns.items()}
@@ -1164,7 +1164,7 @@ def _shuffled_slots(columns: Mapping[str, Any], num_groups: int, passes: int | N
 def _shuffled_group(
     row: Mapping[str, tf.Tensor], *, fields: Mapping[str, Any], block: int, compressed: Mapping[str, bool], seed: int
 ) -> tf.data.Dataset:
-    """One group's blocks, zipped across fields, in the permutation of ``(seed, epoch, group)``.
+    """One group's blocks, zipped across fields, in the permutation of `(seed, epoch, group)`.
 
     A raw field's block is read at its offset (a seek); a compressed field's group is read
     whole first (a stream cannot seek), checked against the group's count, and cut.

@@ -1,24 +1,24 @@
-"""PyTorch adapter: a loader's batches as torch tensors, and a ``torch.utils.data.IterableDataset``.
+"""PyTorch adapter: a loader's batches as torch tensors, and a `torch.utils.data.IterableDataset`.
 
 Two ways in:
 
-- :func:`to_torch` (``loader.to_torch()``): the loader's own threads, no worker processes.
-  Each numpy array becomes a tensor with ``torch.from_numpy``, **without a copy**. That is
+- `to_torch` (`loader.to_torch()`): the loader's own threads, no worker processes.
+  Each numpy array becomes a tensor with `torch.from_numpy`, **without a copy**. That is
   safe because stoker never rewrites a batch buffer while any array on it, or a tensor
   made from one, is alive (buffers are recycled only once every view is gone). With
-  ``device=`` each tensor is copied with ``non_blocking=True``; with ``pin_memory=True``
+  `device=` each tensor is copied with `non_blocking=True`; with `pin_memory=True`
   (and CUDA present) the loader assembles batches straight into pinned memory, through
-  its buffer allocator, so the copy is a real asynchronous DMA. ``cast_on_device=``
+  its buffer allocator, so the copy is a real asynchronous DMA. `cast_on_device=`
   casts after the transfer: ship the seed's images as int8 and cast on the GPU, 4x fewer
   bytes over PCIe than float32 (the recommended setup).
-- :class:`StokerIterableDataset`: for code built around ``torch.utils.data.DataLoader``
-  (``batch_size=None``; stoker batches). With ``num_workers=W`` each worker process
-  reads its own shard, so no record is read twice, and ``state_dict`` /
-  ``load_state_dict`` follow torchdata's ``StatefulDataLoader`` conventions (called in
+- `StokerIterableDataset`: for code built around `torch.utils.data.DataLoader`
+  (`batch_size=None`; stoker batches). With `num_workers=W` each worker process
+  reads its own shard, so no record is read twice, and `state_dict` /
+  `load_state_dict` follow torchdata's `StatefulDataLoader` conventions (called in
   each worker, state per worker). It adds worker processes and IPC of every batch, so
-  :func:`to_torch` is the faster path; use this one when the DataLoader is a given.
+  `to_torch` is the faster path; use this one when the DataLoader is a given.
 
-PyTorch is imported here only: ``import stoker`` needs numpy alone.
+PyTorch is imported here only: `import stoker` needs numpy alone.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ PIN_MEMORY_NO_CUDA = (
 
 
 def _from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy``, also for ml_dtypes' bfloat16 (``cast="bfloat16"``): torch does not
+    """`torch.from_numpy`, also for ml_dtypes' bfloat16 (`cast="bfloat16"`): torch does not
     know that numpy dtype, so its bits go through an int16 view into a torch.bfloat16 tensor
     on the same memory (no copy; the tensor keeps the array alive, as from_numpy's do)."""
     if array.dtype.kind != "V":
@@ -64,7 +64,7 @@ def _from_numpy(name: str, array: np.ndarray) -> torch.Tensor:
 
 
 def shard_from_distributed() -> tuple[int, int]:
-    """``(rank, world_size)`` of the initialized ``torch.distributed`` group, else ``(0, 1)``.
+    """`(rank, world_size)` of the initialized `torch.distributed` group, else `(0, 1)`.
 
     Example:
         >>> loader = ds.loader(256, shard=stoker.torch.shard_from_distributed())  # doctest: +SKIP
@@ -76,10 +76,10 @@ def shard_from_distributed() -> tuple[int, int]:
 
 
 def worker_shard(shard: tuple[int, int], worker: int, num_workers: int) -> tuple[int, int]:
-    """The shard worker ``worker`` of ``num_workers`` reads within ``shard = (i, c)``.
+    """The shard worker `worker` of `num_workers` reads within `shard = (i, c)`.
 
-    ``(i + c * worker, c * num_workers)``: shard ``(i, c)`` owns the positions ``p`` with
-    ``p % c == i``; its workers split exactly those (``p % (c * W) == i + c * w``), so a
+    `(i + c * worker, c * num_workers)`: shard `(i, c)` owns the positions `p` with
+    `p % c == i`; its workers split exactly those (`p % (c * W) == i + c * w`), so a
     rank reads the same records whatever its worker count, and no two workers of any rank
     read the same record.
 
@@ -93,10 +93,10 @@ def worker_shard(shard: tuple[int, int], worker: int, num_workers: int) -> tuple
 
 
 class PinnedPool(AlignedPool):
-    """The engine's :class:`~stoker.engine.AlignedPool` over CUDA pinned (page-locked) host memory.
+    """The engine's `stoker.engine.AlignedPool` over CUDA pinned (page-locked) host memory.
 
     Same pool, same contract: a buffer goes back to the free list only once every array
-    (and tensor) on it is gone; at most ``max_pooled_bytes`` are kept. Only where the
+    (and tensor) on it is gone; at most `max_pooled_bytes` are kept. Only where the
     memory comes from differs. Pinned memory from the CUDA host allocator is page aligned.
     """
 
@@ -104,7 +104,7 @@ class PinnedPool(AlignedPool):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _as_array(self, region: object, nbytes: int) -> np.ndarray:
-        # ``.numpy()`` makes a new tensor-backed base for each call, like np.frombuffer.
+        # `.numpy()` makes a new tensor-backed base for each call, like np.frombuffer.
         assert isinstance(region, torch.Tensor)
         return region.numpy()
 
@@ -138,15 +138,15 @@ def to_torch(
     pin_memory: bool = False,
     cast_on_device: Mapping[str, torch.dtype] | None = None,
 ) -> TorchLoader:
-    """The loader's batches as dicts of torch tensors; see :class:`TorchLoader`.
+    """The loader's batches as dicts of torch tensors; see `TorchLoader`.
 
     Args:
-        loader: a stoker Loader (``ds.loader(...)``).
-        device: where tensors go (``"cuda"``, ``"cuda:1"``, ...); None keeps them on the
+        loader: a stoker Loader (`ds.loader(...)`).
+        device: where tensors go (`"cuda"`, `"cuda:1"`, ...); None keeps them on the
             CPU, zero-copy over stoker's buffers.
         pin_memory: assemble batches in CUDA pinned memory (asynchronous copies). Without
             CUDA this warns once and does nothing else: batches stay where they are.
-        cast_on_device: ``{field: torch.dtype}`` cast after the copy to ``device`` (on the
+        cast_on_device: `{field: torch.dtype}` cast after the copy to `device` (on the
             CPU when device is None, which costs a copy).
 
     Example:
@@ -160,8 +160,8 @@ def to_torch(
 class TorchLoader(UserPosition):
     """An iterable of dicts of torch tensors over a stoker Loader; a context manager.
 
-    Each ``iter()`` starts a new pass of the loader. ``state_dict()`` is the position
-    after the last batch this object returned, so resume is exact. ``close()`` closes the
+    Each `iter()` starts a new pass of the loader. `state_dict()` is the position
+    after the last batch this object returned, so resume is exact. `close()` closes the
     loader too (threads, files) and waits for copies still in flight.
     """
 
@@ -258,28 +258,28 @@ class TorchLoader(UserPosition):
 
 
 class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
-    """A stoker loader as a ``torch.utils.data.IterableDataset`` of whole batches.
+    """A stoker loader as a `torch.utils.data.IterableDataset` of whole batches.
 
-    Use it with ``DataLoader(dataset, batch_size=None, ...)``: stoker makes the batches.
-    Each ``iter()`` (each DataLoader epoch) yields ``epochs`` epochs from epoch
-    :attr:`epoch` (see :meth:`set_epoch`), or resumes where a loaded state left off. In a
-    DataLoader worker ``w`` of ``W``, the loader reads :func:`worker_shard` ``(shard, w, W)``,
+    Use it with `DataLoader(dataset, batch_size=None, ...)`: stoker makes the batches.
+    Each `iter()` (each DataLoader epoch) yields `epochs` epochs from epoch
+    `epoch` (see `set_epoch`), or resumes where a loaded state left off. In a
+    DataLoader worker `w` of `W`, the loader reads `worker_shard` `(shard, w, W)`,
     so the workers of a rank together read that rank's shard exactly once (with
-    ``even=True`` and ``c * W > 1`` shards, every worker is trimmed to the same length).
+    `even=True` and `c * W > 1` shards, every worker is trimmed to the same length).
 
     Args:
         dataset: the stoker Dataset.
         batch_size: records per batch (per worker, per rank).
-        shard: this rank's ``(index, count)``, e.g. :func:`shard_from_distributed`.
-        epochs: epochs per ``iter()``; None: forever.
+        shard: this rank's `(index, count)`, e.g. `shard_from_distributed`.
+        epochs: epochs per `iter()`; None: forever.
         threads: stoker threads per worker process; None: the cores divided among workers.
-        loader_kwargs: the rest of :meth:`stoker.Dataset.loader`'s settings (cast,
+        loader_kwargs: the rest of `stoker.Dataset.loader`'s settings (cast,
             shuffle, seed, drop_remainder, prefetch, memory_budget, even, ...), per worker.
 
-    State (torchdata's ``Stateful``): ``state_dict()`` is the loader state after the last
-    batch this process (worker) yielded; ``StatefulDataLoader`` calls it in every worker
+    State (torchdata's `Stateful`): `state_dict()` is the loader state after the last
+    batch this process (worker) yielded; `StatefulDataLoader` calls it in every worker
     and keeps the one that goes with the last batch its user received, then calls
-    ``load_state_dict`` in the same worker on resume (same ``num_workers``).
+    `load_state_dict` in the same worker on resume (same `num_workers`).
 
     Example:
         >>> from torchdata.stateful_dataloader import StatefulDataLoader  # doctest: +SKIP
@@ -326,7 +326,7 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
         return self.dataset.loader(self.batch_size, shard=shard, epochs=epochs, threads=threads, **self.loader_kwargs)
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next ``iter()`` starts from (a loaded state takes precedence)."""
+        """The epoch the next `iter()` starts from (a loaded state takes precedence)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise SpecError(f"epoch={epoch!r} must be a non-negative integer")
         self.epoch = epoch
@@ -363,7 +363,7 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
         return self._loader._state_dict_at(self._position)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The next ``iter()`` in this process resumes right after the batch ``state`` was saved at."""
+        """The next `iter()` in this process resumes right after the batch `state` was saved at."""
         worker, workers = self._worker()
         # epochs=None: any epoch is one this iterable may start from (see _batches).
         with self._make_loader(worker_shard(self.shard, worker, workers), epochs=None) as probe:

@@ -1,25 +1,25 @@
 """Batch transforms: user functions and built-in vectorized ones, run by the loader's workers.
 
-``ds.loader(..., transform=fn)`` (or a list, applied in order) calls
-``fn(batch, rng) -> batch`` on every batch, on the worker that assembled it, in parallel
-with reading; batches are still delivered in plan order. ``rng`` is a fresh
-``np.random.Generator`` seeded from ``(seed, epoch, first, k)``: the loader's seed (0 when
-``seed=None``), the epoch, the position of the batch's first record in the epoch's global
-sequence (the number ``state_dict`` counts in) and ``k``, the transform's place in the list.
+`ds.loader(..., transform=fn)` (or a list, applied in order) calls
+`fn(batch, rng) -> batch` on every batch, on the worker that assembled it, in parallel
+with reading; batches are still delivered in plan order. `rng` is a fresh
+`np.random.Generator` seeded from `(seed, epoch, first, k)`: the loader's seed (0 when
+`seed=None`), the epoch, the position of the batch's first record in the epoch's global
+sequence (the number `state_dict` counts in) and `k`, the transform's place in the list.
 So augmentation does not depend on thread count or worker kind, differs between shards and
 batches, and a resumed run draws exactly what an uninterrupted one would.
 
-Built-in transforms (:class:`Normalize`, :class:`Cast`, :class:`RandomFlip`,
-:class:`RandomCrop`) are plain callables with the same signature. Those at the head of the
+Built-in transforms (`Normalize`, `Cast`, `RandomFlip`,
+`RandomCrop`) are plain callables with the same signature. Those at the head of the
 list are fused into batch assembly: a field they touch is read in its stored dtype when that
-is exact in the delivered one. Chains the compiled kernel takes (:class:`OnePass`: Normalize
+is exact in the delivered one. Chains the compiled kernel takes (`OnePass`: Normalize
 with crops and a flip of one axis) run as the records are read from the file's memory map,
-each record read once and written once (``Stage.put``, called by the assembler), and so does
-a field's lone :class:`Cast` (:class:`LoneCast`, the ``cast=`` copy). Otherwise,
+each record read once and written once (`Stage.put`, called by the assembler), and so does
+a field's lone `Cast` (`LoneCast`, the `cast=` copy). Otherwise,
 after assembly, each record is copied once, cast on the way, from its cropped source into its
 (possibly reversed) place in the output, and elementwise ops run in place on up to 256 KiB of
-output at a time while it is in cache (``Stage._direct``); where flips or crops do not commute
-with the elementwise ops, the ops run one after the other on such chunks (``Stage._runs``).
+output at a time while it is in cache (`Stage._direct`); where flips or crops do not commute
+with the elementwise ops, the ops run one after the other on such chunks (`Stage._runs`).
 Every way gives the result of calling the transforms one after the other on the unfused batch,
 bit for bit.
 
@@ -85,7 +85,7 @@ SCRATCH_BYTES = 4 << 20
 
 
 def batch_rng(seed: int, epoch: int, first: int, k: int) -> np.random.Generator:
-    """The generator transform ``k`` gets for the batch whose first record is at ``first``."""
+    """The generator transform `k` gets for the batch whose first record is at `first`."""
     return np.random.default_rng([seed, epoch, first, k])
 
 
@@ -99,9 +99,9 @@ def _fields(value: str | Sequence[str]) -> tuple[str, ...]:
 class Transform:
     """Base of the built-in transforms: per-batch random draws, then bulk work per field.
 
-    ``draw`` picks the batch's random parameters once (shared by every field the transform
-    touches, so an image and its mask get the same flip); ``apply`` does the work on rows
-    ``rows`` of one field, writing into ``out`` when given. Calling the transform does both
+    `draw` picks the batch's random parameters once (shared by every field the transform
+    touches, so an image and its mask get the same flip); `apply` does the work on rows
+    `rows` of one field, writing into `out` when given. Calling the transform does both
     on a whole batch, exactly as the fused path does chunk by chunk.
     """
 
@@ -111,7 +111,7 @@ class Transform:
         return None
 
     def record(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> tuple[tuple[int, ...], np.dtype]:
-        """The record shape and dtype this transform makes of ``name``'s (``SpecError`` if it cannot)."""
+        """The record shape and dtype this transform makes of `name`'s (`SpecError` if it cannot)."""
         return shape, dtype
 
     def apply(self, x: np.ndarray, params: Any, rows: slice, out: np.ndarray | None) -> np.ndarray:
@@ -131,12 +131,12 @@ class Transform:
 
 
 class Normalize(Transform):
-    """``x * scale + offset``, or ``(x - mean) / std``, computed and delivered in ``dtype``.
+    """`x * scale + offset`, or `(x - mean) / std`, computed and delivered in `dtype`.
 
-    ``mean`` and ``std`` (or ``scale`` and ``offset``) may be per channel: arrays that
+    `mean` and `std` (or `scale` and `offset`) may be per channel: arrays that
     broadcast against the record's trailing axes. Each form is computed as written (two
-    ufunc passes over a cache-sized chunk), so ``mean=-0.5, std=127.5`` maps int8 -128 and
-    127 to exactly -1.0 and 1.0, where ``scale=1/127.5`` rounds 127 to 1.0000001.
+    ufunc passes over a cache-sized chunk), so `mean=-0.5, std=127.5` maps int8 -128 and
+    127 to exactly -1.0 and 1.0, where `scale=1/127.5` rounds 127 to 1.0000001.
 
     Example: the seed's int8 frames to float32 in [-1, 1]:
         >>> Normalize(mean=-0.5, std=127.5, fields="image")
@@ -196,7 +196,7 @@ class Normalize(Transform):
         return out
 
     def inplace(self, x: np.ndarray) -> None:
-        """Normalize ``x`` (of ``dtype``) where it lies."""
+        """Normalize `x` (of `dtype`) where it lies."""
         if self.divide:
             np.subtract(x, self.first, out=x)
             np.divide(x, self.second, out=x)
@@ -205,7 +205,7 @@ class Normalize(Transform):
             np.add(x, self.second, out=x)
 
     def constant_along(self, axes: Sequence[int], ndim: int) -> bool:
-        """Whether the parameters are the same at every position along record ``axes``."""
+        """Whether the parameters are the same at every position along record `axes`."""
         for p in (self.first, self.second):
             for a in axes:
                 i = a - (ndim - p.ndim)
@@ -220,7 +220,7 @@ class Normalize(Transform):
 
 
 class Cast(Transform):
-    """Convert fields to ``dtype`` (``"float16"``, ``"bfloat16"``, any numpy dtype)."""
+    """Convert fields to `dtype` (`"float16"`, `"bfloat16"`, any numpy dtype)."""
 
     def __init__(self, dtype: Any, *, fields: str | Sequence[str]) -> None:
         self.fields = _fields(fields)
@@ -240,7 +240,7 @@ class Cast(Transform):
 
 
 def _same_runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
-    """Maximal runs ``(start, stop, value)`` of equal values in a boolean vector."""
+    """Maximal runs `(start, stop, value)` of equal values in a boolean vector."""
     if not len(mask):
         return []
     cuts = np.flatnonzero(mask[1:] != mask[:-1]) + 1
@@ -250,7 +250,7 @@ def _same_runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
 
 
 class RandomFlip(Transform):
-    """Reverse each record along ``axis`` (of the record, e.g. 1 = W of (H, W, C)) with probability ``p``."""
+    """Reverse each record along `axis` (of the record, e.g. 1 = W of (H, W, C)) with probability `p`."""
 
     def __init__(self, *, fields: str | Sequence[str], axis: int = 1, p: float = 0.5) -> None:
         self.fields = _fields(fields)
@@ -283,7 +283,7 @@ class RandomFlip(Transform):
 
 
 class RandomCrop(Transform):
-    """A window of ``size`` at a random place of each record, along ``axes`` (default the first ones)."""
+    """A window of `size` at a random place of each record, along `axes` (default the first ones)."""
 
     def __init__(
         self, size: int | Sequence[int], *, fields: str | Sequence[str], axes: Sequence[int] | None = None
@@ -312,7 +312,7 @@ class RandomCrop(Transform):
         return np.stack([rng.integers(0, h, size=n) for h in highs], axis=1) if n else np.empty((0, len(highs)), int)
 
     def window(self, offsets: Sequence[int], ndim: int, *, batch: bool = False) -> tuple[slice, ...]:
-        """Slices of a record (of ``ndim`` axes; of rows of records when ``batch``) for one draw."""
+        """Slices of a record (of `ndim` axes; of rows of records when `batch`) for one draw."""
         window = [slice(None)] * (ndim + batch)
         for a, s, o in zip(self.axes, self.size, offsets, strict=True):
             window[a + batch] = slice(int(o), int(o) + s)
@@ -346,10 +346,10 @@ _NARROW = {"float16": "e", "bfloat16": "E"}
 class OnePass:
     """A fused chain run by the compiled kernel: each record read once, written once.
 
-    Applies to chains of crops, flips of one axis, ``Normalize`` ops of one dtype and at most
-    one trailing ``Cast``, on records of int8/uint8/int16/uint16/float32 (float64 too into
+    Applies to chains of crops, flips of one axis, `Normalize` ops of one dtype and at most
+    one trailing `Cast`, on records of int8/uint8/int16/uint16/float32 (float64 too into
     float64), whose parameters vary at most along the axes after the flipped one (per channel,
-    say). ``plan`` returns None for anything else, which then takes the numpy path.
+    say). `plan` returns None for anything else, which then takes the numpy path.
     """
 
     def __init__(
@@ -429,9 +429,9 @@ class OnePass:
         return OnePass(chain, src, tuple(shape), compute, out, (outer, units, unit, row), ops)
 
     def run(self, x: np.ndarray, y: np.ndarray, draws: Mapping[int, Any], row0: int, *, mapped: bool = False) -> bool:
-        """Records ``x`` (rows ``row0..`` of the batch, any record stride) into ``y``; True.
+        """Records `x` (rows `row0..` of the batch, any record stride) into `y`; True.
 
-        Only the kernel reads ``x``, so it may be a memory map (``mapped``, see LoneCast.run).
+        Only the kernel reads `x`, so it may be a memory map (`mapped`, see LoneCast.run).
         """
         n = len(x)
         if n == 0:
@@ -504,7 +504,7 @@ def _name(fn: object) -> str:
 
 
 def describe_records(plan: BatchPlan, catalog: Catalog, limit: int = 8) -> str:
-    """``(group, index)`` ranges of a planned batch, with the file of each group's first field."""
+    """`(group, index)` ranges of a planned batch, with the file of each group's first field."""
     first_field = next(iter(catalog.fields))
     spans: list[tuple[int, str]] = []
     if plan.gather is not None:
@@ -526,9 +526,9 @@ def describe_records(plan: BatchPlan, catalog: Catalog, limit: int = 8) -> str:
 def first_position(plan: BatchPlan, shard: tuple[int, int]) -> int:
     """Position of the batch's first record in the epoch's global sequence.
 
-    ``plan.position`` is where this shard resumes after the batch: the shard takes positions
-    ``start + i, start + i + c, ...``, so the batch began ``c * rows`` positions earlier, at
-    this shard's offset ``i``. With ``pad_last`` only ``valid`` rows are records, and the last
+    `plan.position` is where this shard resumes after the batch: the shard takes positions
+    `start + i, start + i + c, ...`, so the batch began `c * rows` positions earlier, at
+    this shard's offset `i`. With `pad_last` only `valid` rows are records, and the last
     batches of an epoch resume at its end: their number is then derived from that end, still
     the same on every run and resume.
     """
@@ -538,7 +538,7 @@ def first_position(plan: BatchPlan, shard: tuple[int, int]) -> int:
 
 
 def _exact_in(src: np.dtype, dst: np.dtype) -> bool:
-    """Whether every value of ``src`` is exact in ``dst``: numpy's "safe" casts, less 64-bit
+    """Whether every value of `src` is exact in `dst`: numpy's "safe" casts, less 64-bit
     integers into float64 (which numpy calls safe, but which round past 2**53)."""
     if not np.can_cast(src, dst, "safe"):
         return False
@@ -548,18 +548,18 @@ def _exact_in(src: np.dtype, dst: np.dtype) -> bool:
 
 
 class LoneCast:
-    """A field's chain that is one :class:`Cast` of records read in their stored dtype: cast as
-    they are read (the ``cast=`` path, the compiled kernel's loops), not read then cast. W1's
-    ``Cast("bfloat16")`` ran at 0.71x the records/s of float32 output read then cast, and at the
-    speed of ``cast="bfloat16"`` read this way (see the README's Transforms)."""
+    """A field's chain that is one `Cast` of records read in their stored dtype: cast as
+    they are read (the `cast=` path, the compiled kernel's loops), not read then cast. W1's
+    `Cast("bfloat16")` ran at 0.71x the records/s of float32 output read then cast, and at the
+    speed of `cast="bfloat16"` read this way (see the README's Transforms)."""
 
     def __init__(self, src: np.dtype, out: np.dtype) -> None:
         self.src, self.out = src, out
 
     def run(self, x: np.ndarray, y: np.ndarray, draws: Mapping[int, Any], row0: int, *, mapped: bool = False) -> bool:
-        """Records ``x`` (rows ``row0..`` of the batch) cast into ``y``; True once done.
+        """Records `x` (rows `row0..` of the batch) cast into `y`; True once done.
 
-        ``mapped``: ``x`` is a memory map of a file, which only a compiled kernel may read (its
+        `mapped`: `x` is a memory map of a file, which only a compiled kernel may read (its
         reads are guarded against the file being cut short); False, nothing read, where numpy would.
         """
         if mapped:
@@ -642,7 +642,7 @@ class Stage:
         }
 
     def draws(self, plan: BatchPlan) -> dict[int, Any]:
-        """Every fused transform's random parameters for the batch ``plan``."""
+        """Every fused transform's random parameters for the batch `plan`."""
         first = first_position(plan, self.shard)
         draws: dict[int, Any] = {}
         for chain in self.chains.values():
@@ -654,8 +654,8 @@ class Stage:
     def put(
         self, name: str, src: np.ndarray, dst: np.ndarray, row: int, *, draws: Mapping[int, Any], mapped: bool = False
     ) -> bool:
-        """Stored records ``src`` (rows ``row..`` of the batch) transformed into ``dst`` (called by
-        assembly); True once done. With ``mapped`` (``src`` is a memory map), False, nothing
+        """Stored records `src` (rows `row..` of the batch) transformed into `dst` (called by
+        assembly); True once done. With `mapped` (`src` is a memory map), False, nothing
         read, where numpy would read it: the caller copies the records out and puts them again."""
         return self.kernels[name].run(src, dst, draws, row, mapped=mapped)
 
@@ -664,7 +664,7 @@ class Stage:
     ) -> Batch:
         """The transformed batch; errors carry a note naming the transform and the batch.
 
-        Fields in ``done`` were transformed by the assembly (``put``) and are passed on as they are.
+        Fields in `done` were transformed by the assembly (`put`) and are passed on as they are.
         """
         first = first_position(plan, self.shard)
         out = dict(batch)
@@ -730,10 +730,10 @@ class Stage:
     ) -> None:
         """Crops as views of the source, flips as views of the output, one casting copy between.
 
-        Used when flips and crops commute with the chain's elementwise ops (see ``_commutes``).
+        Used when flips and crops commute with the chain's elementwise ops (see `_commutes`).
         Each record is copied once, cast on the way, from its cropped source into its
         (possibly reversed) place in the output; the elementwise ops then run in place on
-        ``per`` records at a time while they are in cache. Measured on W1 frames: writing
+        `per` records at a time while they are in cache. Measured on W1 frames: writing
         through a reversed view costs ~30% more than a plain copy, reading through one
         60-100% more, and reversing the selected int8 rows in place first ~65%.
         """
@@ -770,7 +770,7 @@ class Stage:
         draws: Mapping[int, Any],
         per: int,
     ) -> None:
-        """Runs of rows with the same crops and flips, each op applied in turn (see ``_direct``)."""
+        """Runs of rows with the same crops and flips, each op applied in turn (see `_direct`)."""
         n = len(x)
         views: list[tuple[int, Transform]] = [(k, op) for k, op, _ in chain if isinstance(op, RandomFlip | RandomCrop)]
         ops = [(k, op) for k, op, _ in chain if not isinstance(op, RandomFlip | RandomCrop)]
@@ -793,7 +793,7 @@ class Stage:
                     cur = op.apply(cur, draws.get(k), rows, dst if i == len(ops) - 1 else None)
 
     def _commutes(self, chain: list[tuple[int, Transform, tuple[int, ...]]]) -> bool:
-        """Whether crops can move to the front and flips to the end of ``chain`` unchanged."""
+        """Whether crops can move to the front and flips to the end of `chain` unchanged."""
         axes: set[int] = set()
         flipped: set[int] = set()
         for _, op, _ in chain:

@@ -1,23 +1,23 @@
-"""Worker processes for transforms that hold the GIL (``workers="process"``).
+"""Worker processes for transforms that hold the GIL (`workers="process"`).
 
 Reading and assembly stay on threads of the loader's process (they release the GIL); the
 transform stage runs in worker processes. Batches travel in shared memory, never pickled:
 
-- the loader's buffers are memfd regions (:class:`SharedPool`): anonymous shared memory
-  that never appears in ``/dev/shm`` and that the kernel frees when the last mapping and
+- the loader's buffers are memfd regions (`SharedPool`): anonymous shared memory
+  that never appears in `/dev/shm` and that the kernel frees when the last mapping and
   descriptor are gone, so nothing can leak there, whatever way the loader ends;
-- a batch is sent as descriptors (``SCM_RIGHTS`` over a Unix socket) plus a few bytes of
+- a batch is sent as descriptors (`SCM_RIGHTS` over a Unix socket) plus a few bytes of
   layout; the worker maps them (keeping each mapping for the next batch the loader's pool
   puts in that region), runs the stage, writes outputs into memfd regions of its own and
   sends their descriptors back; an output that is an input unchanged is not copied;
 - workers hold only the pickled transforms: no dataset, no file, no copy of anything that
   grows with the data (the per-worker duplication of pytorch#13246 cannot happen).
 
-Workers are started with ``spawn`` (never ``fork``: the loader's process has threads, and a
+Workers are started with `spawn` (never `fork`: the loader's process has threads, and a
 forked child could inherit a lock held by one of them), at the first batch, and stopped when
 the pass ends, is closed, broken out of or dropped; a worker ignores SIGINT so that Ctrl-C
 is handled once, by the loader's process, which then stops them. A worker that dies fails the
-batch it held (:class:`WorkerError`, raised in that batch's turn) and is replaced, so batches
+batch it held (`WorkerError`, raised in that batch's turn) and is replaced, so batches
 before it are still delivered. Transforms must be picklable: built-ins, or functions defined
 at module level.
 """
@@ -78,7 +78,7 @@ class WorkerError(StokerError, RuntimeError):
 
 
 class _RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker process (its ``__cause__``)."""
+    """The traceback of an exception raised in a worker process (its `__cause__`)."""
 
     def __init__(self, text: str) -> None:
         super().__init__(text)
@@ -96,7 +96,7 @@ def _forget(address: int, fd: int) -> None:
 
 def require_linux() -> None:
     """Refuse, before anything starts, where the batches' shared memory cannot be made: it is
-    Linux's memfd (``os.memfd_create``), and passing its descriptors is Linux's too."""
+    Linux's memfd (`os.memfd_create`), and passing its descriptors is Linux's too."""
     if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
         raise SpecError(
             f"workers='process' needs Linux (it shares batches through os.memfd_create), and this is "
@@ -122,7 +122,7 @@ def _memfd_region(nbytes: int) -> mmap.mmap:
 
 
 def _region_of(arr: np.ndarray) -> tuple[int, int] | None:
-    """``(fd, bytes)`` of the memfd region ``arr`` fills from its start, if it is one."""
+    """`(fd, bytes)` of the memfd region `arr` fills from its start, if it is one."""
     if not arr.flags.c_contiguous or arr.nbytes == 0:
         return None
     with _REGIONS_LOCK:
@@ -138,7 +138,7 @@ def _shared_array(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 class SharedPool(AlignedPool):
-    """:class:`AlignedPool` over memfd regions, which worker processes map by descriptor."""
+    """`AlignedPool` over memfd regions, which worker processes map by descriptor."""
 
     def _new_region(self, nbytes: int) -> object:
         return _memfd_region(nbytes)
@@ -169,7 +169,7 @@ class _Mappings:
     The loader's pool recycles its buffers, so most batches arrive in regions this worker has
     mapped before. Mapping a region afresh costs a page fault per page touched (measured here:
     ~0.6 ms per 4 MiB batch when a transform reads one value per record, ~2.5 ms more when it
-    reads all of it); a kept mapping costs one fstat. At most ``limit`` are kept, the least
+    reads all of it); a kept mapping costs one fstat. At most `limit` are kept, the least
     recently used dropped first (its memory is freed once the loader has dropped it too).
     """
 
@@ -430,10 +430,10 @@ class _ProcessMap(OrderedMap[R]):
 
 
 class ProcessExecutor:
-    """Assembly on threads of this process; the transform stage in ``processes`` worker processes.
+    """Assembly on threads of this process; the transform stage in `processes` worker processes.
 
-    ``map_ordered(fn, ...)`` expects ``fn(task) -> (batch, plan)`` (the loader's assembler
-    writing into a :class:`SharedPool`) and yields ``(transformed batch, plan)`` in task order.
+    `map_ordered(fn, ...)` expects `fn(task) -> (batch, plan)` (the loader's assembler
+    writing into a `SharedPool`) and yields `(transformed batch, plan)` in task order.
     """
 
     def __init__(self, processes: int, stage: Stage, catalog: Catalog, *, context: str = "spawn") -> None:
@@ -457,7 +457,7 @@ class ProcessExecutor:
     def map_ordered(
         self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False
     ) -> OrderedMap[R]:
-        """``defer_wake`` is ignored: a result's wake-up leaves at once, since the next task
+        """`defer_wake` is ignored: a result's wake-up leaves at once, since the next task
         may first wait on a worker process."""
         from .transforms import note_records
 
