@@ -467,11 +467,6 @@ class Catalog:
         points = self.seek_points.get((g, name))
         return points[0].index_file if points else None
 
-    def trusted_hint(self, g: int, name: str) -> bool:
-        """True when field `name` of group `g` is counted only by its trailer so far."""
-        info = self.files[g][name]
-        return info.compression is not None and info.records_hint == self._counts[g]
-
     def _settle(self, g: int) -> int:
         infos = self.files[g]
         # A gzip trailer holds only the last member's size, so it is trusted where a raw

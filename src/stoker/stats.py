@@ -360,11 +360,6 @@ class LoaderStats:
         return self.cpu_seconds / self.wall_seconds / self.cores if self.wall_seconds > 0 else 0.0
 
     @property
-    def worker_idle_seconds(self) -> float:
-        """Worker-seconds not spent on a batch (window full, or nothing to do)."""
-        return max(0.0, self.threads * self.wall_seconds - self.busy_seconds)
-
-    @property
     def settings(self) -> str:
         """`threads=... prefetch=...`, what bounds them, and what autotune chose."""
         bound = ""
