@@ -85,15 +85,13 @@ typedef struct {
 /* Copy len bytes to dst past the cache where the CPU can (non-temporal stores).
  * A batch is read by its consumer later, not now: ordinary stores would first pull each of
  * its cache lines in (a read for ownership) only to write it whole and evict it, doubling
- * the memory traffic; an int8 -> float32 cast into batches that rotate through a pool ran
- * about twice as fast streamed. The caller ends the call with stream_fence(). */
+ * the memory traffic (measured: benchmarks/results/w1_history.md). The caller ends the call with stream_fence(). */
 static void stream_bytes(char *dst, const char *src, size_t len) {
 #ifdef STOKER_X86
     /* A load whose address matches a pending streaming store's modulo 4 KiB waits for it to
-     * drain. Stored 16 bytes at a time right after each load, a source 16 bytes past the
-     * destination's page offset ran 10x slower (51k records/s against 580k for W1 int8);
-     * four loads, then the four stores of the same 64-byte line, ran at full speed at every
-     * page offset tried (0, 16, 32, 48, 64, 128, 256, 2048, 3840, 4032, 4080). */
+     * drain, so four loads come first, then the four stores of the same 64-byte line: stored
+     * right after each load, a source just past the destination's page offset stalled on every
+     * store (measured: benchmarks/results/w1_history.md). */
     size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
     if (head > len) head = len;
     memcpy(dst, src, head);
@@ -176,7 +174,7 @@ static void stream_fence(void) {
         const Py_ssize_t O = j->O, M = j->M, I = j->I;                                 \
         char tmp[BLOCK * sizeof(T) + 4096] STOKER_ALIGNED; /* a streamed block, built in L1 */ \
         /* Streamed in pieces of 4 KiB or more: short rows (a flip along W of 128-wide frames \
-         * writes 512 bytes at a time) ran 2x slower streamed one call per row. */         \
+         * writes 512 bytes at a time) ran slower streamed one call per row. */         \
         const int stream = j->stream && (I == 1 ? M : I) * (Py_ssize_t)sizeof(T) >= 4096; \
         /* Short rows of one value per unit (a flip along W) are packed, several rows to a    \
          * block (a record's rows are contiguous in dst), and the block is streamed at once. */ \
@@ -295,7 +293,7 @@ static size_t value_bytes(int code) {
  * A worker that finishes the batch the consumer waits for could wake it at once, but it holds
  * the GIL then and keeps it for the Python that starts its next batch: the consumer wakes only
  * to sleep again on the GIL, and is woken a second time when the worker gives it up. Each
- * wake-up costs both threads CPU (on W1's VM, ~20 us a futex wake). post_later() instead
+ * wake-up costs both threads CPU (a futex wake, on a VM an interrupt). post_later() instead
  * leaves the wake-up with the worker's thread, to be sent by the next kernel that gives the
  * GIL up (just after giving it up: the consumer wakes to a free GIL), or by flush(). */
 typedef struct {
@@ -328,8 +326,7 @@ static void send_deferred(void) {
 }
 
 /* Small jobs keep the GIL. Given up, it goes to whichever thread wants it, and taking it back
- * waits out that thread's Python: in W1, two workers and the consumer made a 1 KiB label copy
- * take 40-150 us of wall time per batch. Jobs this size or larger give it up while they run,
+ * waits out that thread's Python, far longer than a small copy takes. Jobs this size or larger give it up while they run,
  * and send the thread's deferred wake-up once it is given up. */
 #define GIL_FREE_BYTES ((size_t)64 << 10)
 /* volatile: a guarded copy (GUARD_BEGIN) that faults returns through siglongjmp, and these
@@ -570,8 +567,7 @@ DEFINE_SHORTS_TO_F32(u16_f32_avx2, uint16_t, _mm256_cvtepu16_epi32)
 
 /* -> float16 (mixed-precision training's cast), 8 values a step: F16C rounds each float32 to
  * the nearest float16, ties to even, as numpy's cast does (int16/uint16 values past 2048 round;
- * uint16 past 65519 becomes inf). numpy converts one value at a time: W1's int8 batch took ~8 ms
- * against ~0.8 ms for float32. Streamed (16-byte stores that skip the cache) when `stream`, as
+ * uint16 past 65519 becomes inf), where numpy converts one value at a time. Streamed (16-byte stores that skip the cache) when `stream`, as
  * the float32 loops. From float32 a quiet NaN keeps its sign and the top of its payload, as
  * numpy's cast; a signalling NaN comes out quiet, where numpy keeps it signalling, so that loop
  * serves values computed here, which are never signalling NaNs (computed_to_float16). */
@@ -699,8 +695,8 @@ static int buffer_code(const Py_buffer *view) {
 /* cast_into(dst, src, stream_min_bytes) -> bool: copy and cast src into dst when both are
  * C-contiguous buffers of the same shape in dtypes with a kernel, dst writable (streamed when
  * dst holds at least stream_min_bytes). False, with nothing written, where it does not apply:
- * the caller falls back to numpy. One call, one buffer request per array: the Python checks
- * and two __array_interface__ lookups it replaces cost ~5% of a W1 worker's time. */
+ * the caller falls back to numpy. One call, one buffer request per array, in place of the Python checks
+ * and two __array_interface__ lookups that cost a worker a noticeable share of its time. */
 static PyObject *cast_arrays(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *dst_obj, *src_obj;
@@ -770,9 +766,8 @@ static void widen_bf16(const uint16_t *s, uint32_t *d, Py_ssize_t n, int stream)
 /* Entry k, cnt[k] records (1 each where cnt is NULL) of elems values of dtype src_code lying back
  * to back from memory address addr[k], cast or copied into rows row[k].. of dst (dtype out_code):
  * gathers, one pass, no staging array (the body of gather_records and gather_runs). An entry of
- * many records goes to the loop in one call: record by record, W1's runs of 256 records from
- * files mapped with huge pages cast at 0.95x the rate of one call a run (one thread), and at
- * 0.90x in the loader. */
+ * many records goes to the loop in one call, which is faster than record by record (measured:
+ * benchmarks/results/w1_history.md). */
 static PyObject *gather_at(int src_code, int out_code, const int64_t *addr, const int64_t *row, const int64_t *cnt,
                            Py_ssize_t n, Py_ssize_t elems, uintptr_t dst, int stream) {
     Py_ssize_t records = n;
@@ -1038,8 +1033,8 @@ DEFINE_TO_BF16(f32_bf16, float)
 
 #ifdef STOKER_X86
 /* bf16_of on 8 values: rounded in the integer unit, NaNs blended in where the source can hold
- * them (`nans`, a constant: integer sources skip the compare and blend, which cost them 0.68x
- * the records/s of W1's Cast("bfloat16")), the high halves packed. */
+ * them (`nans`, a constant: integer sources, which cannot hold NaNs, skip the compare and blend),
+ * the high halves packed. */
 __attribute__((target("avx2"))) static inline __m128i bf16x8(__m256 v, int nans) {
     const __m256i b = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
@@ -1055,11 +1050,8 @@ __attribute__((target("avx2"))) static inline __m128i bf16x8(__m256 v, int nans)
 }
 
 /* Ordinary stores, unlike the float16 and float32 loops: streamed ones (16-byte stores, or four
- * filling a 64-byte line before the next) ran W1's cast={"image": "bfloat16"} at 0.72-0.76x the
- * records/s (310-330k against 411-441k, 2 alternated runs each), and 0.75x in the bare loop
- * from the files' memory maps on 2 threads, though 1.1x from anonymous memory; float16's
- * streamed loop runs level with its unstreamed one on the same maps, and so did the AVX512_BF16
- * loop below (1.14x float32's records/s streamed, 1.13x not, 3 alternated rounds each). */
+ * filling a 64-byte line before the next) ran this loop slower from the files' memory maps
+ * (measured: benchmarks/results/transforms_history.md). */
 #define DEFINE_TO_BF16_AVX2(NAME, T, LOAD8, NANS)                                        \
     __attribute__((target("avx2"))) static void NAME(const void *src, uint16_t *d, Py_ssize_t n) { \
         const T *s = (const T *)src;                                                   \
@@ -1102,8 +1094,8 @@ DEFINE_TO_BF16_NE(u16_bf16_ne, uint16_t, LOAD8_U16)
  * one row per record), each row optionally reversed (RandomFlip along W), 8 values a step
  * written straight into the batch, streamed when asked (the rows of a record are contiguous
  * there). The generic kernel builds each
- * block in L1 and copies it out: W1's Normalize + RandomFlip took ~1,600 us a batch in it on
- * one thread, against ~760 for the plain cast, and ~810 in this loop. The same IEEE
+ * block in L1 and copies it out, about twice the plain cast's time, where this loop runs near
+ * it (measured: benchmarks/results/normalize_kernel_history.md). The same IEEE
  * operations in the same order ((x - mean) / std, or x * scale + offset, never fused), so the
  * same bits. A trailing Cast to float16 or bfloat16 narrows each 8 values in registers (F16C;
  * bf16x8, ml_dtypes' rounding and NaNs) instead of through a float32 scratch: the values are
@@ -1160,8 +1152,8 @@ DEFINE_ROWS_ALL(f32, float, LOAD8_F32)
 /* Rows of M units of I > 1 values (RGB frames flipped along W), one Normalize op, float32
  * out: each row computed front to back into an L1 buffer, 8 values a step, with the
  * parameters tiled along the row once per call, then its units copied out in reverse order
- * where the record is flipped. The generic kernel goes unit by unit: 12x the plain cast's time
- * on 128x128x3 frames flipped along W. */
+ * where the record is flipped. The generic kernel goes unit by unit, many times the plain
+ * cast's time (measured: benchmarks/results/normalize_kernel_history.md). */
 #define UNITS_MAX 4096 /* values in a row: 16 KiB of float32 */
 
 /* Reversing the order of units of I values (I <= 8), a block of lcm(8, I) values (U units,
@@ -1451,8 +1443,8 @@ static PyObject *set_isa(PyObject *self, PyObject *arg) {
 }
 
 /* file_size(fd) -> int: fstat's st_size, with the GIL held. os.fstat gives the GIL up for a
- * call that takes a microsecond, and taking it back waits out whichever thread took it: on a
- * W1 worker that was ~18 us per run, the size check before each copy from a memory map. */
+ * call that takes a microsecond, and taking it back waits out whichever thread took it, on every
+ * size check before a copy from a memory map. */
 static PyObject *file_size(PyObject *self, PyObject *arg) {
     (void)self;
     const int fd = PyObject_AsFileDescriptor(arg);
@@ -1465,8 +1457,8 @@ static PyObject *file_size(PyObject *self, PyObject *arg) {
 /* permute(keys, half, n, positions, out) -> int: stoker.order.Permutation evaluated at each
  * int64 position into out (int64): a Feistel network of len(keys) rounds of splitmix64's
  * finalizer over [0, 2**(2*half)), walked again while >= n. The same values as its numpy
- * code, bit for bit (tests compare them); ~40 numpy calls per round of a batch (~40 us for
- * 256 positions, under the dispatcher's lock) become one call. Returns the index of the first
+ * code, bit for bit (tests compare them); the numpy calls of every round of a batch, made
+ * under the dispatcher's lock, become one call. Returns the index of the first
  * position outside [0, n), out filled up to it, or -1. */
 static inline uint64_t mix64(uint64_t x) {
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;

@@ -2,8 +2,8 @@
  * tf.data without Python in TensorFlow's per-element path.
  *
  * tf.numpy_function's py_func machinery (function registry lookup, argument and result
- * conversion) cost ~0.5 ms more CPU per batch than this op on this project's 2-core
- * machine (W1, 256 x 128x128 float32). This op takes the GIL once, calls
+ * conversion) cost more CPU per batch than this op (measured:
+ * benchmarks/results/tf_compare_history.md). This op takes the GIL once, calls
  * stoker.tf._native_next(key), and wraps each returned array's memory as a tensor
  * with TF_NewTensor: no copy, and the array is kept alive (a buffer view holds it)
  * until TensorFlow drops the tensor. stoker never rewrites a buffer while an array

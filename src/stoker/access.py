@@ -65,8 +65,8 @@ DEFAULT_CACHE_BYTES = 256 << 20
 # Raw files a reader keeps mapped between reads (each costs a descriptor and address space,
 # no memory), at least; as many as a loader's pass keeps open where the descriptor limit allows
 # (stoker.batch.pass_open_files), least recently used ones closed beyond. A record subset's
-# global shuffle reads from most of its files in every batch: with 64 kept on 400 small files
-# (200 groups, a 90% record split) it ran 7.6-9.8k records/s, 17.6-18.7k with 1024 kept.
+# global shuffle reads from most of its files in every batch, and with too few kept it maps
+# them again batch after batch (measured: benchmarks/results/access_history.md).
 MAX_MAPPED = 64
 # The split's permutation stream: independent of the loader's record/group/window streams.
 STREAM_SPLIT = 3

@@ -6,9 +6,8 @@ measuring window (at least `MIN_BATCHES` batches and `MIN_SECONDS` seconds, as t
 consumer sees them) it adds a worker while that raised records/s by more than `GAIN`,
 up to `2 x cores` (threads that wait on a cold disk leave their core to others). A step
 that did not pay is taken back and the climb stops; one that runs below the count before it by
-more than `CLEAR_LOSS` is judged a third of the way into its window (W1 float32 1.04x, int8
-1.01x the records/s of a 3 s run, 5 alternated rounds: its trial of a third worker on 2 cores
-had run at 0.44x-0.97x of two for a whole window). A step that paid is measured once more
+more than `CLEAR_LOSS` is judged a third of the way into its window, so a losing trial does not
+cost a whole window. A step that paid is measured once more
 against one worker fewer, in the window after it (a pass speeds up as its first epoch warms
 the files, which made any later window look like a gain), and kept only if it still pays.
 When the consumer is the limit (it kept batches longer than it waited for them) it never
@@ -17,21 +16,20 @@ climbs: it steps down instead, one worker at a time while the records/s hold (wi
 that is taken back. It never adds a worker while the process already keeps `SATURATED` of
 every core busy (its CPU time over the window, consumer included): a pipeline that is
 CPU-bound cannot gain from one more thread, and the trial only costs a window of contention
-(W1 float32 on 2 cores, where two workers and the consumer use 1.93 cores: see SATURATED).
+(see `SATURATED`).
 Workers waiting on a cold disk or a network leave cores idle, and there the climb goes on.
 On a machine of `MIN_HALVING` cores or more, a first window whose workers keep fewer than
 `HALVE_BELOW` of a core each busy (threads that wait on the GIL, or on a disk) is followed by
 one at half the workers: kept while it runs as fast (within `GAIN`), halved again while that
-holds, else the workers come back and the climb goes on from there. W1 on 16 cores (an H200
-host): one worker per core kept 3-6 of the 16 busy, and 8 threads ran 1.1x (float32) and 1.7x
-(int8) the records/s of the 16-18 the climb had settled on.
+holds, else the workers come back and the climb goes on from there: on many cores the
+workers' per-batch Python waits on the GIL, and one per core only adds hand-offs (see
+`MIN_HALVING`).
 `prefetch`, when None, follows
 `default_prefetch` (four batches more than the workers, deeper for small batches) within
 `memory_budget`.
 
-Starting lower, at one worker, was measured worse on this loaded 2-core machine: 0.93x the
-records/s of a fixed one-per-core (median of 5 alternated rounds of 2.5 s on W1), as
-0.15 s windows are noisy enough to stop the climb at one.
+It starts at one worker per core rather than one, as windows this short are noisy enough to
+stop a climb from one worker early (measured: benchmarks/results/threads_history.md).
 
 The choice changes how many batches are prepared at once, never which batches or their
 order. It is kept for the loader's later passes and shown in `loader.stats().tuning`; a pass
@@ -77,16 +75,13 @@ GAIN = 1.08
 CLEAR_LOSS = 1.25
 EARLY_FRACTION = 1 / 3
 # The share of every core the process must keep busy over a window for the climb to stop
-# there, CPU-bound. W1 float32 on 2 cores keeps 1.93-1.94 busy at two workers, and trying a
-# third (even cut short by CLEAR_LOSS) left the default at 0.862 of the ceiling against 0.894
-# for threads=2 fixed; with this rule 0.867 against 0.871 (5 alternated rounds of 3 s each).
+# there, CPU-bound: a third worker on a saturated machine only costs a window of contention
+# (measured: benchmarks/results/threads_history.md).
 SATURATED = 0.9
 # Halving (ThreadTuner._halve): tried after the first window from this many workers up, when
-# they keep fewer than HALVE_BELOW of a core each busy. W1 on a 16-core H200 host (one round of
-# 2 s after 1 s at each fixed count; cores busy / threads): float32 16 threads 547k records/s at
-# 4.1/16, 8 threads 791k at 5.3/8, 4 threads 696k at 3.9/4; int8 16: 919k at 3.6/16, 8: 1.18M at
-# 4.3/8, 4: 1.22M at 3.8/4; the climb, starting at 16, had settled on 17-18 threads (711k, 712k):
-# the threads wait on the GIL (the per-batch Python), and more of them only add hand-offs.
+# they keep fewer than HALVE_BELOW of a core each busy: such threads wait on the GIL (the
+# per-batch Python), and more of them only add hand-offs (measured on 16 cores:
+# benchmarks/results/threads_history.md).
 MIN_HALVING = 4
 HALVE_BELOW = 0.6
 # A window restarts at most this many times for fresh buffers (ThreadTuner.observe): a consumer
@@ -97,15 +92,9 @@ MAX_RESTARTS = 3
 # Batches in flight: each worker needs one to fill while the consumer holds one, and spares
 # keep a worker that finished early (batches take uneven times) from waiting for the one before
 # it to be delivered, and let the consumer take several batches per wake-up while every worker
-# still has one to fill (stoker.engine, MAX_PER_WAKE). Measured on W1 with 2 threads (5
-# alternated rounds of 2.5 s, after casts began streaming past the cache, see stoker.kernels):
-# int8 prefetch 2 / 3 / 4 gave 256k / 303k / 328k records/s, float32 220k / 239k / 236k, when the
-# consumer took two batches per wake-up. Since it takes what the window holds beyond one batch
-# per worker (at most four), four spares beat two: W1 stoker / ceiling float32 0.86 against 0.78,
-# int8 0.90 against 0.83 (one run, medians of 5 alternated rounds); three spares sat between
-# (0.87 float32, 0.85 int8). Small batches want depth to hide the per-batch hand-off: at batch 16
-# (1 MiB float32) prefetch 8 gave 1.19x of 2 (3 alternated rounds). So: enough batches to hold
-# about this many bytes, at least SPARE more than the workers, at most MAX_PREFETCH.
+# still has one to fill (stoker.engine, MAX_PER_WAKE); small batches want more depth to hide
+# the per-batch hand-off. So: enough batches to hold about this many bytes, at least SPARE more
+# than the workers, at most MAX_PREFETCH (measured: benchmarks/results/threads_history.md).
 IN_FLIGHT_BYTES = 8 << 20
 MAX_PREFETCH = 16
 SPARE = MAX_PER_WAKE  # room for a whole wake-up's batches beyond one per worker
@@ -194,11 +183,8 @@ class ThreadTuner:
         `fresh`: how many buffers the pool has made so far. A window in which it made one
         starts again once a look-ahead's worth of batches has gone by, the batch that got the
         buffer among them (at most `MAX_RESTARTS` times): a fresh buffer's first touch costs
-        far more than a batch (25-50 ms for a 16 MiB buffer in a W1 run here, where a batch
-        takes ~1 ms; this VM hands free memory back to its host), and a trial of one worker more
-        grows the look-ahead by one. Measured with the first touch in it, a third worker on 2
-        cores ran at 0.15x-0.29x of two (4 trials of 6, W1 with two files cold); with the
-        restart, at 0.85x-0.95x in 8 trials of 8.
+        tens of batches' time where the host takes free memory back, and a trial of one worker
+        more grows the look-ahead by one, so a window holding it would judge the trial on it.
         """
         if self.done:
             return
@@ -210,9 +196,8 @@ class ThreadTuner:
                 return
         if self._since is None:
             # Start-up: the first batches wait for the threads, the first pages of each file and
-            # fresh buffers until the pool recycles (W1: 13-104 ms each for the first three,
-            # ~2 ms after). A first window holding them made 2 workers look 2-10x slower than
-            # they are, and the climb went on to 3 or 4 threads on 2 cores. The window starts
+            # fresh buffers until the pool recycles, so a first window holding them would make
+            # the workers look slower than they are and climb past the cores; the window starts
             # once the first fill of the look-ahead has been delivered.
             self._warm += 1
             if self._warm > self.prefetch_for(self.threads):
@@ -288,10 +273,9 @@ class ThreadTuner:
                 self._resize(workers)
                 self._finish(f"{self.threads + 1} threads gave {rate / self._base:.2f}x of {self.threads}")
                 return
-            # It paid, against a window measured before it. A pass speeds up as it goes (its
-            # first epoch maps and faults in every page; W1's first windows at 2 threads ran
-            # 320k records/s, the next at 3 ran 380k, where 3 threads run 0.92x of 2 once
-            # warm), so the gain is confirmed against one worker fewer measured again now.
+            # It paid, against a window measured before it; a pass speeds up as its first epoch
+            # maps and faults in every page, so the gain is confirmed against one worker fewer
+            # measured again now.
             self._trial = rate
             self.threads -= 1
             workers.retire_worker()
@@ -315,8 +299,7 @@ class ThreadTuner:
             return
         if self.tune_prefetch and self.prefetch_for(self.threads + 1) <= self.threads:
             # memory_budget holds the window at or below the workers there are: one more would
-            # only wait for a batch to fill (W1 float32 at batch 2048 in 512MiB, window 1: a third
-            # worker's trial ran 0.73-0.78x of two).
+            # only wait for a batch to fill.
             self._resize(workers)
             self._finish(
                 f"memory_budget leaves room for prefetch={self.prefetch_for(self.threads + 1)}, no batch for a "
@@ -348,10 +331,10 @@ class ThreadTuner:
     def _clearly_losing(self, elapsed: float, rate: float) -> bool:
         """A trial of one worker more that already runs well below the count before it ends early.
 
-        On 2 cores a third worker ran at 0.44x-0.97x of two (W1), and a full window of it cost a
-        3 s run a few percent; a window a third as long still holds tens of batches, and a loss
-        this large is beyond what noise or the trial's own start (one more thread, one more
-        buffer) explains. A trial that gains, or loses little, runs its whole window as before.
+        A window a third as long still holds tens of batches, and a loss this large is beyond
+        what noise or the trial's own start (one more thread, one more buffer) explains, so the
+        rest of the window would only cost throughput. A trial that gains, or loses little, runs
+        its whole window as before.
         """
         base = self._base
         if base is None or self._trial is not None or self._down is not None:  # not a trial of one more
@@ -363,7 +346,7 @@ class ThreadTuner:
 
         A consumer that runs Python or numpy on the host shares the cores with the workers; when
         the pipeline already outpaces it, every worker beyond what keeps up only takes its CPU
-        (W1-busy: two workers and a consumer burning 5 ms per batch on 2 cores). Kept when the
+        (a consumer that computes on every batch). Kept when the
         next window is no slower than noise, taken back otherwise.
         """
         self._down = rate

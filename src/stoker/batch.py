@@ -93,9 +93,8 @@ def raise_open_files(wanted: int) -> tuple[int, int] | None:
 
     A global shuffle's batch reads from most of the dataset's files, and a pass keeps at most
     `_max_open_files()` of them open: under the usual soft limit of 1024, 256 of W1-big's 415,
-    so every batch opened, mapped and unmapped again the files that had been closed (W1-big
-    cold under `ulimit -Sn 1024`: 11-14k records/s, 27-29k with the limit raised, 2
-    alternated rounds). The soft limit is there for programs that use `select()`, which
+    so every batch opened, mapped and unmapped again the files that had been closed (measured:
+    benchmarks/results/w1_big_history.md). The soft limit is there for programs that use `select()`, which
     cannot watch a descriptor numbered 1024 or more; only the files stoker opens beyond that
     get such numbers, and a quarter of the limit is still all a pass keeps.
     """
@@ -112,8 +111,8 @@ def _max_kept_maps() -> int:
 
     A map made by `mmap.mmap` (no compiled kernels) holds a descriptor: as many as
     `_max_open_files`. The kernels' `FileMap` holds none, so the descriptor limit does not
-    bound it (1024 by default on most Linux systems, so 256 maps: with 400 small files the
-    maps were made again on every visit, 0.27 of the ceiling against 0.52 with all kept); it is
+    bound it (1024 by default on most Linux systems, so 256 maps, too few for a dataset of
+    many small files, whose maps would be made again on every visit); it is
     still one of the process's limited memory mappings, a quarter of which are kept at most.
     """
     if maps_hold_descriptors():
@@ -153,19 +152,18 @@ class KeptMaps:
     the next epoch once the last of them has given it back.
 
     A map closed at the end of each epoch is made again in the next, and every page of the file
-    is faulted in again: in a loop casting W1's files from their maps (2 threads), maps kept
-    across epochs ran 1.21x the records/s of maps made per visit (5 alternated rounds of 3 s;
-    `MAP_POPULATE` gained nothing). A pass over several epochs keeps its maps from one to the
-    next; a loader keeps one `KeptMaps` for all its passes where maps hold no descriptor
-    (`stoker.kernels.map_file`), so a new pass per epoch (a PyTorch `for batch in
-    loader` per epoch, each epoch of Keras' `fit`) finds them too, and no file stays open
-    between passes; `Loader.close()` unmaps them, or their last holder (the loader, or a pass
-    still running after its loader was dropped) going away does.
+    is faulted in again, which costs a loop casting from maps a good share of its records/s
+    (measured: benchmarks/results/w1_history.md; `MAP_POPULATE` gained nothing). A pass over
+    several epochs keeps its maps from one to the next; a loader keeps one `KeptMaps` for all
+    its passes where maps hold no descriptor (`stoker.kernels.map_file`), so a new pass per
+    epoch (a PyTorch `for batch in loader` per epoch, each epoch of Keras' `fit`) finds them
+    too, and no file stays open between passes; `Loader.close()` unmaps them, or their last
+    holder (the loader, or a pass still running after its loader was dropped) going away does.
 
     A map is shared while in use, not only kept after: a global shuffle reads from every file
     up to an epoch's last batch, so the next epoch's first batches open every file while the
-    last epoch still holds it. Each got a map of its own, made and faulted in again, once per
-    epoch: W1 at batch 256 took 110k page faults in 4 s (none in sequential order).
+    last epoch still holds it, and a map of its own for each would be made and faulted in again
+    once per epoch.
 
     A map is used only for the same file, unchanged (device, inode, mtime and size); at most
     `limit` are kept once nobody holds them (_max_kept_maps). Beyond it the map given back
@@ -277,9 +275,9 @@ class KeptMaps:
 class KeptDecoded:
     """Compressed files decoded whole and verified, kept by (field, path) for later epochs.
 
-    A label file decoded whole (`VERIFY_WHOLE_BYTES`) was inflated again in every epoch:
-    on W1 ~3 us per batch of worker time, and per-batch worker Python costs 2-3x as much in
-    the loop as alone (the copies between evict its caches, and workers wait on the GIL). Kept
+    A label file decoded whole (`VERIFY_WHOLE_BYTES`) was otherwise inflated again in every
+    epoch, and per-batch worker Python costs more in the loop than alone (the copies between
+    evict its caches, and workers wait on the GIL). Kept
     only for a file that decoded clean (every record, CRC and end checked), reused only while
     the file is the one decoded (device, inode, mtime and size), never written (batches get
     copies), and at most `limit` bytes of them, the least recently used dropped first.
@@ -780,8 +778,8 @@ class Assembler:
         one kernel call over its records' addresses; the fields so read.
 
         A batch of many short runs (small files, or records of each file's tail) paid each run's
-        file acquisition, size check, copy call and release as a call of its own, per field:
-        on 200 groups of 40 records, those were ~20% of a worker's time. For a batch of one run
+        file acquisition, size check, copy call and release as a call of its own, per field,
+        a large share of a worker's time on small groups. For a batch of one run
         (W1's) the per-run path below is already one call per field.
         """
         plan = task.plan
@@ -889,11 +887,10 @@ class Assembler:
         record, `spans` the runs of one group.
 
         Records of local raw files and of compressed files held in memory are copied by one
-        kernel call over their addresses: per group there is only the file to hold and its
-        size to check (one call per group was ~25% of a worker's time gathering W1's batches
-        of 256 records from 16 files), and the files are held, their sizes read and let go in
-        one call or lock round each (W1-big's batches read from ~190 of its 415 files). Remote
-        files and seek points are read group by group.
+        kernel call over their addresses: per group there is only the file to hold and its size
+        to check (one call per group was a large share of a worker's time), and the files are
+        held, their sizes read and let go in one call or lock round each (W1-big's batches read
+        from ~190 of its 415 files). Remote files and seek points are read group by group.
         """
         rb = spec.record_bytes
         direct = gathers(dst, spec.dtype)  # the kernel copies this field's records
@@ -1187,11 +1184,10 @@ class Assembler:
         f = self._acquire(epoch, name, info)
         t = time.perf_counter()
         try:
-            # Uncast runs: preadv on a file's first visit in the pass, where it measured 1.13x a
-            # streamed copy from a map made for that visit (W1 int8, 3 alternated rounds), and
-            # where a failing disk gives an error rather than a SIGBUS. From a map kept from an
-            # earlier epoch, whose pages are mapped already, the streamed copy is the faster:
-            # 1.14x the records/s of preadv (W1 int8, 3 alternated runs of 4 s).
+            # Uncast runs: preadv on a file's first visit in the pass, where it beats a streamed
+            # copy from a map made for that visit and a failing disk gives an error rather than
+            # a SIGBUS; from a map kept from an earlier epoch, whose pages are mapped already,
+            # the streamed copy is the faster (measured: benchmarks/results/w1_history.md).
             if not self._cast[name] and run.step == 1 and put is None and not f.reused:
                 self._pread(name, spec, info, run, f, dst, offset)
             else:

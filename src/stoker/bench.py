@@ -18,7 +18,7 @@ as stoker's batches get (`output_buffer`: page aligned, huge pages advised):
   output buffer reused per thread. Without the compiled kernels it is `mmap_cast` again.
 - `mmap_kept`: `mmap_stream` with each file mapped once for the whole run instead of at
   every visit, so a file read again finds its pages mapped already (no page faults, no
-  unmapping): 1.21x `mmap_stream` on W1 (float32, 2 threads). stoker keeps its maps across
+  unmapping). stoker keeps its maps across
   epochs the same way where the dataset fits the page cache.
 
 For a compressed field the ceiling is `inflate_cast`: each file inflated front to back, a
@@ -114,9 +114,8 @@ class _Tally:
 
 def output_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A ceiling loop's reused buffer: memory as stoker's own batches get (page aligned, advised
-    to use transparent huge pages from 2 MiB, stoker.engine.HUGE_PAGE_MIN_BYTES). Into it the
-    kept-map loop ran 1.04x (1.02..1.05) its records/s into `np.empty`'s buffer (W1 float32,
-    2 threads, 5 alternated rounds): a ceiling on plain malloc'd memory was that much too low."""
+    to use transparent huge pages from 2 MiB, stoker.engine.HUGE_PAGE_MIN_BYTES), since a
+    ceiling on plain malloc'd memory reads too low (measured: benchmarks/results/w1_history.md)."""
     return AlignedPool(0).array(shape, dtype)
 
 
@@ -311,8 +310,8 @@ def _drain_until(batches: Iterator[Any], until: float, busy: float) -> None:
 
     A batch still referenced when the clock starts, as a loop variable left over from the
     warm-up would be, keeps the buffer it shares with the batches assembled beside it: the pool
-    then made a fresh one inside the timed window (W1 float32: 64 MiB touched for the first time,
-    a 0.2 s stall, 6% of a 3 s window). A training loop holds no batch across its steps either.
+    then made a fresh one inside the timed window, a stall of a first touch the loader would not
+    have paid. A training loop holds no batch across its steps either.
     """
     for _ in batches:
         if busy:

@@ -598,8 +598,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     median_run = runs[len(runs) // 2]
     if median_run.stats:
         stats = LoaderStats.from_dict(median_run.stats)
-        # Its timed rate, as the table counts it (the stats' own rate spans the loader's start-up
-        # and warm-up too: 527k beside a 591k median in a make demo).
+        # Its timed rate, as the table counts it: the stats' own rate spans the loader's start-up
+        # and warm-up too, and reads lower.
         print(f"stoker (median round): {median_run.records_per_s:,.0f} records/s, {median_run.mb_per_s:,.0f} MB/s; "
               f"CPU {stats.cpu_utilization:.0%} of {cores_phrase(stats.cores)}; {stats.settings}")  # fmt: skip
         print(f"you waited on stoker {stats.wait_fraction:.0%} of the loop; stoker waited on you "

@@ -33,29 +33,23 @@ CHURN_MIN_BATCHES = 50
 # more while other processes used OTHERS of the cores, those have them (a wait with the machine
 # otherwise idle is the process's own threads outnumbering its cores); on a CPU less than GIL_CPU
 # of it and blocked (not runnable) at least BLOCKED of the rest, the workers take turns at the
-# GIL. Measured (2 cores, 64x64 float32 records): batch 16 and 64 alone, 0.38 and 0.60 on a CPU,
-# 0.07 and 0.09 runnable, blocked 0.88 and 0.78 of the rest, the process at 58% and 70%; under
-# one or two CPU burners, 0.23-0.51 runnable, blocked 0.09-0.42 of the rest, the process at 14-49%.
+# GIL. The thresholds sit between what GIL-bound workers and workers starved by CPU burners
+# showed (measured: benchmarks/results/w1_history.md).
 STARVED = 0.2
 OTHERS = 0.2  # ... and other processes used this share of the cores or more (else the wait is our own)
 GIL_CPU = 0.75
 CPU_SATURATED = 0.85
 BLOCKED = 0.6
 # Below the ceiling with the copy on top, per-batch work this share of worker time or more is
-# named as the gap (W1 at batch 256: ~6%, at 0.90 of the ceiling; 64x64 records at batch 256:
-# 12% at 0.71, and 0.87 at batch 1024 with 6%).
+# named as the gap: below it the loader was near the ceiling anyway (measured:
+# benchmarks/results/w1_history.md).
 ASSEMBLE_GAP = 0.08
 # Below the ceiling with the copy on top, assemblies read in this many runs or more on average
 # (their records from two or more stretches of files) are named: where interleave blocks cut them
 # (blocks not much longer than an assembly), with a block_length of BLOCK_ASSEMBLIES assemblies,
 # at which at most one in that many straddles two blocks; where the ends of files do (files of a
-# few records), the files. Each run costs its own per-field work (the layout below, one
-# thread: ~20 us a run against ~75 us a batch). Measured (2 cores, 3 alternated rounds of 5 s per point):
-# 64x64x3 uint8 cast to float16 with zlib int32 labels, batch 256 assembled 2 at a time, default
-# blocks of 342 records (2.5 runs per assembly): block_length=1024 1.09x, 2048 1.10x records/s
-# (stoker bench: 0.79 and 0.74 of the ceiling, 0.88 and 0.82 at 2048); W1 at batch 200 (blocks of
-# 256, 1.8 runs): block_length=800 1.03x. Files of 40-46 96x96x3 frames (6.8 runs per batch of
-# 256): 0.61-0.64 of the ceiling; the same records in 20x longer files 0.77-0.79 (stoker bench).
+# few records), the files. Each run costs its own per-field work, a sizeable share of a
+# batch's (measured: benchmarks/results/w1_history.md).
 RUNS_GAP = 1.5
 BLOCK_ASSEMBLIES = 4
 

@@ -38,8 +38,8 @@ __all__ = [
 T = TypeVar("T")
 R = TypeVar("R")
 
-# TensorFlow takes DLPack tensors zero-copy only from 64-byte aligned memory (measured:
-# 16-byte aligned numpy buffers fall back to a copy ~30x slower). Page alignment covers it.
+# TensorFlow takes DLPack tensors zero-copy only from 64-byte aligned memory (less aligned
+# numpy buffers fall back to a much slower copy). Page alignment covers it.
 ALIGNMENT = 64
 
 
@@ -60,19 +60,15 @@ class Allocator(Protocol):
 # Pool regions this large are advised to use transparent huge pages (before first touch).
 # Where the kernel compacts memory for huge pages only on advice (THP defrag "madvise", as
 # here), unadvised regions got none (/proc/self/smaps_rollup: AnonHugePages 0), and every
-# 4 KiB of a batch's output was its own TLB entry. Measured with the advice against without
-# (alternated rounds of 3 s): W1 int8 1.08x [0.98..1.12] on the long-cached sample and 1.21x
-# [1.19..1.25] on freshly written files; float32 1.03x on fresh files but 0.96x [0.92..0.98]
-# on the long-cached sample, which we have not explained.
+# 4 KiB of a batch's output was its own TLB entry (measured: benchmarks/results/w1_history.md).
 HUGE_PAGE_MIN_BYTES = 2 << 20
 
 # Worker threads lower their own scheduling priority by this much (Linux: per thread, via
 # setpriority on the thread id; lowering needs no privilege). The consumer, and threads
 # the training framework wakes per batch, then take a core the moment they become
 # runnable instead of queueing behind a worker mid-copy; workers still get every cycle
-# nobody else wants. Measured on W1, 2 cores: to_tf consumed in a tf.function 1.13x (TF's
-# executor threads hop per batch and each hop waited a scheduler slice), an eager to_tf loop
-# and the numpy consumer unchanged within noise. `STOKER_WORKER_NICE=0` turns it off.
+# nobody else wants: TF's executor threads hop per batch, and each hop waited a scheduler
+# slice (measured: benchmarks/results/tf_compare_history.md). `STOKER_WORKER_NICE=0` turns it off.
 WORKER_NICE = int(os.environ.get("STOKER_WORKER_NICE", "8"))
 
 
@@ -101,8 +97,7 @@ class AlignedPool:
         self.allocated = 0  # fresh regions created (for tests and stats)
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        # On every batch, for every field: one lock round where the pool has the region
-        # (2.1 -> 1.7 us a call, timeit).
+        # On every batch, for every field: one lock round where the pool has the region.
         used = math.prod(shape) * dtype.itemsize
         nbytes = used or 1
         with self._lock:
@@ -138,8 +133,8 @@ class AlignedPool:
         """A fresh region of `nbytes`; subclasses supply other memory (pinned, shared).
 
         Private anonymous memory: a process forked from this one (a DataLoader worker, say)
-        writes to its own copy, never into our batches. (Shared and private measured alike on
-        W1, 1.00x over 6 alternated rounds.) Large regions are advised to use huge pages (see
+        writes to its own copy, never into our batches; it costs nothing against shared memory
+        (measured: benchmarks/results/w1_history.md). Large regions are advised to use huge pages (see
         HUGE_PAGE_MIN_BYTES).
         """
         region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -225,8 +220,8 @@ WAIT_SECONDS = 0.1
 # busy then, stuck in a system call (a hung network mount) or a slow transform, is named in a
 # warning and left running as the daemon thread it is; it closes the pass's files when it returns.
 SHUTDOWN_SECONDS = 2.0
-# Most results the consumer is woken for at once (see _State.work). At batch 16 (1 MiB float32,
-# window 8, 2 threads) six per wake-up gave 0.93x of two, four 0.96x (5 alternated rounds).
+# Most results the consumer is woken for at once (see _State.work): more per wake-up leaves
+# workers waiting on a full window (measured: benchmarks/results/w1_history.md).
 MAX_PER_WAKE = 4
 
 
@@ -305,7 +300,7 @@ class _State(Generic[T, R]):
     an interrupt cannot split: `with lock` on a plain Lock (acquired and released in C),
     posting `arrived` (C code), one store to `stop`, `_thread.start_new_thread`. It never enters a
     threading.Condition: its `__enter__` and `wait` are Python code that a KeyboardInterrupt
-    can leave holding the lock (measured: 45% of interrupts landing in `with condition:`), after
+    can leave holding the lock (an interrupt lands there often), after
     which every worker blocks on it forever, the bug this design replaced. It never calls
     Thread.start either (which waits on an Event the same way). Workers, which never see a
     KeyboardInterrupt, start the threads, leave by themselves once `stop` is set or their
@@ -462,21 +457,16 @@ class _State(Generic[T, R]):
                 # nothing more is in flight, or d failed). A consumer that outpaces the workers
                 # then takes several results per wake-up, and each wake-up costs both sides a
                 # sleep and a GIL hand-off, while every worker still has a slot to fill as it
-                # sleeps. With the default window (stoker.autotune.default_prefetch; 2 threads,
-                # 6 batches, so four per wake-up) against the earlier two per wake-up in a window
-                # of 4, W1 stoker / ceiling went from 0.78 to 0.86 (float32) and 0.83 to 0.90
-                # (int8) in one run, 0.82 to 0.83 and 0.85 to 0.89 in another (medians of 5
-                # alternated rounds). Taking more than that room leaves workers waiting on a
-                # full window: four per wake-up in a window of 4 gave 0.92x of two.
+                # sleeps. Taking more than that room leaves workers waiting on a full window
+                # (measured: benchmarks/results/w1_history.md).
                 # A worker on the last of them wakes it when done.
                 # With defer_wake, the wake-up leaves when this thread next gives the GIL up in
                 # a kernel (the next batch's copy), so the consumer wakes to a free GIL instead
                 # of waking to wait for it (stoker/_kernels.c, Signal): one sleep per batch
-                # instead of two or three, 1.05x W1 float32 records/s (5 alternated rounds).
+                # instead of two or three.
                 # The map's first result is the exception: the consumer has nothing to work on
                 # yet, so it goes at once. Held for the three after it, a pass's first batch came
-                # ~3 batches late (W1 float32, 2 threads, one trace: 5.3 ms after iter() instead
-                # of 2.2), dead time for a consumer slower than the workers (a training step),
+                # a few batches late, dead time for a consumer slower than the workers (a training step),
                 # which never waits again once its first batch is in hand; paid once per pass
                 # (per epoch in PyTorch's and Keras' loops).
                 d = self.delivered
@@ -648,12 +638,8 @@ class OrderedMap(Generic[R]):
                     # see _State.work), not at every result taken: a consumer slower than the
                     # workers (a TensorFlow step, small records) paid a worker's wake-up on every
                     # batch (a futex wake, and an interrupt to the other core on a VM), and the
-                    # woken worker did one task and slept again. On 256 x 16-byte records (int8
-                    # cast to float32, gzip labels; 5 alternated rounds): to_tf in an eager loop
-                    # 1.59x batches/s (1.32..1.74), the consuming thread's CPU 200 -> 131 us a
-                    # batch; to_tf in a tf.function 0.97x (0.92..1.19), numpy 1.02x (0.94..1.15).
-                    # W1, where the workers are the slower side: numpy 1.00x, to_tf 0.97x eager
-                    # and 0.99x in a graph, within noise. Condition.notify is Python code:
+                    # woken worker did one task and slept again (measured:
+                    # benchmarks/results/tf_compare_history.md). Condition.notify is Python code:
                     # skipped on most batches.
                     if st.waiting and st.window - (st.dispatched - st.delivered) >= st._per_wake():
                         st.space.notify()

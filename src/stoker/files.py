@@ -495,8 +495,8 @@ class Catalog:
         of an empty member, read as a size of 0), and every one of the files is proved a
         single member (a multi-member file's trailer holds its last member's size only).
         The streams are still confirmed at their end while reading. Otherwise None: each
-        compressed file is counted by decompressing it. (W2's 64 MiB images were inflated
-        twice, to count and to read: 0.40 of the ceiling.)
+        compressed file is counted by decompressing it, so it is inflated twice, to count and
+        to read, which is why a proved trailer is worth trusting.
         """
         infos = [i for n, i in self.files[g].items() if (g, n) not in self._exact]
         if len(infos) < 2 or len(infos) < len(self.files[g]):  # an indexed field: counted exactly anyway

@@ -1,6 +1,6 @@
 """Streaming gzip/zlib decompression in large chunks, with errors that name the file.
 
-Uses isal (1.5-2x faster than stdlib zlib, measured) when installed, else zlib.
+Uses isal (faster than stdlib zlib) when installed, else zlib.
 Multi-member gzip files are read member after member, as gzip(1) does; zero padding
 after the last member is accepted, any other trailing bytes are an error. Decoding may
 start at a persistent index's seek point (`stoker.seekpoints`): a member start, or a

@@ -129,8 +129,8 @@ class JaxLoader(UserPosition):
     def _put_by_jax(self, batch: Mapping[str, np.ndarray]) -> JaxBatch:
         """The batch placed by JAX's public calls: what `_DirectPut` does faster and is checked against."""
         if all(self.sharding.get(name) is None for name in batch):  # the per-field test below, for every field
-            # One call for the whole batch: device_put's Python costs ~50 us a call, per call
-            # rather than per array (W1's two fields: ~57-95 us a batch by field, ~51 in one).
+            # One call for the whole batch: device_put's Python costs per call rather than per
+            # array.
             return cast(JaxBatch, jax.device_put(dict(batch)))
         out: JaxBatch = {}
         for name, array in batch.items():
@@ -196,16 +196,12 @@ _X64_DEPENDENT = frozenset(np.dtype(t) for t in (np.int64, np.uint64, np.float64
 class _DirectPut:
     """A batch placed as `jax.device_put` places it, by the C++ call device_put ends in.
 
-    `jax.device_put` spends ~50 us of Python an array (pytree flattening, resolving the
-    sharding, layout and copy semantics, dispatch) before the C++ call that places it, and all
-    of it holds the GIL that stoker's workers need between their copies. On W1 (float32, batch
-    256, 2 cores; scratch, 3 alternated rounds) to_jax ran at 0.69-0.79x of numpy's records/s
-    with the process using 1.64 of its 2 cores: the consumer thread spent ~200 us of CPU a batch,
-    ~170 of them in device_put. This makes that call itself, with what device_put computes first
-    computed the same way and kept per shape, dtype and sharding: the array's abstract value, the
-    devices and the slice of the array each gets. W1's two fields: ~7 us on JAX's default device;
-    ~60 us against ~158 with a NamedSharding over 2 CPU devices (that figure with the slices
-    computed at every call, not kept). W1: 0.94-1.11x of numpy, 1.92 cores busy.
+    `jax.device_put` spends tens of microseconds of Python an array (pytree flattening,
+    resolving the sharding, layout and copy semantics, dispatch) before the C++ call that places
+    it, and all of it holds the GIL that stoker's workers need between their copies. This makes
+    that call itself, with what device_put computes first computed the same way and kept per
+    shape, dtype and sharding: the array's abstract value, the devices and the slice of the
+    array each gets (measured: benchmarks/results/torch_jax_history.md).
 
     A field without a sharding goes to JAX's default device, uncommitted (as `device_put(x)`);
     one with a sharding is committed to it. The first array of each shape, dtype and sharding

@@ -1,18 +1,17 @@
 """The optional compiled kernels (`stoker._kernels`, built by setup.py where a C compiler is
 found) and the copy into a batch that uses them; without them numpy gives the same values.
 
-`cast_into` is `np.copyto(dst, src, casting="unsafe")` for the copies that fill a batch.
-Where the output is large it writes with streaming (non-temporal) stores: a batch is read by
-its consumer later, after others have gone through the cache, so ordinary stores would first
-read every cache line of the output only to overwrite it. Measured on W1 (int8 frames cast
-to float32, 2 threads, batches rotating through a pool): 2.2x the records/s of the same cast
-with ordinary stores (`benchmarks/w1.py` has the figures). Integer records cast to float16
-take an F16C loop, bit for bit numpy's rounding (numpy converts one value at a time: ~16x
-slower on W1's frames). Arrays in either spelling of the machine's byte order ("<f4" or
-"=f4") take the kernels; the other order goes to numpy, which swaps it. Integer and float32
-records into ml_dtypes' bfloat16 (`cast="bfloat16"`, `Cast("bfloat16")`) take a kernel too,
-integers by the CPU's own conversion where it has AVX512_BF16; gathers into bfloat16 as well.
-Records stored as bfloat16 widen into float32 by a kernel loop too, in order and gathered.
+`cast_into` is `np.copyto(dst, src, casting="unsafe")` for the copies that fill a batch. Where
+the output is large it writes with streaming (non-temporal) stores: a batch is read by its
+consumer later, after others have gone through the cache, so ordinary stores would first read
+every cache line of the output only to overwrite it (measured:
+benchmarks/results/w1_history.md). Integer records cast to float16 take an F16C loop, bit for
+bit numpy's rounding, since numpy converts one value at a time. Arrays in either spelling of the
+machine's byte order ("<f4" or "=f4") take the kernels; the other order goes to numpy, which
+swaps it. Integer and float32 records into ml_dtypes' bfloat16 (`cast="bfloat16"`,
+`Cast("bfloat16")`) take a kernel too, integers by the CPU's own conversion where it has
+AVX512_BF16; gathers into bfloat16 as well. Records stored as bfloat16 widen into float32 by a
+kernel loop too, in order and gathered.
 
 Reads from memory maps of files another process may cut short go through the kernels only,
 whose reads are guarded: a SIGBUS there raises `MapFault` instead of killing the
@@ -171,7 +170,7 @@ def file_sizes(fds: list[int]) -> list[int]:
 def file_size(fd: int) -> int:
     """The size of open file `fd` now (`os.fstat(fd).st_size`), keeping the GIL where the
     kernels are built: `os.fstat` gives it up for a one-microsecond call, and taking it back
-    waits out whichever thread took it meanwhile (~18 us a run on a W1 worker)."""
+    waits out whichever thread took it meanwhile."""
     return _kernels.file_size(fd) if _kernels is not None else os.fstat(fd).st_size
 
 
@@ -247,8 +246,8 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     """`np.copyto(dst, src, casting="unsafe")`, by the compiled kernel where it applies.
 
     The kernel takes the arrays themselves and checks them in C (contiguity, shape, dtypes,
-    a writable output): on W1 the same checks in Python, with two `__array_interface__`
-    lookups for the addresses, were ~5% of a worker's time.
+    a writable output), as the same checks in Python, with two `__array_interface__`
+    lookups for the addresses, were a noticeable share of a worker's time.
     """
     if _kernels is None:
         slow_path_warning()

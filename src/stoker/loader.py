@@ -64,11 +64,8 @@ DEFAULT_WINDOW = 16
 # parts are delivered one by one (views of it; see _Pass): the per-batch work (planning,
 # dispatch, buffers, file bookkeeping, a copy call per run and field) is paid once for all of
 # them, and a file's records for all of them are copied in one call. The batches, their order
-# and their contents are what they would be one at a time. A W1 batch (256 records of 128x128
-# float32) is 16 MiB, and that work was still ~10% of its time: assembled four at a time
-# (64 MiB, 12 batches in flight at the default budget, 6 before), W1 float32 ran 0.964x of its
-# ceiling loop (0.943..0.985) against 0.908x (0.889..0.938) one at a time (5 rounds alternated
-# with the ceiling, 2026-12-06; benchmarks/w1.py: 0.903 and 0.932 in two runs).
+# and their contents are what they would be one at a time. That work is still a noticeable
+# share of a 16 MiB batch's time (measured: benchmarks/results/w1_history.md).
 COALESCE_BYTES = 64 << 20
 MAX_COALESCE = 64
 # With fields at URLs: an assembly's first batch waits for every GET of the assembly, and 64 MiB
@@ -183,10 +180,8 @@ class Loader:
         # What the default prefetch takes half of: the batches the budget holds beside the
         # decoded files the loader keeps (at most KEPT_DECODED_BYTES, an eighth of what
         # prefetch leaves; see _kept_decoded), so the pool can recycle as many batches as are
-        # in flight. Halving `fits` alone left it one short where the budget binds: W1
-        # float32 at batch 2048 in 1600MiB (prefetch 6, room for 5) made a fresh 128 MiB
-        # buffer for one batch in ten in 2 of 4 rounds, at 0.56-0.64x the records/s of the
-        # others; at prefetch 5 none did (4 alternated rounds of 4 s).
+        # in flight: halving `fits` alone left it one short where the budget binds, and the
+        # pool then made a fresh buffer for some batches.
         self._fits = max(0, self.memory_budget - min(KEPT_DECODED_BYTES, self.memory_budget // 8)) // self.batch_bytes
         if prefetch is None:
             # See stoker.autotune.default_prefetch (measured there), in batches assembled
@@ -259,8 +254,8 @@ class Loader:
         self.drop_behind = drop_behind_for(raw_bytes)
         # Memory maps of files read, kept from one pass to the next (a pass per epoch is how
         # PyTorch loops and Keras' fit iterate), holding no file open; unmapped by close() or
-        # once the loader and its passes are gone. W1 float32, five passes of one epoch, with the
-        # buffer pool and autotune also kept: 1.61x the code that remade them per pass.
+        # once the loader and its passes are gone, so a later pass does not map and fault
+        # them in again.
         self._kept_maps = loader_kept_maps()
         self._open_files: str | None = None  # what a global shuffle did about open files (_keep_files_open)
         # Compressed files decoded whole (labels), kept from one epoch and pass to the next
@@ -509,9 +504,7 @@ class Loader:
 
         With worker threads the loader keeps one pool for all its passes: a pass per epoch (a
         PyTorch loop, Keras' fit) then starts on the buffers of the last one, whose pages are
-        mapped already, instead of faulting in fresh ones (W1 float32, five passes of one epoch:
-        1.37x (1.35..1.51, 3 alternated runs) the records/s of a pool per pass, level with one
-        pass over five epochs). At most `pooled` bytes are kept for reuse, as in a pass;
+        mapped already, instead of faulting in fresh ones. At most `pooled` bytes are kept for reuse, as in a pass;
         `close()` lets them go. A pool built by another `allocator_factory` (an adapter asking
         for pinned memory) replaces it.
         """
@@ -779,11 +772,8 @@ def _assemble_parts(assembler: Assembler, task: Task) -> Any:
 def _advising_ahead(tasks: Iterator[Task], depth: int) -> Iterator[Task]:
     """`tasks`, each asking the disk for the records of the one `depth` after it first (the
     first for its own and the `depth` after it): a global shuffle's records, read from a
-    dataset larger than RAM/2, are on their way by the time a worker copies them. On W1-big
-    (cold, 2 threads, one scratch run each): 33k records/s asking for each batch's own records
-    only, 40k two ahead, 43k four ahead; asking 3 or 15 ahead later ran alike (35k-36k), so
-    the default (AHEAD_BYTES of records, 3 W1 batches) is not where the rest of the disk's
-    random rate is lost (see README, W1-big).
+    dataset larger than RAM/2, are on their way by the time a worker copies them (measured:
+    benchmarks/results/w1_big_history.md).
 
     A planning error comes after the tasks planned before it, as without the look-ahead.
     """
@@ -863,8 +853,8 @@ class _Pass:
         if loader._tune_threads and not loader.tuning:
             # A pass that ended before the climb did (a pass per epoch of a small dataset) hands
             # it on: this pass goes on from the worker count it stood at, with a fresh start-up
-            # window. A new climb each pass would start from a trial count (3 or 4 workers on
-            # 2 cores) and, at the maximum, stop there unmeasured.
+            # window, since a new climb each pass would start from a trial count and, at the
+            # maximum, stop there unmeasured.
             if loader._climb is None:
                 loader._climb = ThreadTuner(start=loader.threads, max_threads=loader._max_threads,
                                             tune_prefetch=loader._tune_prefetch, fits=loader._fits // parts,

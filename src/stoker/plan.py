@@ -37,9 +37,9 @@ __all__ = [
 ]
 
 # measured: reads of 256 KiB..1 MiB reach the same copy speed as larger ones on page-cached
-# files, but each run also costs a fixed share of Python and locking per field; on W1 (16 KiB
-# records, batch 256) 4 MiB blocks (one run per batch) gave 1.35x the int8 records/s of 1 MiB
-# blocks (median of 5 alternated rounds). 4 MiB per run of the widest field.
+# files, but each run also costs a fixed share of Python and locking per field, so a run
+# covers a whole W1 batch: 4 MiB per run of the widest field (measured:
+# benchmarks/results/w1_history.md).
 TARGET_READ_BYTES = 4 << 20
 # Four groups open at once mixes groups within a batch while keeping each read large and
 # few files open; a pure function of geometry (never of core count) so order is portable.

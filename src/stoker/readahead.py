@@ -2,9 +2,8 @@
 
 Ahead: `POSIX_FADV_WILLNEED` on the next `AHEAD_BYTES` of the file after each run, so a
 cold file is already on its way from the disk when the next run asks for it. The advice is not
-free even when every page is cached (the kernel walks the range: about 100 us per 16 MiB here,
-a tenth of a W1 int8 batch), so it is given only where it can help: two one-byte reads with
-`RWF_NOWAIT` (about 1 us each, they never touch the disk) probe the page after the run and
+free even when every page is cached (the kernel walks the range), so it is given only where
+it can help: two one-byte reads with `RWF_NOWAIT` (cheap: they never touch the disk) probe the page after the run and
 the file's last page, and a file whose both are cached gets no more advice ahead this epoch.
 
 Behind: when the dataset's raw files are larger than half of this machine's RAM, the pages
@@ -17,11 +16,11 @@ Gathers (`shuffle="global"`) of a dataset larger than half the RAM: every record
 the disk with `POSIX_FADV_WILLNEED` a few batches before it is copied (see
 stoker.loader._advising_ahead), and the files' maps are advised `MADV_RANDOM`. Left to page
 faults, a record missing from the cache was read by the kernel's read-around (`read_ahead_kb`
-around the fault: 8 MiB on this machine's disk, so a 16 KiB record cost ~160x its bytes) and,
-once the kernel gave that up, a page per fault: W1-big ran at 700 records/s. Its pages are not
+around the fault, many times a record's bytes) and, once the kernel gave that up, a page per
+fault (measured: benchmarks/results/w1_big_history.md). Its pages are not
 dropped behind: they stay in the cache, not marked as recently used (MADV_RANDOM), so the kernel
-reclaims them before other pages. Dropping each record's pages once copied halved the records/s
-(`MADV_DONTNEED` or `MADV_PAGEOUT`: a flush of the other core's TLB per call, 2 threads). A
+reclaims them before other pages; dropping each record's pages once copied would cost a flush
+of the other cores' TLBs per call (`MADV_DONTNEED` or `MADV_PAGEOUT`). A
 dataset that fits keeps the read-around: its first epoch's faults bring whole stretches of each
 file in at the disk's sequential rate, and every later epoch reads from memory.
 

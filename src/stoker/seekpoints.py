@@ -10,10 +10,9 @@ every member's CRC and length. Resuming from a point on a byte boundary needs no
 the standard library (or isal): `decompressobj(wbits=-15, zdict=window)` fed the file's bytes
 from the point. A point inside a byte is resumed by libz too (`PrimedInflate`): its
 `inflatePrime` takes the byte's remaining bits, and the file's own bytes follow, so a stored
-block's padding to a byte boundary falls where the encoder put it. (Until 2026-12-06 such a
-point's bytes were shifted into whole bytes and fed to `decompressobj`: every stored block
-after the point then read its length from the wrong bytes, an "invalid stored block lengths"
-on incompressible data, found by tests/test_seekpoints.py's property test.) See
+block's padding to a byte boundary falls where the encoder put it (the point's bytes shifted
+into whole bytes would make every stored block after it read its length from the wrong
+bytes). See
 `stoker.inflate.Inflater`.
 
 Windows are stored zlib-compressed in a small sidecar file per data file
@@ -71,8 +70,8 @@ __all__ = [
     "write_windows",
 ]
 
-# Output between seek points. measured on W2 (gzip images): a read from a point inflates on
-# average half of this, ~2 ms at 1 MiB; the windows cost ~1-3% of the compressed size.
+# Output between seek points: a read from a point inflates on average half of this, and each
+# point's window costs space in the sidecar (measured: benchmarks/results/access_history.md).
 SPACING = 1 << 20
 WINDOW = 32768  # deflate's largest back-reference distance
 _CHUNK = 512 * 1024  # compressed input per read while scanning (as in stoker.inflate)

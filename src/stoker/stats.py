@@ -41,8 +41,8 @@ STAGES = ("read", "read+cast", "decompress", "cast", "copy", "gather", "turn", "
 
 
 # The process's CPU time is read at the first batch and then at most this often, not at every
-# batch: the process-wide CPU clock is a system call that reads every thread's run time, and
-# per batch it was 9% of the time the GIL was held on W1 (py-spy --gil). Workers sample their
+# batch: the process-wide CPU clock is a system call that reads every thread's run time, a
+# noticeable share of the GIL-held time if read per batch. Workers sample their
 # own CPU clock as often (see Counters.batch_done).
 CPU_SAMPLE_SECONDS = 0.02
 
@@ -94,8 +94,8 @@ class Counters:
         of its CPU where sampled.
 
         A worker reads its CPU clock (a system call, not a vDSO read) on one batch in every
-        CPU_SAMPLE_SECONDS, not on each: two reads per batch were 10% of the GIL-held time on
-        W1. The busy CPU is the busy time at the sampled batches' CPU share. Where the kernel
+        CPU_SAMPLE_SECONDS, not on each, since two reads per batch took a noticeable share of the
+        GIL-held time. The busy CPU is the busy time at the sampled batches' CPU share. Where the kernel
         keeps scheduler statistics, the same sample gives `runnable_seconds`: time the worker
         could have run but waited for a CPU (taken by other threads or processes). The rest of
         the off-CPU time it was blocked: on a lock, the GIL, or a read.
@@ -189,7 +189,7 @@ def thread_clock() -> tuple[float, float | None]:
 
     The CPU from `time.thread_time()`; the wait from `/proc/thread-self/schedstat` (Linux:
     nanoseconds on a run queue, counted when the thread gets a CPU, so exact for the thread
-    reading it; ~2 us a read). Its on-CPU figure is not used: it lags up to a scheduler tick.
+    reading it, and cheap to read). Its on-CPU figure is not used: it lags up to a scheduler tick.
     """
     cpu = time.thread_time()
     if not _SCHEDSTAT:

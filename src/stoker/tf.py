@@ -9,9 +9,9 @@ Two ways in, for two needs, and a third for `tf.distribute`:
   batch buffers are page aligned; less aligned arrays (a transform's output) are copied.
   stoker never rewrites a buffer while an array on it is alive, so a tensor you hold never
   changes under you (tests check both). Where the op cannot be built (no C compiler),
-  `tf.numpy_function` does the same with ~0.5 ms more CPU per batch (see `bridge`).
-  Measured on W1 (2 cores): `from_generator` converting numpy batches ≈ 13k records/s,
-  yielding DLPack tensors (`as_tensor`) ≈ 1.9 ms of TF CPU per batch.
+  `tf.numpy_function` does the same with more CPU per batch (see `bridge`); the op
+  exists because `from_generator`, converting numpy batches or yielding DLPack tensors,
+  costs far more TF CPU per batch (measured: benchmarks/results/tf_compare_history.md).
 - `distributed_dataset`: `to_tf()` of each worker's own shard under a `tf.distribute`
   strategy, each record once per epoch over all replicas.
 - `native_dataset`: the same records in the same order as `ds.loader(...)` with
@@ -160,7 +160,7 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     closes, with its threads and files, when TensorFlow lets go of the iterator. Use
     `epochs=None` on the loader for a dataset that repeats without restarting. The
     dataset carries `tf.data.Options` with `inject_prefetch=False`: the loader runs
-    ahead already, and TensorFlow's added prefetch thread cost ~25% on W1 (2 cores); a
+    ahead already, and TensorFlow's added prefetch thread only adds a thread hop per batch; a
     `.prefetch()` you add yourself is kept.
 
     Under `tf.distribute` (`strategy.experimental_distribute_dataset`, Keras' `fit`), a
@@ -176,14 +176,14 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
 
     Iterated eagerly (`for batch in loader.to_tf()`, a custom training loop), the dataset
     gives an iterator that skips two of TensorFlow's per-element costs it does not need (see
-    `_BatchIterator`: ~80 us of CPU a batch on W1). A dataset built on it (`.map`,
+    `_BatchIterator`). A dataset built on it (`.map`,
     `.prefetch`) is iterated by TensorFlow's own iterator, as any other.
 
     Consumed inside a `tf.function` (Keras' `fit`) on a host with few cores, call
     `tf.config.threading.set_inter_op_parallelism_threads(1)` before TensorFlow's first op:
     the graph's ops then stay on one thread instead of hopping between spinning pool threads
-    that take CPU from the loader's workers (W1, 2 cores: 0.87-0.89x of the numpy loop's
-    records/s against 0.84-0.85x in two runs; README, From tf.data).
+    that take CPU from the loader's workers (measured: benchmarks/results/tf_compare_history.md;
+    README, From tf.data).
 
     Args:
         element_spec: the spec of each element, for a `transform=` that cannot run on a
@@ -216,8 +216,8 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
         )
     options = tf.data.Options()
     # inject_prefetch: TF would add a prefetch thread after the last stage; the loader already
-    # runs ahead, and that extra thread hop per batch cost ~25% (W1, 2 cores: 1.3x without it,
-    # alternated A/B in a graph consumer). A prefetch the user adds downstream is kept.
+    # runs ahead, and that extra thread hop per batch only costs CPU on few cores (measured:
+    # benchmarks/results/tf_compare_history.md). A prefetch the user adds downstream is kept.
     options.experimental_optimization.inject_prefetch = False
     options.experimental_distribute.auto_shard_policy = _auto_shard_policy(loader)
     if missing:
@@ -464,10 +464,8 @@ if _Unchanged is not None:
 
     class _BatchIterator(_OwnedIterator):
         """TensorFlow's eager iterator less two costs of each `next()` that to_tf's batches do
-        not need, together ~80 us of the consuming thread's CPU a batch (W1, 2 cores: ~100-125
-        us instead of ~180; the to_tf loop's records/s 0.86-0.95x of the numpy loop's against
-        0.79-0.84x, 3 alternated scratch rounds each, and 0.89x against 0.80x in
-        benchmarks/tf_compare.py runs 20 minutes apart).
+        not need, together a large share of the consuming thread's CPU a batch (measured:
+        benchmarks/results/tf_compare_history.md).
 
         - `execution_mode(SYNC)` around each `IteratorGetNext`: it makes a new executor,
           swaps it in and waits on both, so that the end of the data raises at the call even
@@ -646,7 +644,7 @@ def _checked(
 
     `seen`: per field, the last array shape found compatible with the spec; an array of that
     very shape skips `TensorShape.is_compatible_with` (Python that builds a TensorShape from
-    the array's shape): the whole check of a W1 batch of two fields took 1.0 us instead of 4.2.
+    the array's shape), which would otherwise dominate the check.
     """
     out: list[np.ndarray] = []
     for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
@@ -716,11 +714,11 @@ def bridge() -> str:
     """Which bridge `to_tf` uses in this process: `"native"`, or why not.
 
     `"native"`: the StokerNextBatch op, compiled at first use from `_tfbridge.c`
-    against the installed TensorFlow's C API (~0.3 s, cached per TensorFlow and source
+    against the installed TensorFlow's C API (under a second, cached per TensorFlow and source
     version under `$STOKER_CACHE/tfbridge`, else `~/.cache/stoker/tfbridge`, or the
     temp directory where that cannot be made). Else `"numpy_function: <reason>"`: no C
     compiler or Python headers, or `STOKER_TF_BRIDGE=numpy_function` set; same batches,
-    ~0.5 ms more CPU per batch (W1: 0.71x of numpy against the op's 0.77x).
+    more CPU per batch (measured: benchmarks/results/tf_compare_history.md).
     `STOKER_TF_BRIDGE=native` makes a failed build an error instead of a fallback.
     """
     missing = _missing_internals()
@@ -911,8 +909,8 @@ def _counted(
     `block` records (the group's last: its short tail) before the last element and empty in
     it, else the Assert fails the pipeline; the last element is dropped. Elements are
     `(index, blocks)`, the index left for the decode map to drop: with the check in a map
-    and a filter and a map after it, the guard cost ~7% of W1's records/s (scratch, 9
-    alternated rounds); as one filter feeding the decode, 0.98-1.04x (3 rounds).
+    and a filter and a map after it, the guard cost a visible share of the records/s; as one
+    filter feeding the decode, nothing measurable (see benchmarks/results/tf_compare_history.md).
     """
     blocks = row["full"] + tf.sign(row["tail"])
     end = tf.data.Dataset.from_tensors(tf.constant(b""))
@@ -1024,8 +1022,8 @@ def native_dataset(
     # the group's short last block by a header offset (a free seek).
     compressed = {n: any(infos[n].compression is not None for infos in ds.files) for n in fields}
     # A compressed stream is read in chunks of records that tile both the group's blocks and
-    # its short last block (gcd of block and count), one element each. One element per record
-    # (W1's labels: 4 bytes each) cost 4-7% of the pipeline's records/s (2 alternated rounds).
+    # its short last block (gcd of block and count), one element each, since one element per
+    # record of small labels costs tf.data a per-element overhead on every record.
     chunks = [math.gcd(block, n) for n in counts]
     # A group ends in a short block; where none does, every chunk is a whole block (the gcd
     # of block and a multiple of it) and needs no batch + join.

@@ -72,15 +72,13 @@ Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 # The transforms' seed when the loader has none (shuffle=False, seed=None): augmentation
 # is then the same on every run, never seeded from the clock. Pass seed= to vary it.
 DEFAULT_SEED = 0
-# measured (W1 frames, numpy 2.4): int8 -> float32 then multiply-add on 1-4 records at a time
-# 4.3-4.9 ms per 256 frames, on the whole batch at once 7.2 ms (later passes miss cache);
-# a 256-entry lookup table through np.take 17-27 ms (it widens the indices to intp first).
+# Elementwise ops run on chunks of about this many bytes so each pass over a chunk hits the
+# cache (measured: benchmarks/results/transforms_history.md).
 CHUNK_BYTES = 256 << 10
 # The one-pass kernel's float32 scratch when its output is narrower (a trailing Cast to 16
 # bits): two compiled calls per chunk, each giving the GIL up and taking it back, so larger is
-# faster here. W1, Normalize + Cast("float16"), records/s: 97-99k in 256 KiB chunks, 161-163k
-# in 1 MiB, 200-208k in 4 MiB, 219-239k for the whole 16 MiB batch (2 runs each); 4 MiB keeps
-# the scratch (one per worker, outside memory_budget) small.
+# faster here; 4 MiB keeps the scratch (one per worker, outside memory_budget) small
+# (measured: benchmarks/results/transforms_history.md).
 SCRATCH_BYTES = 4 << 20
 
 
@@ -232,7 +230,7 @@ class Cast(Transform):
     def apply(self, x: np.ndarray, params: Any, rows: slice, out: np.ndarray | None) -> np.ndarray:
         if out is None:
             out = np.empty(x.shape, self.dtype)
-        cast_into(out, x)  # the compiled cast where it applies (int8 -> float16: ~16x numpy)
+        cast_into(out, x)  # the compiled cast where it applies (numpy converts float16 one value at a time)
         return out
 
     def __repr__(self) -> str:
@@ -481,7 +479,7 @@ class OnePass:
 
     def _narrow(self, y: np.ndarray, computed: np.ndarray) -> None:
         """The float32 scratch into the output's dtype: float16 by F16C where built (numpy
-        converts one value at a time: W1's Normalize + Cast("float16") ran at ~43k records/s);
+        converts one value at a time);
         the scratch holds computed values, never a signalling NaN, so the two round alike.
         bfloat16 through cast_into, whose kernel loop rounds bit for bit as ml_dtypes' cast
         (which is one value at a time too)."""
@@ -549,9 +547,8 @@ def _exact_in(src: np.dtype, dst: np.dtype) -> bool:
 
 class LoneCast:
     """A field's chain that is one `Cast` of records read in their stored dtype: cast as
-    they are read (the `cast=` path, the compiled kernel's loops), not read then cast. W1's
-    `Cast("bfloat16")` ran at 0.71x the records/s of float32 output read then cast, and at the
-    speed of `cast="bfloat16"` read this way (see the README's Transforms)."""
+    they are read (the `cast=` path, the compiled kernel's loops), not read then cast, which
+    saves writing and reading a float32 copy (measured: benchmarks/results/transforms_history.md)."""
 
     def __init__(self, src: np.dtype, out: np.dtype) -> None:
         self.src, self.out = src, out
@@ -733,9 +730,9 @@ class Stage:
         Used when flips and crops commute with the chain's elementwise ops (see `_commutes`).
         Each record is copied once, cast on the way, from its cropped source into its
         (possibly reversed) place in the output; the elementwise ops then run in place on
-        `per` records at a time while they are in cache. Measured on W1 frames: writing
-        through a reversed view costs ~30% more than a plain copy, reading through one
-        60-100% more, and reversing the selected int8 rows in place first ~65%.
+        `per` records at a time while they are in cache. Writing through a reversed view costs
+        less than reading through one or reversing the rows in place first (measured:
+        benchmarks/results/transforms_history.md).
         """
         n = len(x)
         views = [(k, op) for k, op, _ in chain if isinstance(op, RandomFlip | RandomCrop)]

@@ -167,9 +167,8 @@ class _Mappings:
     """A worker's mappings of the loader's regions, kept by memfd inode for the next batch in them.
 
     The loader's pool recycles its buffers, so most batches arrive in regions this worker has
-    mapped before. Mapping a region afresh costs a page fault per page touched (measured here:
-    ~0.6 ms per 4 MiB batch when a transform reads one value per record, ~2.5 ms more when it
-    reads all of it); a kept mapping costs one fstat. At most `limit` are kept, the least
+    mapped before. Mapping a region afresh costs a page fault per page touched (measured:
+    benchmarks/results/transforms_history.md); a kept mapping costs one fstat. At most `limit` are kept, the least
     recently used dropped first (its memory is freed once the loader has dropped it too).
     """
 
