@@ -60,7 +60,7 @@ from stoker.sample import cached_sample
 
 RES = 128
 BATCH = 256
-BUSY_MS = 5.0  # measured: stoker's own W1 float32 step is ~3 ms per batch here, so 5 ms leaves it room
+BUSY_MS = 5.0  # longer than stoker's own W1 float32 step (measured: benchmarks/results/compare_history.md)
 SEED = 1234
 
 WORKLOADS: dict[str, list[str]] = {
@@ -268,9 +268,9 @@ FRAMEWORKS = {"tf.data": "tensorflow", "to_tf": "tensorflow", "torch": "torch", 
 
 
 def child(kind: str, workload: str, data: Path, seconds: float, warmup: float = 0.0) -> dict[str, float]:
-    # The contender's framework is imported before the warm-up's clock starts: TensorFlow's import
-    # (~3 s here) used up the whole warm-up, which then timed the TF contenders from their first
-    # batch, start-up included (to_tf's first ~0.5 s after it ran at a few thousand records/s).
+    # The contender's framework is imported before the warm-up's clock starts, since TensorFlow's
+    # import can use up the whole warm-up and leave the TF contenders timed from their first
+    # batch, start-up included (measured: benchmarks/results/tf_compare_history.md).
     for word, module in FRAMEWORKS.items():
         if word in kind:
             importlib.import_module(module)

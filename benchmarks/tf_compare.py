@@ -171,8 +171,8 @@ def _child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, fl
         return _child_in_graph(kind.removesuffix("_graph"), data, seconds, warmup)
     if kind != "numpy":
         # Imported before the warm-up's clock starts, as _child_in_graph does: TensorFlow's import
-        # (~3 s here) used up the whole warm-up, so the eager TF contenders were timed from their
-        # first batch, start-up included (to_tf's first 0.5 s ran at ~6k records/s, its next at 450k+).
+        # can use up the whole warm-up, leaving the eager TF contenders timed from their first
+        # batch, start-up included (measured: benchmarks/results/tf_compare_history.md).
         import tensorflow  # noqa: F401
     began = time.perf_counter()
     return time_batches(_batches(kind, data), seconds, warmup=warmup, began=began)  # build and trace untimed

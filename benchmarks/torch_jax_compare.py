@@ -129,7 +129,7 @@ FRAMEWORKS = {
 
 def child(name: str, data: str, seconds: float, warmup: float = 0.0) -> dict[str, float]:
     # Imported before the warm-up's clock starts, as compare.py does: JAX's and PyTorch's imports
-    # (1-3 s here) used up the warm-up, which then timed the adapters from their first batches,
+    # took seconds and used up the warm-up, which then timed the adapters from their first batches,
     # start-up and autotune's first trials included, while numpy's contender was timed warm.
     for module in FRAMEWORKS.get(name, ()):
         importlib.import_module(module)

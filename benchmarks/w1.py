@@ -61,8 +61,8 @@ def main() -> int:
     # float16 output (mixed precision), against the kept-map loop alone (the best in every run).
     contenders["stoker float16"] = {**contenders["stoker float32"], "cast": {"image": "float16"}}
     contenders["ceiling:mmap_kept float16"] = {**contenders["ceiling:mmap_kept float32"], "out_dtype": "float16"}
-    # A new pass per epoch, as a PyTorch loop or Keras' fit iterates (the dataset is one epoch
-    # in ~0.5 s here, so the seconds hold several passes and their start-ups).
+    # A new pass per epoch, as a PyTorch loop or Keras' fit iterates (an epoch of the dataset
+    # is short, so the seconds hold several passes and their start-ups).
     contenders["stoker float32 pass per epoch"] = {
         "fields": fields, "batch": 256, "cast": {"image": "float32"}, "seconds": args.seconds, "warmup": warm,
         "pass_per_epoch": True,

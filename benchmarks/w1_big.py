@@ -25,8 +25,8 @@ run starts cold and reads from the disk. Contenders alternate, each in a fresh p
   float32 (W3 larger than RAM: every record from the disk, in random order).
 
 Each run lasts ``--seconds`` (default 25) or one whole epoch, whichever ends first
-(``--seconds 0``: the epoch; the disk's rate here has varied from 0.6 to 2.1 GB/s, an epoch
-from ~45 to 13 s). Reported per contender: records/s, MB/s of image bytes, and how much the
+(``--seconds 0``: the epoch, whose length follows the disk's rate, which varies on a shared
+VM: see results/w1_big_history.md). Reported per contender: records/s, MB/s of image bytes, and how much the
 page cache grew during the run (with drop-behind, stoker keeps only a window of pages per open
 file, so a dataset larger than RAM does not push the training process's own file pages out).
 Ratios are taken per round, then their median and spread.

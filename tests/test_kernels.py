@@ -487,8 +487,8 @@ def test_batches_large_enough_to_stream_equal_the_files(tmp_path: Path) -> None:
 
 
 def test_global_shuffle_gathers_integers_into_float16_with_the_kernel() -> None:
-    """numpy's gather then cast ran W1's global shuffle into float16 at 47k records/s, the
-    kernel's gather at 207k (float32: 171k)."""
+    """Integer records gather into float16 by the kernel, not numpy's gather then cast, which
+    is far slower (benchmarks/results/w1_history.md)."""
     for src, code in (("int8", "b"), ("uint8", "B"), ("int16", "h"), ("uint16", "H")):
         want = (code, "e") if f16c() else None
         assert kernels._codes(np.empty((2, 3), np.float16), np.empty((4, 3), src)) == want
@@ -496,9 +496,9 @@ def test_global_shuffle_gathers_integers_into_float16_with_the_kernel() -> None:
 
 @pytest.mark.parametrize("src", ["int8", "uint8", "int16", "uint16", "float32"])
 def test_global_shuffle_gathers_into_bfloat16_with_the_kernel_bit_for_bit(src: str) -> None:
-    """ml_dtypes' bfloat16 rows gathered by the kernel's bfloat16 loops (numpy's fancy index and
-    ml_dtypes' one-value-at-a-time cast ran W1's global shuffle at 111k records/s, the kernel at
-    155k), equal to that numpy path bit for bit; rows not gathered stay as they were."""
+    """ml_dtypes' bfloat16 rows gathered by the kernel's bfloat16 loops (in place of numpy's
+    fancy index and ml_dtypes' one-value-at-a-time cast), equal to that numpy path bit for bit;
+    rows not gathered stay as they were."""
     import ml_dtypes
 
     bf16 = np.dtype(ml_dtypes.bfloat16)

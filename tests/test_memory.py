@@ -21,9 +21,9 @@ import pytest
 
 BUDGET = 8 << 20
 # What the loader may hold beyond memory_budget: its threads' stacks, per-batch index arrays,
-# a group's decoded labels, numpy temporaries. Measured here (2026-12-03, one run, 5 modes):
-# growth over the memory before the first batch was 4.0-7.3 MiB for an 8 MiB budget, i.e.
-# inside the budget; the bound allows this much more for other allocators and kernels.
+# a group's decoded labels, numpy temporaries. Measured, that growth stays inside the budget
+# (benchmarks/results/w1_history.md); the bound allows this much more for other allocators and
+# kernels.
 FIXED = 8 << 20
 
 _SCRIPT = textwrap.dedent(

@@ -613,7 +613,7 @@ def test_a_trial_worker_that_clearly_loses_is_taken_back_before_its_window_ends(
 
 def test_a_window_holding_a_fresh_buffer_s_first_touch_starts_again() -> None:
     """A trial of one worker more grows the look-ahead by a buffer, whose first touch can take
-    longer than tens of batches (25-50 ms on a VM whose free memory the host takes back)."""
+    longer than tens of batches (on a VM whose free memory the host takes back)."""
     from stoker.autotune import MAX_RESTARTS, ThreadTuner
 
     def climb(report_fresh: bool) -> ThreadTuner:
