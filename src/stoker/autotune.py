@@ -1,32 +1,28 @@
 """Threads and prefetch chosen by measuring the loader's own throughput, once per loader.
 
 When `threads` is None the first pass starts with one worker per core and, once the first fill
-of the look-ahead has been delivered (start-up costs stay out of the measurements), climbs: after each
-measuring window (at least `MIN_BATCHES` batches and `MIN_SECONDS` seconds, as the
-consumer sees them) it adds a worker while that raised records/s by more than `GAIN`,
-up to `2 x cores` (threads that wait on a cold disk leave their core to others). A step
-that did not pay is taken back and the climb stops; one that runs below the count before it by
-more than `CLEAR_LOSS` is judged a third of the way into its window, so a losing trial does not
-cost a whole window. A step that paid is measured once more
-against one worker fewer, in the window after it (a pass speeds up as its first epoch warms
-the files, which made any later window look like a gain), and kept only if it still pays.
-When the consumer is the limit (it kept batches longer than it waited for them) it never
-climbs: it steps down instead, one worker at a time while the records/s hold (within
-`GAIN`), so a consumer computing on the host keeps its core; a step that costs more than
-that is taken back. It never adds a worker while the process already keeps `SATURATED` of
-every core busy (its CPU time over the window, consumer included): a pipeline that is
-CPU-bound cannot gain from one more thread, and the trial only costs a window of contention
-(see `SATURATED`).
-Workers waiting on a cold disk or a network leave cores idle, and there the climb goes on.
-On a machine of `MIN_HALVING` cores or more, a first window whose workers keep fewer than
-`HALVE_BELOW` of a core each busy (threads that wait on the GIL, or on a disk) is followed by
-one at half the workers: kept while it runs as fast (within `GAIN`), halved again while that
-holds, else the workers come back and the climb goes on from there: on many cores the
-workers' per-batch Python waits on the GIL, and one per core only adds hand-offs (see
-`MIN_HALVING`).
-`prefetch`, when None, follows
-`default_prefetch` (four batches more than the workers, deeper for small batches) within
-`memory_budget`.
+of the look-ahead has been delivered (start-up costs stay out of the measurements), climbs:
+after each measuring window (at least `MIN_BATCHES` batches and `MIN_SECONDS` seconds, as the
+consumer sees them) it adds a worker while that raised records/s by more than `GAIN`, up to
+`2 x cores` (threads that wait on a cold disk leave their core to others). A step that did not pay is
+taken back and the climb stops; one that runs below the count before it by more than
+`CLEAR_LOSS` is judged a third of the way into its window, so a losing trial does not cost a
+whole window. A step that paid is measured once more against one worker fewer, in the window
+after it (a pass speeds up as its first epoch warms the files, which made any later window look
+like a gain), and kept only if it still pays. When the consumer is the limit (it kept batches
+longer than it waited for them) it never climbs: it steps down instead, one worker at a time
+while the records/s hold (within `GAIN`), so a consumer computing on the host keeps its core; a
+step that costs more than that is taken back. It never adds a worker while the process already
+keeps `SATURATED` of every core busy (its CPU time over the window, consumer included): a
+pipeline that is CPU-bound cannot gain from one more thread, and the trial only costs a window
+of contention (see `SATURATED`). Workers waiting on a cold disk or a network leave cores idle,
+and there the climb goes on. On a machine of `MIN_HALVING` cores or more, a first window whose
+workers keep fewer than `HALVE_BELOW` of a core each busy (threads that wait on the GIL, or on a
+disk) is followed by one at half the workers: kept while it runs as fast (within `GAIN`), halved
+again while that holds, else the workers come back and the climb goes on from there: on many
+cores the workers' per-batch Python waits on the GIL, and one per core only adds hand-offs (see
+`MIN_HALVING`). `prefetch`, when None, follows `default_prefetch` (four batches more than the
+workers, deeper for small batches) within `memory_budget`.
 
 It starts at one worker per core rather than one, as windows this short are noisy enough to
 stop a climb from one worker early (measured: benchmarks/results/threads_history.md).
