@@ -12,22 +12,21 @@ plain cast of the same records. Two layouts:
 
 Each chain writes into one of six page-aligned output buffers in turn (memory as the
 loader's batches), after 5 unmeasured calls. Contenders alternate within each round; the
-medians of the per-round times and their ratios to the cast of the same round are printed.
+medians of the per-round times and their ratios to the cast of the same round are written.
 
-    python benchmarks/normalize_kernel.py [--rounds 5] [--calls 40]
+    python benchmarks/normalize_kernel.py [--rounds 5] [--calls 40] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from stoker.bench import output_buffer
+from harness import Run, add_out_argument, alternate, output_buffer, ratio_table, summary_table, write_results
 from stoker.kernels import cast_into
 from stoker.transforms import Cast, Normalize, RandomFlip, Stage
 
@@ -65,29 +64,27 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=40)
+    add_out_argument(ap)
     args = ap.parse_args()
     contenders = _contenders()
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for r in range(args.rounds):
-        names = list(contenders) if r % 2 == 0 else list(reversed(contenders))
-        for name in names:
-            x, fn, dtype = contenders[name]
-            outs = [output_buffer(x.shape, dtype) for _ in range(6)]
-            for k in range(5):
-                fn(outs[k % 6])
-            start = time.perf_counter()
-            for k in range(args.calls):
-                fn(outs[k % 6])
-            times[name].append((time.perf_counter() - start) / args.calls)
-    print("| chain | records | us per call (median) | min | max | / cast (median of rounds) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, ts in times.items():
-        layout = name.split()[0]
-        base = times[f"{layout} cast"]
-        ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
-        n = len(contenders[name][0])
-        print(f"| {name} | {n} | {statistics.median(ts) * 1e6:,.0f} | {min(ts) * 1e6:,.0f} | {max(ts) * 1e6:,.0f} "
-              f"| {ratio:.2f} |")  # fmt: skip
+
+    def run(name: str) -> Run:
+        x, fn, dtype = contenders[name]
+        outs = [output_buffer(x.shape, dtype) for _ in range(6)]
+        for k in range(5):
+            fn(outs[k % 6])
+        start = time.perf_counter()
+        for k in range(args.calls):
+            fn(outs[k % 6])
+        return {"us_per_call": (time.perf_counter() - start) / args.calls * 1e6, "records": len(x)}
+
+    rounds = alternate(list(contenders), args.rounds, run, show="us_per_call")
+    table = summary_table(rounds, metric="us_per_call", label="us per call", first="chain",
+                          columns={"records": lambda runs: runs[0]["records"]})  # fmt: skip
+    pairs = [(name, f"{name.split()[0]} cast") for name in contenders if not name.endswith(" cast")]
+    body = table + "\n" + ratio_table(rounds, pairs, metric="us_per_call")
+    title = f"The fused Normalize kernel alone against the plain cast, one thread ({args.rounds} alternated rounds)"
+    write_results("normalize_kernel", title, body, script=__file__, out=args.out)
     return 0
 
 

@@ -5,9 +5,9 @@ there, which stoker's kernels now catch (a guard around their reads; README, Err
 through ``os.preadv`` into a small staging buffer, then casting, was the alternative considered:
 it turns the cut into a short read. This measures what it would cost: int8 -> float32 batches of
 256 W1 records (16 KiB each) from warm files, one thread, contenders alternated within each round;
-prints medians and per-round ratios.
+writes medians and per-round ratios.
 
-    python benchmarks/raw_copy.py [--rounds 7] [--seconds 1]
+    python benchmarks/raw_copy.py [--rounds 7] [--seconds 1] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from stoker.sample import cached_sample
+from harness import Run, add_out_argument, alternate, cached_sample, default_cache, ratio_table, summary_table, write_results
 
 RECORD = 128 * 128
 BATCH = 256
@@ -76,24 +75,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seconds", type=float, default=1.0)
-    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
+    ap.add_argument("--data", default=default_cache() + "/sample-16x4096x128")
+    add_out_argument(ap)
     args = ap.parse_args()
     paths = sorted(str(p) for p in cached_sample(args.data).glob("img_*.bin"))[:4]
     out = np.empty((BATCH, RECORD), np.float32)
     contenders = {"mmap": mmap_cast, **{f"pread {c >> 10} KiB": pread_cast(c) for c in (64 << 10, 256 << 10, 1 << 20)}}
     mmap_cast(paths, out, 0.5)  # warm the page cache
-    rates: dict[str, list[float]] = {k: [] for k in contenders}
-    for r in range(args.rounds):
-        for name in contenders if r % 2 == 0 else reversed(contenders):
-            t = time.perf_counter()
-            n = contenders[name](paths, out, args.seconds)
-            rates[name].append(n / (time.perf_counter() - t))
-    print(f"| contender | records/s median | / mmap per round: median (min..max) of {args.rounds} |")
-    print("|---|---:|---:|")
-    for name, rs in rates.items():
-        ratios = [a / b for a, b in zip(rs, rates["mmap"], strict=True)]
-        spread = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"
-        print(f"| {name} | {statistics.median(rs):,.0f} | {spread} |")
+
+    def run(name: str) -> Run:
+        t = time.perf_counter()
+        n = contenders[name](paths, out, args.seconds)
+        elapsed = time.perf_counter() - t
+        return {"records": n, "seconds": elapsed, "records_per_s": n / elapsed}
+
+    rounds = alternate(list(contenders), args.rounds, run)
+    body = summary_table(rounds) + "\n" + ratio_table(rounds, [(name, "mmap") for name in contenders if name != "mmap"])
+    title = f"Raw records cast from a memory map or through pread, one thread ({args.rounds} alternated rounds)"
+    write_results("raw_copy", title, body, script=__file__, out=args.out)
     return 0
 
 
