@@ -8,23 +8,30 @@ batch_size 16 to show engine overhead at small batches, the two shuffle modes, a
 stoker and the ceiling loops alike, run ``--warmup`` seconds before they are timed (their
 steady state: stoker's thread start-up, first maps and new buffers, and the ceiling loops' first
 pass over fresh maps excluded, as benchmarks/compare.py does for every contender); cold ones are
-timed from their second batch. Prints per-contender medians and the per-round ratios
+timed from their second batch. Writes per-contender medians and the per-round ratios
 stoker / best ceiling loop of the same round (median and spread).
 
-    python benchmarks/w1.py [--rounds 5] [--seconds 3] [--warmup 1] [--out benchmarks/results/w1.md]
+    python benchmarks/w1.py [--rounds 5] [--seconds 3] [--warmup 1] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
-import sys
-import time
-from pathlib import Path
 
-from stoker.bench import CEILING_LOOPS, measure, summarize
-from stoker.sample import cached_sample
+from harness import (
+    CEILING_LOOPS,
+    Run,
+    add_out_argument,
+    alternate,
+    cached_sample,
+    default_cache,
+    median_of,
+    ratio_table,
+    stoker_child,
+    summary_table,
+    write_results,
+)
 
 
 def main() -> int:
@@ -32,8 +39,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds each warm contender runs before it is timed")
-    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
-    ap.add_argument("--out", default="benchmarks/results/w1.md")
+    ap.add_argument("--data", default=default_cache() + "/sample-16x4096x128")
+    add_out_argument(ap)
     args = ap.parse_args()
     data = cached_sample(args.data)
     fields = [
@@ -84,68 +91,28 @@ def main() -> int:
             "evict": True,
         }  # fmt: skip
 
-    def progress(r: int, m: object) -> None:
-        print(f"  round {r + 1}: {m.contender:<32} {m.records_per_s:>12,.0f} records/s", file=sys.stderr)  # type: ignore[attr-defined]
+    def run(name: str) -> Run:
+        return stoker_child(name, "stoker" if name.startswith("stoker") else "ceiling", contenders[name])
 
-    t0 = time.time()
-    results = measure(contenders, rounds=args.rounds, on_result=progress)
-    lines = [
-        f"# W1 results ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, {platform.processor() or platform.machine()}, "
-        f"{threads} cores, {args.rounds} alternated rounds of {args.seconds:g}s after {args.warmup:g}s of warm-up, "
-        "warm page cache)",
-        "",
-        "| contender | records/s median | min | max | MB/s |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, ms in results.items():
-        med, lo, hi = summarize([m.records_per_s for m in ms])
-        lines.append(f"| {name} | {med:,.0f} | {lo:,.0f} | {hi:,.0f} | {summarize([m.mb_per_s for m in ms])[0]:,.0f} |")
-    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
+    rounds = alternate(list(contenders), args.rounds, run)
+    pairs: list[tuple[str, str | list[str], str]] = []
     for out in ("float32", "int8"):
         for against in ("best", *CEILING_LOOPS):
             loops = CEILING_LOOPS if against == "best" else (against,)
-            names = [f"ceiling:{loop} {out}" for loop in loops]
-            ratios = [
-                results[f"stoker {out}"][r].records_per_s / max(results[n][r].records_per_s for n in names)
-                for r in range(args.rounds)
-            ]
-            med, lo, hi = summarize(ratios)
-            lines.append(f"| stoker {out} / {against} ceiling | {med:.2f} | {lo:.2f} | {hi:.2f} |")
-    half = [
-        results["stoker float16"][r].records_per_s / results["ceiling:mmap_kept float16"][r].records_per_s
-        for r in range(args.rounds)
-    ]
-    med, lo, hi = summarize(half)
-    lines.append(f"| stoker float16 / mmap_kept ceiling | {med:.2f} | {lo:.2f} | {hi:.2f} |")
-    small = [
-        results["stoker float32 batch16"][r].records_per_s / results["stoker float32"][r].records_per_s
-        for r in range(args.rounds)
-    ]
-    med, lo, hi = summarize(small)
-    lines.append(f"| stoker batch 16 / batch 256 (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
-    passes = [
-        results["stoker float32 pass per epoch"][r].records_per_s / results["stoker float32"][r].records_per_s
-        for r in range(args.rounds)
-    ]
-    med, lo, hi = summarize(passes)
-    lines.append(f"| stoker pass per epoch / one pass (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
-    for mode in ("global", "files"):
-        ratios = [
-            results[f"stoker float32 shuffle={mode}"][r].records_per_s / results["stoker float32"][r].records_per_s
-            for r in range(args.rounds)
-        ]
-        med, lo, hi = summarize(ratios)
-        lines.append(f"| stoker shuffle={mode} / sequential (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
-    cold = [
-        results["stoker float32 cold shuffle=global"][r].records_per_s / results["stoker float32 cold"][r].records_per_s
-        for r in range(args.rounds)
-    ]
-    med, lo, hi = summarize(cold)
-    lines.append(f"| stoker shuffle=global / sequential, both cold (float32) | {med:.2f} | {lo:.2f} | {hi:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+            pairs.append((f"stoker {out}", [f"ceiling:{loop} {out}" for loop in loops], f"stoker {out} / {against} ceiling"))
+    pairs += [
+        ("stoker float16", "ceiling:mmap_kept float16", "stoker float16 / mmap_kept ceiling"),
+        ("stoker float32 batch16", "stoker float32", "stoker batch 16 / batch 256 (float32)"),
+        ("stoker float32 pass per epoch", "stoker float32", "stoker pass per epoch / one pass (float32)"),
+        *((f"stoker float32 shuffle={m}", "stoker float32", f"stoker shuffle={m} / sequential (float32)")
+          for m in ("global", "files")),
+        ("stoker float32 cold shuffle=global", "stoker float32 cold",
+         "stoker shuffle=global / sequential, both cold (float32)"),
+    ]  # fmt: skip
+    body = summary_table(rounds, columns={"MB/s": median_of("mb_per_s")}) + "\n" + ratio_table(rounds, pairs)
+    title = (f"W1 results ({threads} cores, {args.rounds} alternated rounds of {args.seconds:g}s after "
+             f"{args.warmup:g}s of warm-up, warm page cache)")  # fmt: skip
+    write_results("w1", title, body, script=__file__, out=args.out)
     return 0
 
 
