@@ -19,17 +19,15 @@
    fit, so they are read through the seek points), batches of 256.
 
 Contenders alternate round by round in one process (warm page cache); medians of rounds
-and per-round ratios are printed.
+and per-round ratios are written.
 
-    python benchmarks/access.py [--rounds 3] [--seconds 2]
+    python benchmarks/access.py [--rounds 3] [--seconds 2] [--parts first,mid,random] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,13 +36,23 @@ from pathlib import Path
 import numpy as np
 
 import stoker
-from stoker.access import RecordReader
-from stoker.sample import cached_sample
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compare import w2_data  # W2 is defined once, by the comparison benchmark
+from harness import (
+    RecordReader,
+    Run,
+    add_out_argument,
+    alternate,
+    cached_sample,
+    default_cache,
+    median_of,
+    ratio_table,
+    summary_table,
+    write_results,
+)
 
-CACHE = Path(os.environ.get("STOKER_CACHE", ".stoker-cache"))
+CACHE = Path(default_cache())
 
 
 def many_groups(directory: Path, groups: int = 10_000, records: int = 16, frame: int = 64) -> Path:
@@ -95,29 +103,29 @@ def timed(fn: Callable[[], int], seconds: float) -> float:
             return done / elapsed
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--groups", type=int, default=10_000)
     ap.add_argument("--parts", default="first,mid,random", help="which measurements: first, mid, random")
+    add_out_argument(ap)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    sections = []
     if "first" in parts:
-        first_batch(args)
+        sections.append(first_batch(args))
     w1 = cached_sample(CACHE / "sample-16x4096x128")
     if "mid" in parts:
-        mid_files(args, w1)
+        sections.append(mid_files(args, w1))
     if "random" in parts:
-        random_access(args, w1)
+        sections.append(random_access(args, w1))
+    title = f"Random access, seek points and the persistent index (warm page cache, {args.rounds} alternated rounds)"
+    write_results("access", title, "\n".join(sections), script=__file__, out=args.out)
     return 0
 
 
-def first_batch(args: argparse.Namespace) -> None:
+def first_batch(args: argparse.Namespace) -> str:
     # -- 1. time to first batch ---------------------------------------------------------
     small = many_groups(CACHE / f"access-{args.groups}x16", args.groups)
     fields = {
@@ -127,61 +135,57 @@ def first_batch(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     stoker.write_index(stoker.Dataset(fields, index="ignore"))
     index_seconds = time.perf_counter() - t
-    first: dict[str, list[float]] = {"no index": [], "index": []}
-    counted: dict[str, list[float]] = {"no index": [], "index": []}
-    for r in range(args.rounds):
-        for name, mode in (("no index", "ignore"), ("index", "auto")):
-            t0 = time.perf_counter()
-            ds = stoker.Dataset(fields, index=mode)
-            n = len(ds)
-            t1 = time.perf_counter()
-            with ds.loader(256, shuffle="global", seed=r) as loader:
-                batch = next(iter(loader))
-            t2 = time.perf_counter()
-            assert n == args.groups * 16 and len(batch["label"]) == 256
-            counted[name].append(t1 - t0)
-            first[name].append(t2 - t0)
-            print(f"  round {r + 1}: {name:<9} open+len {t1 - t0:7.3f}s  first batch {t2 - t0:7.3f}s", file=sys.stderr)
+    modes = {"no index": "ignore", "index": "auto"}
+    runs = dict.fromkeys(modes, 0)  # each round's seed, the same for both contenders
 
-    print(f"\n{args.groups:,}-group time to first batch ({args.groups} groups x 2 gzip files, {args.rounds} rounds; "
-          f"writing the index took {index_seconds:.1f}s)")  # fmt: skip
-    print(f"{'':<10} {'open + len(ds) s':>17} {'first global batch s':>21}")
-    for name in first:
-        print(f"{name:<10} {med(counted[name]):>17.3f} {med(first[name]):>21.3f}")
-    ratio = [a / b for a, b in zip(first["no index"], first["index"], strict=True)]
-    print(f"first batch, no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
+    def run(name: str) -> Run:
+        t0 = time.perf_counter()
+        ds = stoker.Dataset(fields, index=modes[name])
+        n = len(ds)
+        t1 = time.perf_counter()
+        runs[name] += 1
+        with ds.loader(256, shuffle="global", seed=runs[name] - 1) as loader:
+            batch = next(iter(loader))
+        t2 = time.perf_counter()
+        assert n == args.groups * 16 and len(batch["label"]) == 256
+        return {"open_len_s": t1 - t0, "first_batch_s": t2 - t0}
+
+    rounds = alternate(list(modes), args.rounds, run, show=None)
+    table = summary_table(rounds, metric="first_batch_s", label="first global batch s", fmt="{:.3f}",
+                          columns={"open + len(ds) s median": median_of("open_len_s", "{:.3f}")})  # fmt: skip
+    return (
+        f"## {args.groups:,}-group time to first batch\n\n{args.groups} groups x 2 gzip files; writing the index "
+        f"took {index_seconds:.1f}s.\n\n{table}\n"
+        + ratio_table(rounds, [("no index", "index", "first batch, no index / index")], metric="first_batch_s")
+    )
 
 
-def mid_files(args: argparse.Namespace, w1: Path) -> None:
-    w1 = cached_sample(CACHE / "sample-16x4096x128")
+def mid_files(args: argparse.Namespace, w1: Path) -> str:
     mid = mid_groups(CACHE / "access-200x1MiB", w1)
     mid_fields = {
         "image": stoker.Field(str(mid / "img_*.bin.gz"), "int8", (64, 64, 1)),
         "label": stoker.Field(str(mid / "out_*.bin.gz"), "float32"),
     }
     stoker.write_index(stoker.Dataset(mid_fields, index="ignore"))
-    opened: dict[str, list[float]] = {"no index": [], "index": []}
-    for r in range(args.rounds):
-        for name, mode in (("no index", "ignore"), ("index", "auto")):
-            t0 = time.perf_counter()
-            ds = stoker.Dataset(mid_fields, index=mode)
-            n = len(ds)
-            with ds.loader(256) as loader:
-                next(iter(loader))
-            opened[name].append(time.perf_counter() - t0)
-            print(
-                f"  round {r + 1}: 200 x 1 MiB {name:<9} open+len+first batch {opened[name][-1]:7.3f}s", file=sys.stderr
-            )
-    assert n == 200 * 256
+    modes = {"no index": "ignore", "index": "auto"}
 
-    ratio = [a / b for a, b in zip(opened["no index"], opened["index"], strict=True)]
-    print(f"\n200 groups of 1 MiB gzip images + gzip labels: open + len(ds) + first batch, median of {args.rounds}")
-    for name, xs in opened.items():
-        print(f"{name:<10} {med(xs):>8.3f}s")
-    print(f"no index / index: median {med(ratio):.1f}x (rounds {min(ratio):.1f}..{max(ratio):.1f})")
+    def run(name: str) -> Run:
+        t0 = time.perf_counter()
+        ds = stoker.Dataset(mid_fields, index=modes[name])
+        n = len(ds)
+        with ds.loader(256) as loader:
+            next(iter(loader))
+        assert n == 200 * 256
+        return {"seconds": time.perf_counter() - t0}
+
+    rounds = alternate(list(modes), args.rounds, run, show=None)
+    table = summary_table(rounds, metric="seconds", label="open + len(ds) + first batch s", fmt="{:.3f}")
+    return f"## 200 groups of 1 MiB gzip images + gzip labels: open + len(ds) + first batch\n\n{table}\n" + ratio_table(
+        rounds, [("no index", "index")], metric="seconds"
+    )
 
 
-def random_access(args: argparse.Namespace, w1: Path) -> None:
+def random_access(args: argparse.Namespace, w1: Path) -> str:
     # -- 2. W1 raw random access ------------------------------------------------------------
     w1_ds = stoker.Dataset(
         image=stoker.Field(str(w1 / "img_*.bin"), "int8", (128, 128, 1)),
@@ -248,23 +252,22 @@ def random_access(args: argparse.Namespace, w1: Path) -> None:
         "W2 gzip, decoded cache, batch 256": w2_read(cache_reader, 256),
         "W2 gzip, global shuffle over budget, loader": global_over_budget,
     }
-    rates: dict[str, list[float]] = {k: [] for k in contenders}
-    for r in range(args.rounds):
-        for name, fn in contenders.items():
-            rates[name].append(timed(fn, args.seconds))
-            print(f"  round {r + 1}: {name:<40} {rates[name][-1]:>12,.0f} records/s", file=sys.stderr)
-
-    print(f"\nrandom access ({args.rounds} rounds of {args.seconds:g}s)")
-    print(f"{'contender':<42} {'records/s median':>17} {'min':>10} {'max':>10}")
-    for name, xs in rates.items():
-        print(f"{name:<42} {med(xs):>17,.0f} {min(xs):>10,.0f} {max(xs):>10,.0f}")
+    rounds = alternate(
+        list(contenders), args.rounds, lambda name: {"records_per_s": timed(contenders[name], args.seconds)}
+    )
     over_budget.close()
-    seek = [a / b for a, b in zip(rates["W2 gzip, seek points, 1 record"],
-                                  rates["W2 gzip, no seek points, 1 record"], strict=True)]  # fmt: skip
-    print(f"W2 1-record reads, seek points / none: median {med(seek):.0f}x (rounds {min(seek):.0f}..{max(seek):.0f})")
-    print(f"W2 index: {len(written)} file(s), {w2_points} seek points over {n2 * 16384 >> 20} MiB decoded; windows "
-          f"{w2_windows / 2**20:.1f} MiB = {100 * w2_windows / w2_gz:.1f}% of the {w2_gz / 2**20:.0f} MiB compressed; "
-          f"built in {w2_index_s:.1f}s")  # fmt: skip
+    pair = (
+        "W2 gzip, seek points, 1 record",
+        "W2 gzip, no seek points, 1 record",
+        "W2 1-record reads, seek points / none",
+    )
+    return (
+        f"## Random access ({args.rounds} rounds of {args.seconds:g}s)\n\n{summary_table(rounds)}\n"
+        f"{ratio_table(rounds, [pair], fmt='{:.0f}')}\n"
+        f"W2 index: {len(written)} file(s), {w2_points} seek points over {n2 * 16384 >> 20} MiB decoded; windows "
+        f"{w2_windows / 2**20:.1f} MiB = {100 * w2_windows / w2_gz:.1f}% of the {w2_gz / 2**20:.0f} MiB compressed; "
+        f"built in {w2_index_s:.1f}s\n"
+    )
 
 
 if __name__ == "__main__":

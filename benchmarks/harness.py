@@ -364,7 +364,9 @@ def write_results(
     path.write_text(latest)
     history = folder / f"{name}_history.md"
     if not history.exists():
-        history.write_text(f"# History of `{command_line(script, [])}` runs\n\nEach run as it was recorded, newest last.\n")
+        history.write_text(
+            f"# History of `{command_line(script, [])}` runs\n\nEach run as it was recorded, newest last.\n"
+        )
     with history.open("a") as f:
         f.write(f"\n## {stamp}: {title}\n\n{head}\n{body.rstrip()}\n")
     print(latest)

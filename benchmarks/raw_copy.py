@@ -20,7 +20,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from harness import Run, add_out_argument, alternate, cached_sample, default_cache, ratio_table, summary_table, write_results
+from harness import (
+    Run,
+    add_out_argument,
+    alternate,
+    cached_sample,
+    default_cache,
+    ratio_table,
+    summary_table,
+    write_results,
+)
 
 RECORD = 128 * 128
 BATCH = 256

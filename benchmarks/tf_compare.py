@@ -16,7 +16,7 @@ percent within a minute); ratios are taken within a round, then their median is 
 contender runs ``--warmup`` seconds (and at least one batch or call) unmeasured before its timed
 seconds: all are timed in their steady state.
 
-    python benchmarks/tf_compare.py [--rounds 5] [--seconds 3] [--warmup 1] [--data DIR] [--out FILE]
+    python benchmarks/tf_compare.py [--rounds 5] [--seconds 3] [--warmup 1] [--data DIR] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -24,16 +24,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import child_json, time_batches
-from stoker.sample import cached_sample
+from harness import (
+    Run,
+    add_out_argument,
+    alternate,
+    cached_sample,
+    child_json,
+    default_cache,
+    ratio_table,
+    summary_table,
+    time_batches,
+    write_results,
+)
 
 BATCH = 256
 INREZ = 128
@@ -178,10 +185,29 @@ def _child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, fl
     return time_batches(_batches(kind, data), seconds, warmup=warmup, began=began)  # build and trace untimed
 
 
-def _run(kind: str, data: Path, seconds: float, warmup: float) -> float:
+def _run(kind: str, data: Path, seconds: float, warmup: float) -> Run:
     argv = [__file__, "--child", kind, "--data", str(data), "--seconds", str(seconds), "--warmup", str(warmup)]
-    out = child_json(kind, argv, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
-    return float(out["records"] / out["seconds"])
+    return child_json(kind, argv, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+RATIOS = [
+    ("tf.data seed + interleave", "tf.data seed"),
+    ("tf.data best", "tf.data seed"),
+    ("stoker native_dataset", "tf.data seed"),
+    ("stoker native_dataset", "tf.data best"),
+    ("stoker to_tf", "tf.data best"),
+    ("stoker to_tf", "tf.data seed"),
+    ("stoker to_tf", "stoker numpy"),
+    ("stoker to_tf, numpy_function bridge", "stoker numpy"),
+    ("stoker to_tf", "stoker to_tf, numpy_function bridge"),
+    ("stoker to_tf (in graph)", "stoker numpy"),
+    ("stoker to_tf (in graph)", "tf.data best (in graph)"),
+    ("stoker to_tf (in graph, 1 inter-op thread)", "stoker numpy"),
+    ("stoker to_tf (in graph, 1 inter-op thread)", "stoker to_tf (in graph)"),
+    ("tf.data best (in graph, 1 inter-op thread)", "tf.data best (in graph)"),
+    ("stoker to_tf (in graph, 1 inter-op thread)", "tf.data best (in graph, 1 inter-op thread)"),
+    ("stoker native_dataset", "stoker numpy"),
+]
 
 
 def main() -> int:
@@ -189,8 +215,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs before it is timed")
-    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
-    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--data", default=default_cache() + "/sample-16x4096x128")
+    add_out_argument(ap)
     ap.add_argument("--child", choices=sorted(CONTENDERS.values()), help=argparse.SUPPRESS)
     args = ap.parse_args()
     data = Path(args.data)
@@ -198,56 +224,14 @@ def main() -> int:
         print(json.dumps(_child(args.child, data, args.seconds, args.warmup)))
         return 0
     cached_sample(data)
-    results: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    t0 = time.time()
-    for r in range(args.rounds):
-        order = list(CONTENDERS) if r % 2 == 0 else list(reversed(CONTENDERS))
-        for name in order:
-            rate = _run(CONTENDERS[name], data, args.seconds, args.warmup)
-            results[name].append(rate)
-            print(f"  round {r + 1}: {name:<28} {rate:>10,.0f} records/s", file=sys.stderr)
-
-    def ratio(a: str, b: str) -> tuple[float, float, float]:
-        rs = [x / y for x, y in zip(results[a], results[b], strict=True)]
-        return statistics.median(rs), min(rs), max(rs)
-
+    rounds = alternate(
+        list(CONTENDERS), args.rounds, lambda name: _run(CONTENDERS[name], data, args.seconds, args.warmup)
+    )
     cores = len(os.sched_getaffinity(0))
-    lines = [
-        f"# tf.data vs stoker on W1 ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, "
-        f"{platform.processor() or platform.machine()}, {cores} cores, {args.rounds} alternated rounds of "
-        f"{args.seconds:g}s after {args.warmup:g}s of warm-up, warm page cache; float32 images, batch {BATCH})",
-        "",
-        "| contender | records/s median | min | max |",
-        "|---|---:|---:|---:|",
-    ]
-    for name, rates in results.items():
-        lines.append(f"| {name} | {statistics.median(rates):,.0f} | {min(rates):,.0f} | {max(rates):,.0f} |")
-    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
-    for a, b in (
-        ("tf.data seed + interleave", "tf.data seed"),
-        ("tf.data best", "tf.data seed"),
-        ("stoker native_dataset", "tf.data seed"),
-        ("stoker native_dataset", "tf.data best"),
-        ("stoker to_tf", "tf.data best"),
-        ("stoker to_tf", "tf.data seed"),
-        ("stoker to_tf", "stoker numpy"),
-        ("stoker to_tf, numpy_function bridge", "stoker numpy"),
-        ("stoker to_tf", "stoker to_tf, numpy_function bridge"),
-        ("stoker to_tf (in graph)", "stoker numpy"),
-        ("stoker to_tf (in graph)", "tf.data best (in graph)"),
-        ("stoker to_tf (in graph, 1 inter-op thread)", "stoker numpy"),
-        ("stoker to_tf (in graph, 1 inter-op thread)", "stoker to_tf (in graph)"),
-        ("tf.data best (in graph, 1 inter-op thread)", "tf.data best (in graph)"),
-        ("stoker to_tf (in graph, 1 inter-op thread)", "tf.data best (in graph, 1 inter-op thread)"),
-        ("stoker native_dataset", "stoker numpy"),
-    ):
-        med, lo, hi = ratio(a, b)
-        lines.append(f"| {a} / {b} | {med:.2f} | {lo:.2f} | {hi:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    title = (f"tf.data vs stoker on W1 ({cores} cores, {args.rounds} alternated rounds of {args.seconds:g}s after "
+             f"{args.warmup:g}s of warm-up, warm page cache; float32 images, batch {BATCH})")  # fmt: skip
+    body = summary_table(rounds) + "\n" + ratio_table(rounds, RATIOS)
+    write_results("tf_compare", title, body, script=__file__, out=args.out, frameworks=["tensorflow"])
     return 0
 
 

@@ -67,7 +67,8 @@ def main() -> int:
                 "warmup": args.warmup, "threads": threads})  # fmt: skip
         configs[f"ceiling {out} threads={cores}"] = ("ceiling", {
             "paths": paths, "header": 0, "shape": [128, 128, 1], "src_dtype": "|i1", "out_dtype": out,
-            "batch": 256, "loop": "mmap_kept", "threads": cores, "seconds": args.seconds, "warmup": args.warmup})  # fmt: skip
+            "batch": 256, "loop": "mmap_kept", "threads": cores, "seconds": args.seconds,
+            "warmup": args.warmup})  # fmt: skip
     rounds = alternate(list(configs), args.rounds, lambda name: stoker_child(name, *configs[name]))
 
     def stat(get: Callable[[LoaderStats], object]) -> Column:

@@ -99,7 +99,9 @@ def main() -> int:
     for out in ("float32", "int8"):
         for against in ("best", *CEILING_LOOPS):
             loops = CEILING_LOOPS if against == "best" else (against,)
-            pairs.append((f"stoker {out}", [f"ceiling:{loop} {out}" for loop in loops], f"stoker {out} / {against} ceiling"))
+            pairs.append(
+                (f"stoker {out}", [f"ceiling:{loop} {out}" for loop in loops], f"stoker {out} / {against} ceiling")
+            )
     pairs += [
         ("stoker float16", "ceiling:mmap_kept float16", "stoker float16 / mmap_kept ceiling"),
         ("stoker float32 batch16", "stoker float32", "stoker batch 16 / batch 256 (float32)"),
