@@ -74,6 +74,7 @@ __all__ = [
     "stoker_child",
     "summary_table",
     "table",
+    "versus_table",
     "time_batches",
     "write_results",
 ]
@@ -294,6 +295,28 @@ def ratio_table(rounds: Rounds, pairs: Iterable[Pair], *, metric: str = "records
             s = Spread.of(rs)
             rows.append([text, fmt.format(s.median), fmt.format(s.low), fmt.format(s.high)])
     return table(["ratio (per round, same round)", "median", "min", "max"], rows)
+
+
+def versus_table(
+    rounds: Rounds,
+    rows: Iterable[tuple[str, str, str, str]],
+    header: Sequence[str],
+    *,
+    fmt: str = "{:,.2f}",
+    ratio_fmt: str = "{:.2f}",
+) -> str:
+    """One row per ``(label, contender, baseline, metric)``: the baseline's median, the
+    contender's, and the per-round ratios contender / baseline as ``median (min..max)`` (an A/B
+    of two versions, figure by figure). ``header``: the four column titles."""
+    cells = []
+    for label, a, b, metric in rows:
+        rs = rounds.ratios(a, b, metric)
+        if not rs:
+            cells.append([label, "failed", "failed", ""])
+            continue
+        base, this = rounds.spread(b, metric).median, rounds.spread(a, metric).median
+        cells.append([label, fmt.format(base), fmt.format(this), Spread.of(rs).text(ratio_fmt)])
+    return table(header, cells)
 
 
 def add_out_argument(ap: argparse.ArgumentParser) -> None:

@@ -9,24 +9,24 @@ of the data and its own index (index formats differ between versions):
   64 MiB decoded, seek points every 1 MiB) through seek points only, 1 and 256 records a call
   (every read verifies its point's check and its window's CRC).
 
-Per-round ratios new / old are printed with their median and range; the machine's load drifts,
+Per-round ratios new / old are written with their median and range; the machine's load drifts,
 so only ratios from the same round mean anything.
 
-    python benchmarks/index_ab.py --old ../main/src --new src [--rounds 7] [--seconds 1]
+    python benchmarks/index_ab.py --old ../main/src --new src [--rounds 7] [--seconds 1] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-CACHE = Path(os.environ.get("STOKER_CACHE", ".stoker-cache"))
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import Run, add_out_argument, alternate, child_json, default_cache, versus_table, write_results
+
+CACHE = Path(default_cache())
 
 # Runs in a child process with one tree on PYTHONPATH: prints one JSON line of measurements.
 _MEASURE = r"""
@@ -42,6 +42,7 @@ w2_fields = {"image": stoker.Field(str(w2 / "img_*.bin.gz"), "int8", (128, 128, 
 if sys.argv[4] == "index":
     stoker.write_index(stoker.Dataset(fields, index="ignore"))
     stoker.write_index(stoker.Dataset(w2_fields, index="ignore"))
+    print("{}")
     sys.exit()
 t = time.perf_counter()
 ds = stoker.Dataset(fields)
@@ -76,11 +77,9 @@ def copy_of(src: Path, dst: Path) -> Path:
     return dst
 
 
-def run(tree: str, small: Path, w2: Path, seconds: float, what: str) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-    argv = [sys.executable, "-c", _MEASURE, str(small), str(w2), str(seconds), what]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout) if what == "measure" else {}
+def run(name: str, tree: str, small: Path, w2: Path, seconds: float, what: str) -> Run:
+    argv = ["-c", _MEASURE, str(small), str(w2), str(seconds), what]
+    return child_json(f"{name} ({what})", argv, env={"PYTHONPATH": os.path.abspath(tree)})
 
 
 def main() -> int:
@@ -89,8 +88,8 @@ def main() -> int:
     ap.add_argument("--new", required=True, help="the src directory of the version measured")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seconds", type=float, default=1.0)
+    add_out_argument(ap)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
     from access import many_groups
     from compare import w2_data
 
@@ -99,21 +98,16 @@ def main() -> int:
     data = {k: (copy_of(small, CACHE / f"index-ab-{k}" / "small"), copy_of(w2, CACHE / f"index-ab-{k}" / "w2"))
             for k in trees}  # fmt: skip
     for k, tree in trees.items():
-        run(tree, *data[k], args.seconds, "index")
-    got: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
-    for r in range(args.rounds):
-        for k in ("new", "old") if r % 2 == 0 else ("old", "new"):
-            got[k].append(run(trees[k], *data[k], args.seconds, "measure"))
-            print(f"  round {r + 1}: {k} {got[k][-1]}", file=sys.stderr)
-    print(f"\n{args.rounds} rounds, old = {args.old}, new = {args.new}")
-    print(f"{'':<44} {'old median':>11} {'new median':>11} {'new/old per round':>26}")
+        run(k, tree, *data[k], args.seconds, "index")
+    rounds = alternate(
+        list(trees), args.rounds, lambda k: run(k, trees[k], *data[k], args.seconds, "measure"), show=None
+    )
     names = {"open_s": "10,000 gzip groups: Dataset + len, s", "seek_1": "W2 seek points, 1 a call, records/s",
              "seek_256": "W2 seek points, 256 a call, records/s"}  # fmt: skip
-    for key, name in names.items():
-        old, new = [x[key] for x in got["old"]], [x[key] for x in got["new"]]
-        ratios = [n / o for n, o in zip(new, old, strict=True)]
-        spread = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"
-        print(f"{name:<44} {statistics.median(old):>11.3f} {statistics.median(new):>11.3f} {spread:>26}")
+    header = ["", "old median", "new median", "new/old per round"]
+    body = versus_table(rounds, [(name, "new", "old", key) for key, name in names.items()], header, fmt="{:.3f}")
+    title = f"What the index's checks cost: old = `{args.old}`, new = `{args.new}` ({args.rounds} alternated rounds)"
+    write_results("index_ab", title, body, script=__file__, out=args.out)
     return 0
 
 

@@ -11,6 +11,7 @@ Two parts, contenders alternated within each round:
   the maps kept from the first epoch), in order and globally shuffled.
 
     python benchmarks/map_guard.py --base /path/to/other/checkout/src [--rounds 5] [--seconds 3]
+                                   [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -18,11 +19,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from harness import Run, add_out_argument, alternate, child_json, default_cache, versus_table, write_results
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -53,7 +52,7 @@ with ds.loader(256, epochs=None, cast=cast, **kw) as loader:
             n += len(b["image"])
             if now - start > seconds:
                 break
-print(json.dumps(n / (time.perf_counter() - start)))
+print(json.dumps({"records_per_s": n / (time.perf_counter() - start)}))
 """
 
 
@@ -85,8 +84,8 @@ def main() -> int:
     ap.add_argument("--base", required=True, help="the other checkout's src directory (kernels built)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/map-guard")
-    ap.add_argument("--out", default=str(HERE / "results" / "map_guard.md"))
+    ap.add_argument("--data", default=default_cache() + "/map-guard")
+    add_out_argument(ap)
     args = ap.parse_args()
     trees = {"base": Path(args.base).resolve(), "this": SRC}
     data = Path(args.data)
@@ -104,56 +103,34 @@ def main() -> int:
     maps = {t: k.FileMap(fd, os.fstat(fd).st_size) for t, k in kernels.items()}
     os.close(fd)
     calls = {t: _calls(k, maps[t]) for t, k in kernels.items()}
-    per_call: dict[tuple[str, str], list[float]] = {(t, c): [] for t in trees for c in calls["this"]}
     kinds = [(k, o) for k in ("int8", "int32", "int32 uncast") for o in ("sequential", "global")]
-    rates: dict[tuple[str, str, str], list[float]] = {(t, k, o): [] for t in trees for k, o in kinds}
-    for r in range(args.rounds):
-        order = list(trees) if r % 2 == 0 else list(reversed(list(trees)))
-        for c in calls["this"]:
-            for t in order:
-                fn = calls[t][c]
+    # Each contender is one figure of one tree, the two trees' side by side in every round.
+    contenders = [(t, c) for c in calls["this"] for t in trees] + [(t, f"{k}, {o}") for k, o in kinds for t in trees]
+
+    def run(name: str) -> Run:
+        t, what = name.split(": ", 1)
+        if what in calls[t]:
+            fn = calls[t][what]
+            fn()
+            start, n = time.perf_counter(), 0
+            while time.perf_counter() - start < 0.2:
                 fn()
-                start, n = time.perf_counter(), 0
-                while time.perf_counter() - start < 0.2:
-                    fn()
-                    n += 1
-                per_call[(t, c)].append((time.perf_counter() - start) / n * 1e6)
-        for k, o in kinds:
-            for t in order:
-                done = subprocess.run(
-                    [sys.executable, "-c", _LOADER, str(data), k.split()[0] if k != "int32 uncast" else "copy", o,
-                     str(args.seconds)],
-                    env={**os.environ, "PYTHONPATH": str(trees[t])}, capture_output=True, text=True, check=True,
-                )  # fmt: skip
-                rates[(t, k, o)].append(json.loads(done.stdout))
+                n += 1
+            return {"us": (time.perf_counter() - start) / n * 1e6}
+        k, o = what.split(", ")
+        argv = ["-c", _LOADER, str(data), k.split()[0] if k != "int32 uncast" else "copy", o, str(args.seconds)]
+        return child_json(name, argv, env={"PYTHONPATH": str(trees[t])})
 
-    def ratios(a: list[float], b: list[float]) -> str:
-        q = [y / x for x, y in zip(a, b, strict=True)]
-        return f"{statistics.median(q):.3f} ({min(q):.3f}..{max(q):.3f})"
-
-    lines = [
-        f"# map_guard: this tree against `{args.base}`",
-        "",
-        f"`python benchmarks/map_guard.py --base {args.base} --rounds {args.rounds} --seconds {args.seconds}` "
-        f"on {platform.node()} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
-        "",
-        "| kernel call | base us | this us | this/base per round (median, min..max) |",
-        "|---|---|---|---|",
-    ]
-    for c in calls["this"]:
-        a, b = per_call[("base", c)], per_call[("this", c)]
-        lines.append(f"| {c} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {ratios(a, b)} |")
-    lines += ["", "| loader | base records/s | this records/s | this/base per round (median, min..max) |",
-              "|---|---|---|---|"]  # fmt: skip
+    rounds = alternate([f"{t}: {what}" for t, what in contenders], args.rounds, run, show=None)
+    ratio = "this/base per round (median, min..max)"
+    body = versus_table(rounds, [(c, f"this: {c}", f"base: {c}", "us") for c in calls["this"]],
+                        ["kernel call", "base us", "this us", ratio], ratio_fmt="{:.3f}")  # fmt: skip
     out = {"int8": "int8 -> float32", "int32": "int32 -> float64", "int32 uncast": "int32 uncast"}
-    for k, o in kinds:
-        a, b = rates[("base", k, o)], rates[("this", k, o)]
-        lines.append(f"| {out[k]}, {o} | {statistics.median(a):,.0f} | {statistics.median(b):,.0f} | {ratios(a, b)} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    Path(args.out).write_text(table)
-    with open(Path(args.out).with_name(Path(args.out).stem + "_history.md"), "a") as f:
-        f.write("\n" + table)
+    loader_rows = [(f"{out[k]}, {o}", f"this: {k}, {o}", f"base: {k}, {o}", "records_per_s") for k, o in kinds]
+    body += "\n" + versus_table(rounds, loader_rows, ["loader", "base records/s", "this records/s", ratio],
+                                fmt="{:,.0f}", ratio_fmt="{:.3f}")  # fmt: skip
+    title = f"map_guard: this tree against `{args.base}` ({args.rounds} alternated rounds)"
+    write_results("map_guard", title, body, script=__file__, out=args.out)
     return 0
 
 
