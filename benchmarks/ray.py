@@ -11,7 +11,7 @@ GCS, ...), read from /proc for the driver's whole process tree. A Ray contender'
 prints ``ds.stats()``.
 
     python benchmarks/ray.py [--rounds 5] [--seconds 6] [--warmup 1] [--records 4096]
-        [--out benchmarks/results/ray.md]
+        [--out benchmarks/results]
 
 Contenders: ``local`` (``ds.loader(256, epochs=1)``, default threads), and Ray on a local
 cluster of the machine's CPUs with a 2 GiB object store reading through
@@ -27,15 +27,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import child_json, summarize
-from stoker.sample import cached_sample
+from harness import (
+    Rounds,
+    add_out_argument,
+    alternate,
+    cached_sample,
+    child_json,
+    default_cache,
+    median_of,
+    ratio_table,
+    summary_table,
+    table,
+    write_results,
+)
 
 # This script is named like the package it measures: its own directory, first on the import
 # path when it runs, would make ``import ray`` import this file.
@@ -202,74 +212,41 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured passes before the timed ones")
     ap.add_argument("--records", type=int, default=4096, help="records per group (W1: 4096)")
     ap.add_argument("--only", nargs="*", help="contender names to run (default: all)")
-    ap.add_argument("--out", default="benchmarks/results/ray.md")
+    add_out_argument(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
         return 0
-    cache = os.environ.get("STOKER_CACHE", ".stoker-cache")
-    data = str(cached_sample(f"{cache}/sample-16x{args.records}x128", records=args.records))
+    data = str(cached_sample(f"{default_cache()}/sample-16x{args.records}x128", records=args.records))
     cpus = len(os.sched_getaffinity(0))
     base = {"data": data, "seconds": args.seconds, "warmup": args.warmup, "cpus": cpus}
     contenders = {"local": {**base, "kind": "local"}}
     contenders.update({name: {**base, "kind": "ray", **cfg} for name, cfg in RAY_CONTENDERS.items()})
     if args.only:
         contenders = {k: v for k, v in contenders.items() if k in args.only or k == "local"}
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
-    t0 = time.time()
-    for r in range(args.rounds):
-        for name in list(contenders) if r % 2 == 0 else list(reversed(contenders)):
-            m = child_json(name, [__file__, "--child", json.dumps(contenders[name])])
-            results[name].append(m)
-            print(
-                f"  round {r + 1}: {name:<28} {m['records_per_s']:>10,.0f} records/s steady, "
-                f"start-up {m['startup_s']:.3f} s/pass",
-                file=sys.stderr,
-            )
-    text = _report(args, results, cpus, t0)
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    history = out.with_name(out.stem + "_history.md")
-    with history.open("a") as f:
-        f.write(text + "\n")
+    rounds = alternate(list(contenders), args.rounds,
+                       lambda name: child_json(name, [__file__, "--child", json.dumps(contenders[name])]))  # fmt: skip
+    title = f"Ray Data vs the local loader, W1 int8 ({cpus} cores, {args.rounds} alternated rounds)"
+    write_results("ray", title, _report(args, rounds, cpus), script=__file__, out=args.out, frameworks=["ray"])
     return 0
 
 
-def _report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], cpus: int, t0: float) -> str:
-    command = "python benchmarks/ray.py " + " ".join(
-        f"--{k} {v}" for k, v in (("rounds", args.rounds), ("seconds", args.seconds), ("warmup", args.warmup),
-                                  ("records", args.records))
-    )  # fmt: skip
+def _report(args: argparse.Namespace, rounds: Rounds, cpus: int) -> str:
+    results = {name: rounds.ok(name) for name in rounds.contenders}
     lines = [
-        f"# Ray Data vs the local loader, W1 int8 ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, "
-        f"{platform.machine()}, {cpus} cores shared with other work, {args.rounds} alternated rounds)",
-        "",
-        f"Command: `{command}`. 16 groups x {args.records} records of 128x128 int8 + gzip float32 labels, "
+        f"16 groups x {args.records} records of 128x128 int8 + gzip float32 labels, "
         f"no cast, batch {BATCH}, one pass per epoch; Ray: a local cluster of {cpus} CPUs, 2 GiB object "
         "store, `stoker.ray.read(ds, batch_size=256, ...)`. Steady: records after each pass's first batch "
         "over the time after it. Start-up: from asking for a pass to its first batch (median over passes).",
         "",
-        "| contender | steady records/s median | min | max | start-up s/pass | pass s | CPU s/pass |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, ms in results.items():
-        med, lo, hi = summarize([m["records_per_s"] for m in ms])
-        start = statistics.median(m["startup_s"] for m in ms)
-        pass_s = statistics.median(m["pass_s"] for m in ms)
-        cpu = statistics.median(sum(m["cpu_per_pass"].values()) for m in ms)
-        lines.append(f"| {name} | {med:,.0f} | {lo:,.0f} | {hi:,.0f} | {start:.3f} | {pass_s:.3f} | {cpu:.2f} |")
-    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
-    for name in results:
-        if name == "local":
-            continue
-        ratios = [
-            m["records_per_s"] / loc["records_per_s"] for m, loc in zip(results[name], results["local"], strict=True)
-        ]
-        med, lo, hi = summarize(ratios)
-        lines.append(f"| {name} / local, steady records/s | {med:.2f} | {lo:.2f} | {hi:.2f} |")
+        summary_table(rounds, label="steady records/s", columns={
+            "start-up s/pass": median_of("startup_s", "{:.3f}"),
+            "pass s": median_of("pass_s", "{:.3f}"),
+            "CPU s/pass": lambda ms: f"{statistics.median(sum(m['cpu_per_pass'].values()) for m in ms):.2f}",
+        }),
+        ratio_table(rounds, [(n, "local", f"{n} / local, steady records/s") for n in results if n != "local"]),
+    ]  # fmt: skip
     lines += ["", "Per-pass start-up on its own line (median over rounds of each round's median):", ""]
     for name, ms in results.items():
         first = [m["first_pass_s"] for m in ms if m["first_pass_s"] is not None]
@@ -280,13 +257,14 @@ def _report(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]], 
         )  # fmt: skip
     lines += ["", "Where the CPU goes, seconds per pass (median over rounds):", ""]
     kinds = sorted({k for ms in results.values() for m in ms for k in m["cpu_per_pass"]})
-    lines += ["| process | " + " | ".join(results) + " |", "|---|" + "---:|" * len(results)]
+    rows = []
     for kind in kinds:
         cells = [statistics.median(m["cpu_per_pass"].get(kind, 0.0) for m in ms) for ms in results.values()]
         if max(cells) >= 0.005:
-            lines.append(f"| {kind} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+            rows.append([kind, *(f"{c:.3f}" for c in cells)])
+    lines.append(table(["process", *results], rows))
     for name, ms in results.items():
-        if "stats" in ms[-1]:
+        if ms and "stats" in ms[-1]:
             lines += ["", f"`ds.stats()` of the last pass of `{name}` (last round):", "", "```"]
             lines += [ln.rstrip() for ln in ms[-1]["stats"].strip().splitlines()]
             lines += ["```"]
