@@ -17,7 +17,7 @@ once per pass, and its label equals that index (so every image met its own label
 seconds are whole passes, after one untimed pass each. Prints and writes per-contender medians
 and the medians of per-round ratios; appends the table to the history file.
 
-    python benchmarks/remote.py [--pairs 4] [--rounds 5] [--seconds 4] [--out benchmarks/results/remote.md]
+    python benchmarks/remote.py [--pairs 4] [--rounds 5] [--seconds 4] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import argparse
 import asyncio
 import collections
 import gzip
-import os
-import platform
-import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,8 +38,17 @@ from typing import Any
 import numpy as np
 
 import stoker
-from stoker.bench import summarize
-from stoker.sample import cached_sample, expected_label
+from harness import (
+    Rounds,
+    add_out_argument,
+    alternate,
+    cached_sample,
+    default_cache,
+    expected_label,
+    ratio_table,
+    summary_table,
+    write_results,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from s3server import KEY, REGION, SECRET, SeaweedFS  # the tests' server: one definition of it
@@ -136,10 +143,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 50.0])
-    ap.add_argument("--out", default="benchmarks/results/remote.md")
+    add_out_argument(ap)
     args = ap.parse_args()
-    cache = os.environ.get("STOKER_CACHE", ".stoker-cache")
-    data = cached_sample(f"{cache}/sample-{args.pairs}x4096x128", pairs=args.pairs)
+    data = cached_sample(f"{default_cache()}/sample-{args.pairs}x4096x128", pairs=args.pairs)
     import s3fs
 
     with tempfile.TemporaryDirectory(prefix="stoker-seaweed-") as tmp, SeaweedFS(Path(tmp)) as server:
@@ -178,10 +184,10 @@ def main() -> int:
     return 0
 
 
-def _measure(args: Any, data: Path, endpoints: dict[float, str], s3fs: Any) -> dict[tuple[float, str], list[float]]:
+def _measure(args: Any, data: Path, endpoints: dict[float, str], s3fs: Any) -> Rounds:
     total = len(stoker.Dataset(image=stoker.Field(f"{data}/img_*.bin", "int8", (128, 128, 1))))
     checker = Checker(total)
-    contenders: dict[tuple[float, str], Callable[[], int]] = {}
+    contenders: dict[str, Callable[[], int]] = {}
     loaders: list[stoker.Loader] = []
     try:
         for ms, endpoint in endpoints.items():
@@ -196,55 +202,31 @@ def _measure(args: Any, data: Path, endpoints: dict[float, str], s3fs: Any) -> d
                                    skip_instance_cache=True)  # fmt: skip
             groups = [(g.paths["image"], g.paths["label"], ds.files[g.index]["image"].size) for g in ds.groups]
             loaders.append(ds.loader(BATCH))
-            contenders[(ms, "stoker")] = lambda loader=loaders[-1]: _stoker_pass(loader, checker)
-            contenders[(ms, "loop")] = lambda fs=fs, groups=groups: _loop_pass(fs, groups, checker)
+            contenders[f"{ms:g} ms stoker"] = lambda loader=loaders[-1]: _stoker_pass(loader, checker)
+            contenders[f"{ms:g} ms loop"] = lambda fs=fs, groups=groups: _loop_pass(fs, groups, checker)
         for key, one_pass in contenders.items():  # untimed: connections, autotune's first pass
-            print(f"  warm-up {key[0]:g} ms {key[1]}: {one_pass()} records", file=sys.stderr)
-        results: dict[tuple[float, str], list[float]] = {key: [] for key in contenders}
-        for r in range(args.rounds):
-            order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
-            for key in order:
-                rate = _timed(contenders[key], args.seconds)
-                results[key].append(rate)
-                print(f"  round {r + 1}: {key[0]:g} ms {key[1]:<7} {rate:>9,.0f} records/s", file=sys.stderr)
-        return results
+            print(f"  warm-up {key}: {one_pass()} records", file=sys.stderr)
+        return alternate(list(contenders), args.rounds,
+                         lambda key: {"records_per_s": _timed(contenders[key], args.seconds)})  # fmt: skip
     finally:
         for loader in loaders:
             loader.close()
 
 
-def _write(args: Any, results: dict[tuple[float, str], list[float]]) -> None:
-    command = "python benchmarks/remote.py " + shlex.join(sys.argv[1:])
-    stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    cores = len(os.sched_getaffinity(0))
-    lines = [
-        "# Object storage: stoker beside a plain loop of 16 ranged GETs in flight",
-        "",
-        f"`{command.strip()}` ({stamp} UTC; {platform.processor() or platform.machine()}, {cores} cores shared "
-        "with other work and with the server, so read the ratios; SeaweedFS `weed mini` on 127.0.0.1; "
+def _write(args: Any, rounds: Rounds) -> None:
+    mb_per_s = {
+        "MB/s of images": lambda runs: f"{statistics.median(r['records_per_s'] for r in runs) * RECORD / 1e6:,.0f}"
+    }
+    summary = summary_table(rounds, first="added latency, contender", columns=mb_per_s)
+    pairs = [(f"{ms:g} ms stoker", f"{ms:g} ms loop", f"{ms:g} ms added: stoker / loop") for ms in args.latency_ms]
+    body = (
+        f"SeaweedFS `weed mini` on 127.0.0.1, sharing the cores with the contenders (read the ratios); "
         f"W1 layout, {args.pairs} pairs x 4096 records of 16 KiB int8 + gzip float32 labels, batch {BATCH}; "
         f"{args.rounds} alternated rounds of at least {args.seconds:g} s of whole passes, every record of every "
-        "pass checked once and paired).",
-        "",
-        "| added latency | contender | records/s median | min | max | MB/s of images |",
-        "|---:|---|---:|---:|---:|---:|",
-    ]
-    for (ms, name), rates in results.items():
-        med, lo, hi = summarize(rates)
-        lines.append(f"| {ms:g} ms | {name} | {med:,.0f} | {lo:,.0f} | {hi:,.0f} | {med * RECORD / 1e6:,.0f} |")
-    lines += ["", "| added latency | stoker / loop, per round: median | min | max |", "|---:|---:|---:|---:|"]
-    for ms in sorted({ms for ms, _ in results}):
-        ratios = [a / b for a, b in zip(results[(ms, "stoker")], results[(ms, "loop")], strict=True)]
-        med, lo, hi = summarize(ratios)
-        lines.append(f"| {ms:g} ms | {med:.2f} | {lo:.2f} | {hi:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    history = out.with_name(out.stem + "_history.md")
-    with open(history, "a") as f:
-        f.write("\n## " + stamp + " UTC\n\n" + "\n".join(lines[2:]) + "\n")
+        f"pass checked once and paired.\n\n{summary}\n{ratio_table(rounds, pairs)}"
+    )
+    title = "Object storage: stoker beside a plain loop of 16 ranged GETs in flight"
+    write_results("remote", title, body, script=__file__, out=args.out, frameworks=["s3fs"])
 
 
 if __name__ == "__main__":
