@@ -15,15 +15,15 @@ batch 256). Contenders, each in a fresh process, alternated round by round:
 - ``wait process xN``: a transform that sleeps 20 ms (no CPU): whether N workers overlap.
 
 Timing starts after a few batches (two per worker and two more: worker processes take a
-moment to spawn, and all of them must be up). Prints the
+moment to spawn, and all of them must be up). Writes the
 medians and the per-round ratios (normalize+flip / none, process x2 / process x1, ...), and
 records per CPU-second of the loader's process and its workers (from /proc): on a machine
 whose cores are taken by other work, throughput cannot grow with workers, but this shows
 whether a worker's share of the work costs the same. The load average before and after the
-rounds is printed with the figures.
+rounds is written with the figures.
 
     python benchmarks/transforms.py [--rounds 5] [--seconds 3] [--only "python process x1,python process x2"]
-                                    [--out benchmarks/results/transforms.md]
+                                    [--out benchmarks/results] [--name transforms]
 """
 
 from __future__ import annotations
@@ -32,19 +32,24 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
-import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import stoker
 import stoker.transforms as transforms
-from stoker.bench import child_json
-from stoker.sample import cached_sample
+from harness import (
+    add_out_argument,
+    alternate,
+    cached_sample,
+    child_json,
+    default_cache,
+    median_of,
+    ratio_table,
+    summary_table,
+    write_results,
+)
 from stoker.transforms import Cast, Normalize, RandomFlip
 
 PYTHON_VALUES = 1024  # values of each frame the GIL-bound transform loops over
@@ -120,7 +125,7 @@ def child(name: str, data: str, seconds: float) -> dict[str, float]:
                 break
         elapsed = time.perf_counter() - start
         cpu = cpu_seconds() - cpu0
-    return {"records": n, "seconds": elapsed, "cpu": cpu}
+    return {"records": n, "seconds": elapsed, "cpu": cpu, "records_per_cpu_s": n / max(cpu, 1e-9)}
 
 
 def cpu_seconds() -> float:
@@ -156,12 +161,29 @@ def spin_check(seconds: float = 2.0) -> float:
     return got[1] / got[0]
 
 
+RATIOS = [
+    ("normalize+flip", "none"),
+    ("normalize+flip numpy", "none"),
+    ("cast float16", "none"),
+    ("cast bfloat16", "none"),
+    ("Cast float16", "none"),
+    ("Cast bfloat16", "none"),
+    ("cast bfloat16", "Cast bfloat16"),
+    ("normalize+flip float16", "none"),
+    ("normalize+flip bfloat16", "none"),
+    ("python process x2", "python process x1"),
+    ("python process x2", "python thread x2"),
+    ("wait process x2", "wait process x1"),
+]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
-    ap.add_argument("--out", default="benchmarks/results/transforms.md")
+    ap.add_argument("--data", default=default_cache() + "/sample-16x4096x128")
+    add_out_argument(ap)
+    ap.add_argument("--name", default="transforms", help="the results file's name in --out (NAME.md, NAME_history.md)")
     ap.add_argument("--only", help="comma-separated contenders to run (default: all)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -171,57 +193,23 @@ def main() -> int:
     data = cached_sample(args.data)
     names = args.only.split(",") if args.only else list(CONTENDERS)
     load_before = os.getloadavg()
-    rates: dict[str, list[float]] = {name: [] for name in names}
-    per_cpu: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for name in order:
-            out = child_json(name, [__file__, "--child", name, "--data", str(data), "--seconds", str(args.seconds)])
-            rates[name].append(out["records"] / out["seconds"])
-            per_cpu[name].append(out["records"] / max(out["cpu"], 1e-9))
-            print(f"  round {r + 1}: {name:<20} {rates[name][-1]:>10,.0f} records/s", file=sys.stderr)
-    cores = len(os.sched_getaffinity(0))
-    lines = [
-        f"# Transforms on W1 ({time.strftime('%Y-%m-%d', time.gmtime())}, {platform.machine()}, {cores} cores, "
-        f"{args.rounds} alternated rounds of {args.seconds:g}s, warm page cache, batch 256)",
-        "",
-        "Load average (1, 5, 15 min) before the rounds: {:.2f} {:.2f} {:.2f}; after: {:.2f} {:.2f} {:.2f}.".format(
-            *load_before, *os.getloadavg()
-        ),
-        "",
-        "| contender | records/s median | min | max | records per CPU-second |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, rs in rates.items():
-        lines.append(
-            f"| {name} | {statistics.median(rs):,.0f} | {min(rs):,.0f} | {max(rs):,.0f} "
-            f"| {statistics.median(per_cpu[name]):,.0f} |"
-        )
-    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
-    for a, b in (
-        ("normalize+flip", "none"),
-        ("normalize+flip numpy", "none"),
-        ("cast float16", "none"),
-        ("cast bfloat16", "none"),
-        ("Cast float16", "none"),
-        ("Cast bfloat16", "none"),
-        ("cast bfloat16", "Cast bfloat16"),
-        ("normalize+flip float16", "none"),
-        ("normalize+flip bfloat16", "none"),
-        ("python process x2", "python process x1"),
-        ("python process x2", "python thread x2"),
-        ("wait process x2", "wait process x1"),
-    ):
-        if a not in rates or b not in rates:
-            continue
-        ratios = [x / y for x, y in zip(rates[a], rates[b], strict=True)]
-        lines.append(f"| {a} / {b} | {statistics.median(ratios):.2f} | {min(ratios):.2f} | {max(ratios):.2f} |")
+    argv = ["--data", str(data), "--seconds", str(args.seconds)]
+    rounds = alternate(names, args.rounds, lambda name: child_json(name, [__file__, "--child", name, *argv]))
+    load_after = os.getloadavg()
     spare = spin_check()
-    lines += ["", f"Machine check after the rounds: two busy processes got {spare:.2f}x the CPU-seconds of one."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    cores = len(os.sched_getaffinity(0))
+    title = (f"Transforms on W1 ({cores} cores, {args.rounds} alternated rounds of {args.seconds:g}s, "
+             "warm page cache, batch 256)")  # fmt: skip
+    body = (
+        "Load average (1, 5, 15 min) before the rounds: {:.2f} {:.2f} {:.2f}; after: {:.2f} {:.2f} {:.2f}.\n\n".format(
+            *load_before, *load_after
+        )
+        + summary_table(rounds, columns={"records per CPU-second": median_of("records_per_cpu_s")})
+        + "\n"
+        + ratio_table(rounds, [(a, b) for a, b in RATIOS if a in names and b in names])
+        + f"\nMachine check after the rounds: two busy processes got {spare:.2f}x the CPU-seconds of one.\n"
+    )
+    write_results(args.name, title, body, script=__file__, out=args.out)
     return 0
 
 
