@@ -12,11 +12,10 @@ Contenders (float32 images, batch 256, labels decoded from the gzip files):
 
 Every contender runs in a fresh process, rounds alternate the order, and each runs ``--warmup``
 seconds (and at least one batch) unmeasured before its timed seconds, so all are timed in their
-steady state (worker start-up and first-batch latency are excluded alike). Prints a markdown
-table of medians and per-round ratios.
+steady state (worker start-up and first-batch latency are excluded alike). Writes a markdown
+table of medians and per-round ratios (benchmarks/results/torch_jax.md).
 
-    python benchmarks/torch_jax_compare.py [--rounds 3] [--seconds 3] [--warmup 1]
-                                           [--out benchmarks/results/torch_jax.md]
+    python benchmarks/torch_jax_compare.py [--rounds 3] [--seconds 3] [--warmup 1] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ import gzip
 import importlib
 import json
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,8 +32,18 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import child_json, time_batches
-from stoker.sample import cached_sample
+from harness import (
+    Run,
+    add_out_argument,
+    alternate,
+    cached_sample,
+    child_json,
+    default_cache,
+    ratio_table,
+    summary_table,
+    time_batches,
+    write_results,
+)
 
 RES = 128
 BATCH = 256
@@ -142,14 +149,9 @@ def child(name: str, data: str, seconds: float, warmup: float = 0.0) -> dict[str
     return out
 
 
-def run_child(name: str, data: str, seconds: float, warmup: float = 0.0) -> float | None:
-    try:
-        out = child_json(name, [__file__, "--child", name, "--data", data, "--seconds", str(seconds),
-                                "--warmup", str(warmup)])  # fmt: skip
-    except RuntimeError as e:
-        print(f"  {e}", file=sys.stderr)
-        return None
-    return float(out["records"] / out["seconds"])
+def run_child(name: str, data: str, seconds: float, warmup: float = 0.0) -> Run:
+    return child_json(name, [__file__, "--child", name, "--data", data, "--seconds", str(seconds),
+                             "--warmup", str(warmup)])  # fmt: skip
 
 
 def available(name: str) -> bool:
@@ -169,8 +171,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs before it is timed")
-    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
-    ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--data", default=default_cache() + "/sample-16x4096x128")
+    add_out_argument(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -178,46 +180,21 @@ def main() -> int:
         return 0
     data = cached_sample(args.data)
     names = [n for n in CONTENDERS if available(n)]
-    results: dict[str, list[float | None]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            rate = run_child(name, str(data), args.seconds, args.warmup)
-            results[name].append(rate)
-            print(f"  round {r + 1}: {name:<18} {rate or 0:>12,.0f} records/s", file=sys.stderr)
-
-    def ratios(a: str, b: str) -> list[float]:
-        pairs = zip(results.get(a, []), results.get(b, []), strict=False)
-        return [x / y for x, y in pairs if x and y]
-
-    lines = [
-        f"# stoker adapters vs DataLoader and Grain on W1 ({time.strftime('%Y-%m-%d')}, "
-        f"{platform.machine()}, {cores()} cores, {args.rounds} alternated rounds of {args.seconds:g}s "
-        f"after {args.warmup:g}s of warm-up, "
-        "float32 images, batch 256, warm page cache)",
-        "",
-        "| contender | records/s median | min | max |",
-        "|---|---:|---:|---:|",
-    ]
-    for name, rates in results.items():
-        ok = [x for x in rates if x]
-        if ok:
-            lines.append(f"| {name} | {statistics.median(ok):,.0f} | {min(ok):,.0f} | {max(ok):,.0f} |")
-        else:
-            lines.append(f"| {name} | failed | | |")
-    lines += ["", "| ratio (per round, same round) | median | min | max |", "|---|---:|---:|---:|"]
-    for a, b in [
+    # A contender that fails is reported and left out of its round; the others go on.
+    rounds = alternate(
+        names, args.rounds, lambda n: run_child(n, str(data), args.seconds, args.warmup), keep_going=True
+    )
+    pairs = [
         ("stoker.to_torch", "stoker numpy"),
         ("stoker.to_jax", "stoker numpy"),
         ("stoker.to_torch", "torch DataLoader"),
         ("stoker.to_torch", "grain"),
-    ]:
-        rs = ratios(a, b)
-        if rs:
-            lines.append(f"| {a} / {b} | {statistics.median(rs):.2f} | {min(rs):.2f} | {max(rs):.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    ]
+    title = (f"stoker adapters vs DataLoader and Grain on W1 ({cores()} cores, {args.rounds} alternated rounds of "
+             f"{args.seconds:g}s after {args.warmup:g}s of warm-up, float32 images, batch 256, "
+             "warm page cache)")  # fmt: skip
+    body = summary_table(rounds) + "\n" + ratio_table(rounds, pairs)
+    write_results("torch_jax", title, body, script=__file__, out=args.out, frameworks=["torch", "jax", "grain"])
     return 0
 
 
