@@ -18,7 +18,7 @@ nothing here runs in the test suite. Two parts:
   timed to the end of its last copy (``torch.cuda.synchronize`` / ``block_until_ready``).
 
     python benchmarks/gpu.py --check
-    python benchmarks/gpu.py [--rounds 3] [--seconds 2] [--warmup 1] [--data DIR] [--out FILE]
+    python benchmarks/gpu.py [--rounds 3] [--seconds 2] [--warmup 1] [--data DIR] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +34,18 @@ from typing import Any
 import numpy as np
 
 import stoker
-from stoker.bench import child_json, run_child, time_batches
-from stoker.sample import cached_sample
+from harness import (
+    Run,
+    add_out_argument,
+    alternate,
+    cached_sample,
+    child_json,
+    default_cache,
+    stoker_child,
+    summary_table,
+    time_batches,
+    write_results,
+)
 
 BATCH = 256
 RES = 128
@@ -104,24 +112,22 @@ def child(kind: str, data: Path, seconds: float, warmup: float) -> dict[str, flo
     raise ValueError(f"unknown contender {kind!r}")
 
 
-def ceiling(data: Path, dtype: str, seconds: float, warmup: float) -> float:
+def ceiling(data: Path, dtype: str, seconds: float, warmup: float) -> Run:
     paths = sorted(str(p) for p in data.glob("img_*.bin"))
     cfg = {"paths": paths, "header": 0, "shape": [RES, RES, 1], "src_dtype": "|i1", "out_dtype": dtype,
            "batch": BATCH, "loop": "mmap_kept", "threads": len(os.sched_getaffinity(0)), "seconds": seconds,
            "warmup": warmup}  # fmt: skip
-    return run_child("ceiling", cfg).records_per_s
+    return stoker_child(f"ceiling {dtype}", "ceiling", cfg)
 
 
-def run(kind: str, data: Path, seconds: float, warmup: float) -> float | None:
+def run(kind: str, data: Path, seconds: float, warmup: float) -> Run:
     if kind.startswith("ceiling:"):
-        return ceiling(data, kind.split(":")[1], seconds, warmup)
-    argv = [__file__, "--child", kind, "--data", str(data), "--seconds", str(seconds), "--warmup", str(warmup)]
-    try:
+        out = ceiling(data, kind.split(":")[1], seconds, warmup)
+    else:
+        argv = [__file__, "--child", kind, "--data", str(data), "--seconds", str(seconds), "--warmup", str(warmup)]
         out = child_json(kind, argv, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    except RuntimeError as e:
-        print(f"  {e}", file=sys.stderr)
-        return None
-    return float(out["records"] / out["seconds"])
+    # The images' bytes per record as produced on the host or shipped to the device.
+    return {**out, "image_bytes": RES * RES * (1 if kind.endswith("int8") else 4)}
 
 
 # -- correctness of the asynchronous paths --------------------------------------------------------
@@ -207,8 +213,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs before it is timed")
-    ap.add_argument("--data", default=os.environ.get("STOKER_CACHE", ".stoker-cache") + "/sample-16x4096x128")
-    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--data", default=default_cache() + "/sample-16x4096x128")
+    add_out_argument(ap)
     ap.add_argument("--check", action="store_true", help="check the asynchronous paths' batches, then stop")
     ap.add_argument("--batches", type=int, default=300, help="batches per path in --check")
     ap.add_argument("--only", default=None, help="comma-separated subset of contenders' keys")
@@ -223,13 +229,9 @@ def main() -> int:
         return check(data, args.batches)
     keys = None if args.only is None else set(args.only.split(","))
     names = [n for n, k in CONTENDERS.items() if keys is None or k in keys]
-    results: dict[str, list[float | None]] = {n: [] for n in names}
-    t0 = time.time()
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else list(reversed(names)):
-            rate = run(CONTENDERS[name], data, args.seconds, args.warmup)
-            results[name].append(rate)
-            print(f"  round {r + 1}: {name:<50} {rate or 0:>12,.0f} records/s", file=sys.stderr)
+    # A contender that fails (no GPU for JAX, say) is reported and left out of its round.
+    rounds = alternate(names, args.rounds, lambda n: run(CONTENDERS[n], data, args.seconds, args.warmup),
+                       keep_going=True)  # fmt: skip
     gpu = "no GPU"
     try:
         import torch
@@ -238,26 +240,15 @@ def main() -> int:
             gpu = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    lines = [
-        f"# W1 onto the GPU ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, {platform.machine()}, "
-        f"{len(os.sched_getaffinity(0))} cores, {gpu}, {args.rounds} alternated rounds of {args.seconds:g}s "
-        f"after {args.warmup:g}s of warm-up, batch {BATCH}, 128x128 images, warm page cache)",
-        "",
-        "| contender | records/s median | min | max | image GB/s (as produced or shipped) |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, rates in results.items():
-        ok = [x for x in rates if x]
-        if not ok:
-            lines.append(f"| {name} | failed | | | |")
-            continue
-        per = RES * RES * (1 if "int8" in name else 4)
-        med = statistics.median(ok)
-        lines.append(f"| {name} | {med:,.0f} | {min(ok):,.0f} | {max(ok):,.0f} | {med * per / 1e9:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+
+    def gb_per_s(runs: list[Run]) -> str:
+        return f"{statistics.median(r['records_per_s'] * r['image_bytes'] for r in runs) / 1e9:.2f}"
+
+    title = (f"W1 onto the GPU ({len(os.sched_getaffinity(0))} cores, {gpu}, {args.rounds} alternated rounds of "
+             f"{args.seconds:g}s after {args.warmup:g}s of warm-up, batch {BATCH}, 128x128 images, "
+             "warm page cache)")  # fmt: skip
+    body = summary_table(rounds, columns={"image GB/s (as produced or shipped)": gb_per_s})
+    write_results("gpu", title, body, script=__file__, out=args.out, frameworks=["torch", "jax"])
     return 0
 
 
