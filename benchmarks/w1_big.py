@@ -32,6 +32,7 @@ file, so a dataset larger than RAM does not push the training process's own file
 Ratios are taken per round, then their median and spread.
 
     python benchmarks/w1_big.py [--rounds 3] [--seconds 25] [--over 0.1] [--cache .stoker-cache]
+                                [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -40,9 +41,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -50,9 +48,19 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import _evict_page_cache, child_json
-from stoker.readahead import physical_memory
-from stoker.sample import cached_sample
+from harness import (
+    add_out_argument,
+    alternate,
+    cached_sample,
+    child_json,
+    default_cache,
+    evict_page_cache,
+    median_of,
+    physical_memory,
+    ratio_table,
+    summary_table,
+    write_results,
+)
 
 RES = 128
 RECORDS = 4096
@@ -195,7 +203,7 @@ def child(kind: str, data: Path, seconds: float) -> dict[str, Any]:
 
 def run(kind: str, data: Path, seconds: float) -> dict[str, Any]:
     os.sync()
-    _evict_page_cache([str(p) for p in data.iterdir() if p.name.startswith(("img_", "out_"))])
+    evict_page_cache([str(p) for p in data.iterdir() if p.name.startswith(("img_", "out_"))])
     out = child_json(kind, [__file__, "--child", kind, "--data", str(data), "--seconds", str(seconds)])
     out["mb_per_s"] = out["bytes"] / out["seconds"] / 1e6
     out["records_per_s"] = out["bytes"] / RECORD_BYTES / out["seconds"]
@@ -207,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=25.0)
     ap.add_argument("--over", type=float, default=0.1, help="dataset size above the RAM, as a fraction of it")
-    ap.add_argument("--cache", default=os.environ.get("STOKER_CACHE", ".stoker-cache"))
-    ap.add_argument("--out", default="benchmarks/results/w1_big.md")
+    ap.add_argument("--cache", default=default_cache())
+    add_out_argument(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -219,65 +227,31 @@ def main(argv: list[str] | None = None) -> int:
     pairs = math.ceil(ram * (1 + args.over) / (RECORDS * RECORD_BYTES))
     data = cached_sample(Path(args.cache) / f"w1-big-{pairs}x{RECORDS}x{RES}", pairs=pairs, records=RECORDS)
     size = sum(p.stat().st_size for p in data.glob("img_*.bin"))
-    results: dict[str, list[dict[str, Any]]] = {k: [] for k in CONTENDERS}
-    t0 = time.time()
-    for r in range(args.rounds):
-        for kind in CONTENDERS if r % 2 == 0 else reversed(CONTENDERS):
-            out = run(kind, data, args.seconds)
-            results[kind].append(out)
-            print(f"  round {r + 1}: {kind:<30} {out['mb_per_s']:>8,.0f} MB/s  "
-                  f"{out['records_per_s']:>9,.0f} records/s  cache +{out['cache_growth_mib']:,.0f} MiB",
-                  file=sys.stderr)  # fmt: skip
-
-    def med(kind: str, key: str) -> float:
-        return statistics.median(o[key] for o in results[kind])
-
-    def ratio(a: str, b: str) -> str:
-        rs = [x["mb_per_s"] / y["mb_per_s"] for x, y in zip(results[a], results[b], strict=True)]
-        return f"{statistics.median(rs):.2f} [{min(rs):.2f}..{max(rs):.2f}]"
-
-    lines = [
-        f"# W1-big ({time.strftime('%Y-%m-%d', time.gmtime(t0))}, {platform.machine()}, "
-        f"{len(os.sched_getaffinity(0))} cores, RAM {ram / 2**30:.1f} GiB, images {size / 2**30:.1f} GiB "
-        f"in {pairs} files, cold cache before every run, {args.rounds} alternated rounds of "
-        f"{args.seconds:g}s)",
-        "",
-        "| contender | MB/s median | records/s median | page cache growth (MiB, median) |",
-        "|---|---:|---:|---:|",
+    rounds = alternate(list(CONTENDERS), args.rounds, lambda kind: run(kind, data, args.seconds), show="mb_per_s")
+    ratios = [
+        ("stoker int8", DISK_LOOPS, "stoker int8 / best disk loop"),
+        ("stoker float32", DISK_LOOPS, "stoker float32 / best disk loop"),
+        ("stoker int8", "disk streams"),
+        ("stoker int8", "disk"),
+        ("stoker int8", "disk ahead"),
+        ("stoker float32", "disk+cast"),
+        ("stoker float32", "disk"),
+        ("stoker float32", "disk ahead"),
+        ("stoker float32", "stoker float32 no-readahead"),
+        ("stoker float32 shuffle=global", "disk random"),
     ]
-    for kind in CONTENDERS:
-        lines.append(f"| {kind} | {med(kind, 'mb_per_s'):,.0f} | {med(kind, 'records_per_s'):,.0f} | "
-                     f"{med(kind, 'cache_growth_mib'):,.0f} |")  # fmt: skip
-
-    def to_best_disk(a: str) -> str:
-        """``a`` against the fastest of the plain disk loops in the same round (the disk's rate)."""
-        rs = [
-            results[a][r]["mb_per_s"] / max(results[k][r]["mb_per_s"] for k in DISK_LOOPS) for r in range(args.rounds)
-        ]
-        return f"{statistics.median(rs):.2f} [{min(rs):.2f}..{max(rs):.2f}]"
-
-    lines += [
-        "",
-        "| ratio (per round, same round) | median [min..max] |",
-        "|---|---:|",
-        f"| stoker int8 / best disk loop | {to_best_disk('stoker int8')} |",
-        f"| stoker float32 / best disk loop | {to_best_disk('stoker float32')} |",
-        f"| stoker int8 / disk streams | {ratio('stoker int8', 'disk streams')} |",
-        f"| stoker int8 / disk | {ratio('stoker int8', 'disk')} |",
-        f"| stoker int8 / disk ahead | {ratio('stoker int8', 'disk ahead')} |",
-        f"| stoker float32 / disk+cast | {ratio('stoker float32', 'disk+cast')} |",
-        f"| stoker float32 / disk | {ratio('stoker float32', 'disk')} |",
-        f"| stoker float32 / disk ahead | {ratio('stoker float32', 'disk ahead')} |",
-        f"| stoker float32 / stoker float32 no-readahead | {ratio('stoker float32', 'stoker float32 no-readahead')} |",
-        f"| stoker float32 shuffle=global / disk random | {ratio('stoker float32 shuffle=global', 'disk random')} |",
-        "",
-        f"stoker's readahead setting in these runs: {results['stoker float32'][0].get('tuning', {}).get('readahead')}",
-    ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    table = summary_table(rounds, metric="mb_per_s", label="MB/s", columns={
+        "records/s median": median_of("records_per_s"),
+        "page cache growth (MiB, median)": median_of("cache_growth_mib"),
+    })  # fmt: skip
+    readahead = rounds.ok("stoker float32")[0].get("tuning", {}).get("readahead")
+    body = (table + "\n" + ratio_table(rounds, ratios, metric="mb_per_s")
+            + f"\nstoker's readahead setting in these runs: {readahead}\n")  # fmt: skip
+    title = (f"W1-big ({len(os.sched_getaffinity(0))} cores, RAM {ram / 2**30:.1f} GiB, images {size / 2**30:.1f} GiB "
+             f"in {pairs} files, cold cache before every run, {args.rounds} alternated rounds of "
+             f"{args.seconds:g}s)")  # fmt: skip
+    write_results("w1_big", title, body, script=__file__, out=args.out)
+    (Path(args.out) / "w1_big.json").write_text(json.dumps(rounds.runs, indent=1) + "\n")
     return 0
 
 
