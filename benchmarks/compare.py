@@ -45,7 +45,6 @@ import gzip
 import importlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -55,8 +54,24 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import _evict_page_cache, burn, child_json, run_child, time_batches
-from stoker.sample import cached_sample
+from harness import (
+    LoaderStats,
+    Rounds,
+    Run,
+    Spread,
+    add_out_argument,
+    alternate,
+    burn,
+    cached_sample,
+    child_json,
+    dataset_from_fields,
+    default_cache,
+    evict_page_cache,
+    stoker_child,
+    table,
+    time_batches,
+    write_results,
+)
 
 RES = 128
 BATCH = 256
@@ -221,14 +236,11 @@ def batches(kind: str, workload: str, data: Path) -> Iterator[Any]:
 
         return iter(_seed(data, kind == "tf.data interleave"))
     if kind == "tf.data best":
-        from stoker.cli import dataset_from_fields
         from stoker.tf import native_dataset
 
         ds = dataset_from_fields(stoker_fields(workload, data))
         return iter(native_dataset(ds, BATCH, cast={"image": dtype}, epochs=None))
     if kind.startswith("stoker to_"):
-        from stoker.cli import dataset_from_fields
-
         loader = dataset_from_fields(stoker_fields(workload, data)).loader(BATCH, epochs=None, cast={"image": dtype})
         return iter(getattr(loader, kind.split()[1])())
     if kind == "torch DataLoader":
@@ -297,21 +309,20 @@ def consumer_alone(seconds: float, warmup: float = 0.0) -> dict[str, float]:
 
 
 # -- one run of one contender -----------------------------------------------------------------
-def run_one(kind: str, workload: str, data: Path, seconds: float, warmup: float = 0.0) -> dict[str, Any] | None:
-    """Records/s (and stoker's stats) of one contender, in a fresh process; None if it failed."""
+def run_one(kind: str, workload: str, data: Path, seconds: float, warmup: float = 0.0) -> Run:
+    """Records/s (and stoker's stats) of one contender, in a fresh process."""
     dtype = out_dtype(workload)
     warmup = warmup_for(workload, warmup)
     if workload == "W1-cold":
         os.sync()
-        _evict_page_cache([str(p) for p in data.iterdir() if p.name.startswith(("img_", "out_"))])
+        evict_page_cache([str(p) for p in data.iterdir() if p.name.startswith(("img_", "out_"))])
     if kind == "stoker numpy":
         # The images alone are cast, as the ceiling and the peers cast them; labels stay float32.
         cfg: dict[str, Any] = {"fields": stoker_fields(workload, data), "batch": BATCH, "cast": {"image": dtype},
                                "seconds": seconds, "shuffle": "global" if workload == "W3" else None,
                                "busy_ms": BUSY_MS if workload == "W1-busy" else 0,
                                "warmup": warmup or True}  # fmt: skip
-        m = run_child("stoker", cfg)
-        return {"rate": m.records_per_s, "stats": m.stats}
+        return stoker_child(f"{workload} {kind}", "stoker", cfg)
     if kind == "ceiling" and workload != "W1-busy":
         w2 = workload == "W2"
         paths = sorted(str(p) for p in data.glob("img_*.bin.gz" if w2 else "img_*.bin"))
@@ -320,55 +331,50 @@ def run_one(kind: str, workload: str, data: Path, seconds: float, warmup: float 
         loop = "inflate_cast" if w2 else "mmap_stream" if workload == "W1-cold" else "mmap_kept"
         cfg = {"paths": paths, "header": 0, "shape": [RES, RES, 1], "src_dtype": "|i1", "out_dtype": dtype,
                "batch": BATCH, "loop": loop, "threads": cores(), "seconds": seconds, "warmup": warmup}  # fmt: skip
-        return {"rate": run_child("ceiling", cfg).records_per_s}
+        return stoker_child(f"{workload} {kind}", "ceiling", cfg)
     argv = [__file__, "--child", kind, "--workload", workload, "--data", str(data), "--seconds", str(seconds),
             "--warmup", str(warmup)]  # fmt: skip
-    try:
-        out = child_json(f"{workload} {kind}", argv, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
-    except RuntimeError as e:
-        print(f"  {e}", file=sys.stderr)
-        return None
-    return {"rate": out["records"] / out["seconds"]}
+    return child_json(f"{workload} {kind}", argv, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
 # -- report -------------------------------------------------------------------------------------
+def _rounds(rates: dict[str, list[float | None]]) -> Rounds:
+    """A workload's records/s per contender and round (None: failed) as the harness's rounds."""
+    runs = {k: [{"records_per_s": x} if x else None for x in rs] for k, rs in rates.items()}
+    return Rounds(tuple(rates), runs)  # type: ignore[arg-type]
+
+
 def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def per_round(rates: dict[str, list[float | None]], a: str, b: str) -> list[float]:
-    return [x / y for x, y in zip(rates.get(a, []), rates.get(b, []), strict=False) if x and y]
+    s = Spread.of(values)
+    return {"median": s.median, "min": s.low, "max": s.high}
 
 
 def report(results: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = [
-        f"# stoker vs peers and the ceiling ({meta['date']}, {meta['machine']}, {meta['cores']} cores, "
-        f"{meta['rounds']} alternated rounds of {meta['seconds']:g}s after {meta.get('warmup', 0):g}s of warm-up, "
-        f"batch {BATCH})",
-        "",
-        "Ratios are per round (same round), then median [min..max].",
-        "",
-        "| workload | contender | records/s median | min | max | / ceiling | stoker numpy / this |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
+    """The table of every workload's contenders: medians, ratios to the ceiling and from stoker."""
+    rows: list[list[object]] = []
     for w, res in results.items():
-        rates = res["rates"]
-        for kind, rs in rates.items():
-            ok = [x for x in rs if x]
-            if not ok:
-                lines.append(f"| {w} | {kind} | failed | | | | |")
+        rounds = _rounds(res["rates"])
+        for kind in rounds.contenders:
+            if not rounds.ok(kind):
+                rows.append([w, kind, "failed", "", "", "", ""])
                 continue
-            cells = [f"{statistics.median(ok):,.0f}", f"{min(ok):,.0f}", f"{max(ok):,.0f}"]
+            s = rounds.spread(kind)
+            cells: list[object] = [w, kind, f"{s.median:,.0f}", f"{s.low:,.0f}", f"{s.high:,.0f}"]
             for a, b in ((kind, "ceiling"), ("stoker numpy", kind)):
-                r = per_round(rates, a, b) if a != b else []
-                cells.append(f"{statistics.median(r):.2f} [{min(r):.2f}..{max(r):.2f}]" if r else "")
-            lines.append(f"| {w} | {kind} | " + " | ".join(cells) + " |")
-        for (ww, kind), why in NOT_RUN.items():
-            if ww == w:
-                lines.append(f"| {w} | {kind} | not run: {why} | | | | |")
+                r = rounds.ratios(a, b) if a != b else []
+                cells.append(Spread.of(r).text(brackets="[]") if r else "")
+            rows.append(cells)
+        rows += [[w, kind, f"not run: {why}", "", "", "", ""] for (ww, kind), why in NOT_RUN.items() if ww == w]
+    lines = [
+        f"{meta['rounds']} alternated rounds of {meta['seconds']:g}s after {meta.get('warmup', 0):g}s of warm-up, "
+        f"batch {BATCH}. Ratios are per round (same round), then median [min..max].",
+        "",
+        table(["workload", "contender", "records/s median", "min", "max", "/ ceiling", "stoker numpy / this"], rows,
+              align="llrrrrr"),
+    ]  # fmt: skip
     verdicts = [(w, res["verdict"]) for w, res in results.items() if res.get("verdict")]
     if verdicts:
-        lines += ["", "stoker's own verdict (`stoker.doctor.verdict` on the median round's `loader.stats()`):", ""]
+        lines += ["stoker's own verdict (`stoker.doctor.verdict` on the median round's `loader.stats()`):", ""]
         lines += [f"- {w}: {v}" for w, v in verdicts]
     return "\n".join(lines) + "\n"
 
@@ -406,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs before it is timed")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
     ap.add_argument("--contenders", default=None, help="comma-separated subset of contenders (ceiling is always run)")
-    ap.add_argument("--cache", default=os.environ.get("STOKER_CACHE", ".stoker-cache"))
-    ap.add_argument("--out", default="benchmarks/results", help="directory for compare.md, compare.json, compare.png")
+    ap.add_argument("--cache", default=default_cache())
+    add_out_argument(ap)  # compare.md and its history, compare.json, compare.png
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -418,7 +424,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     from stoker.doctor import verdict
-    from stoker.stats import LoaderStats
 
     chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in chosen if w not in WORKLOADS]
@@ -427,46 +432,39 @@ def main(argv: list[str] | None = None) -> int:
     only = None if args.contenders is None else {c.strip() for c in args.contenders.split(",")} | {"ceiling"}
     cache = Path(args.cache)
     results: dict[str, Any] = {}
-    t0 = time.time()
     for w in chosen:
         data = data_for(w, cache)
         kinds = [k for k in WORKLOADS[w] if only is None or k in only]
-        rates: dict[str, list[float | None]] = {k: [] for k in kinds}
-        stats: list[tuple[float, dict[str, Any]]] = []
-        for r in range(args.rounds):
-            for kind in kinds if r % 2 == 0 else reversed(kinds):
-                run = run_one("consumer alone" if (kind, w) == ("ceiling", "W1-busy") else kind, w, data,
-                              args.seconds, args.warmup)  # fmt: skip
-                rates[kind].append(run["rate"] if run else None)
-                if run and run.get("stats"):
-                    stats.append((run["rate"], run["stats"]))
-                print(f"  {w} round {r + 1}: {kind:<20} {(run or {}).get('rate') or 0:>12,.0f} records/s",
-                      file=sys.stderr)  # fmt: skip
+
+        def run(kind: str, w: str = w, data: Path = data) -> Run:
+            which = "consumer alone" if (kind, w) == ("ceiling", "W1-busy") else kind
+            return run_one(which, w, data, args.seconds, args.warmup)
+
+        # A contender that fails is reported and left out of its round; the others go on.
+        rounds = alternate(kinds, args.rounds, run, keep_going=True, label=f"{w} ")
+        rates = {k: [r["records_per_s"] if r else None for r in rounds.runs[k]] for k in kinds}
+        stats = [(r["records_per_s"], r["stats"]) for k in kinds for r in rounds.ok(k) if r.get("stats")]
         res: dict[str, Any] = {"rates": rates}
         if stats:
             stats.sort(key=lambda x: x[0])
             median_stats = LoaderStats.from_dict(stats[len(stats) // 2][1])
-            ratio = per_round(rates, "stoker numpy", "ceiling")
+            ratio = rounds.ratios("stoker numpy", "ceiling")
             res["verdict"] = verdict(median_stats, statistics.median(ratio) if ratio and w != "W1-busy" else None)
             res["stoker_stats"] = median_stats.to_dict()
         results[w] = res
-    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(t0)), "machine": platform.machine(), "cores": cores(),
-            "rounds": args.rounds, "seconds": args.seconds, "warmup": args.warmup, "busy_ms": BUSY_MS}  # fmt: skip
-    text = report(results, meta)
-    print(text)
+    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cores": cores(), "rounds": args.rounds,
+            "seconds": args.seconds, "warmup": args.warmup, "busy_ms": BUSY_MS}  # fmt: skip
+    title = f"stoker vs peers and the ceiling ({cores()} cores, batch {BATCH})"
+    write_results("compare", title, report(results, meta), script=__file__, out=args.out, argv=argv,
+                  frameworks=["tensorflow", "torch", "jax", "grain"])  # fmt: skip
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.md").write_text(text)
     summary = {
         w: {k: spread([x for x in rs if x]) for k, rs in res["rates"].items() if any(rs)} for w, res in results.items()
     }
     ratios: dict[str, dict[str, Any]] = {}
     for w, res in results.items():
-        ratios[w] = {}
-        for k in res["rates"]:
-            r = per_round(res["rates"], k, "ceiling")
-            if r and k != "ceiling":
-                ratios[w][k] = spread(r)
+        rounds = _rounds(res["rates"])
+        ratios[w] = {k: spread(r) for k in rounds.contenders if k != "ceiling" and (r := rounds.ratios(k, "ceiling"))}
     (out / "compare.json").write_text(json.dumps({"meta": meta, "results": results, "summary": summary,
                                                   "ratio_to_ceiling": ratios}, indent=1))  # fmt: skip
     try:

@@ -233,7 +233,8 @@ def alternate(
                 result = None
             out.runs[name].append(result)
             if show is not None:
-                figure = f"{result[show]:>12,.0f} {show.replace('_per_s', '/s')}" if result else "failed"
+                unit = {"records_per_s": "records/s", "mb_per_s": "MB/s"}.get(show, show)
+                figure = f"{result[show]:>12,.0f} {unit}" if result else "failed"
                 print(f"  {label}round {r + 1}: {name:<32} {figure}", file=sys.stderr, flush=True)
     return out
 
