@@ -336,11 +336,17 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# Distributions a framework also ships as (TensorFlow's CPU-only wheel is a distribution of its own).
+_ALSO_AS = {"tensorflow": ("tensorflow-cpu",)}
+
+
 def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    for name in (dist, *_ALSO_AS.get(dist, ())):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def machine(frameworks: Sequence[str] = ()) -> str:
