@@ -1,0 +1,169 @@
+"""benchmarks/harness.py: real child processes with known figures, the tables and results files they make."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stoker.sample import cached_sample
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+# A contender's child: appends its name to a log (the order the processes really ran in), then
+# prints noise and the figures it was given, or fails with a long stderr.
+CHILD = """
+import json, sys
+name, log, records = sys.argv[1], sys.argv[2], float(sys.argv[3])
+with open(log, "a") as f:
+    f.write(name + "\\n")
+if name == "broken":
+    sys.stderr.write("x" * 3000 + "\\nthe end of the broken contender's traceback\\n")
+    sys.exit(3)
+if name == "silent":
+    sys.exit(0)
+if name == "slow":
+    import time
+    time.sleep(30)
+print("noise first")
+print(json.dumps({"records": records, "seconds": 2.0, "bytes_read": records * 10}))
+"""
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    yield script, tmp_path / "ran.log"
+
+
+def _runner(child: tuple[Path, Path], figures: dict[str, list[float]]) -> Any:
+    """run(name) for alternate(): the next of the contender's known figures, through a real child."""
+    script, log = child
+    left = {name: iter(values) for name, values in figures.items()}
+
+    def run(name: str) -> harness.Run:
+        return harness.child_json(name, [str(script), name, str(log), str(next(left[name], 0.0))], timeout=60)
+
+    return run
+
+
+def test_alternate_runs_every_contender_once_a_round_reversed_every_other_round(child: tuple[Path, Path]) -> None:
+    figures = {"a": [1, 2, 3], "b": [1, 2, 3], "c": [1, 2, 3]}
+    rounds = harness.alternate(["a", "b", "c"], 3, _runner(child, figures), show=None)
+    expected = ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert [name for _, name in rounds.order] == expected
+    assert [r for r, _ in rounds.order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert child[1].read_text().split() == expected  # the processes ran in that order
+    assert rounds.rounds == 3 and [r["records"] for r in rounds.ok("c")] == [1, 2, 3]
+
+
+def test_medians_spreads_and_per_round_ratios_from_known_child_outputs(child: tuple[Path, Path]) -> None:
+    figures = {"base": [100, 200, 200], "fast": [200, 300, 600], "other": [50, 400, 100]}
+    rounds = harness.alternate(list(figures), 3, _runner(child, figures), show=None)
+    # The child reports records over 2 seconds: records/s is half of each figure.
+    assert rounds.values("fast") == [100.0, 150.0, 300.0]
+    assert rounds.spread("fast") == harness.Spread(150.0, 100.0, 300.0)
+    assert rounds.values("fast", "mb_per_s") == [pytest.approx(x * 10 / 1e6) for x in (100, 150, 300)]
+    assert rounds.ratios("fast", "base") == [2.0, 1.5, 3.0]
+    # Against the best of several baselines in each round: base, other (400 > 200), base.
+    assert rounds.ratios("fast", ["base", "other"]) == [2.0, 0.75, 3.0]
+    assert harness.Spread.of(rounds.ratios("fast", "base")).text() == "2.00 (1.50..3.00)"
+
+
+def test_summary_and_ratio_tables_render_medians_failures_and_labels(child: tuple[Path, Path]) -> None:
+    figures = {"base": [100, 200], "fast": [300, 500], "broken": [1, 1]}
+    rounds = harness.alternate(list(figures), 2, _runner(child, figures), keep_going=True, show=None)
+    assert rounds.runs["broken"] == [None, None]
+    summary = harness.summary_table(rounds, columns={"MB/s": harness.median_of("mb_per_s", "{:.4f}")})
+    assert summary.splitlines() == [
+        "| contender | records/s median | min | max | MB/s |",
+        "|---|---:|---:|---:|---:|",
+        "| base | 75 | 50 | 100 | 0.0008 |",
+        "| fast | 200 | 150 | 250 | 0.0020 |",
+        "| broken | failed |  |  |  |",
+    ]
+    ratios = harness.ratio_table(rounds, [("fast", "base"), ("fast", "base", "fast over base"), ("broken", "base")])
+    assert ratios.splitlines() == [
+        "| ratio (per round, same round) | median | min | max |",
+        "|---|---:|---:|---:|",
+        "| fast / base | 2.75 | 2.50 | 3.00 |",
+        "| fast over base | 2.75 | 2.50 | 3.00 |",
+    ]  # no round where the broken contender ran: no row
+    versus = harness.versus_table(rounds, [("rate", "fast", "base", "records_per_s")], ["", "old", "new", "new/old"])
+    assert versus.splitlines()[2] == "| rate | 75.00 | 200.00 | 2.75 (2.50..3.00) |"
+
+
+def test_results_file_has_the_command_and_machine_and_the_history_keeps_every_run(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    body = "| contender | records/s median |\n|---|---:|\n| a | 1 |\n"
+    path = harness.write_results("demo", "Demo run", body, script="/x/benchmarks/demo.py", out=out,
+                                 argv=["--rounds", "3", "--only", "a b"], frameworks=["numpy"], now=0.0)  # fmt: skip
+    assert path == out / "demo.md"
+    text = path.read_text()
+    assert text.startswith("# Demo run\n\nCommand: `python benchmarks/demo.py --rounds 3 --only 'a b'`\n\nMachine: ")
+    machine = text.split("Machine: ", 1)[1].splitlines()[0]
+    assert "cores" in machine and "GiB RAM" in machine and "Python 3." in machine and "numpy 2." in machine
+    assert text.endswith(body)
+    harness.write_results("demo", "Second run", body.replace("| 1 |", "| 2 |"), script="demo.py", out=out,
+                          argv=[], now=86400.0 * 365)  # fmt: skip
+    latest = (out / "demo.md").read_text()
+    assert "Second run" in latest and "Demo run" not in latest and "| a | 2 |" in latest
+    history = (out / "demo_history.md").read_text()
+    assert history.startswith("# History of `python benchmarks/demo.py` runs\n")
+    assert history.index("## 1970-01-01 00:00 UTC: Demo run") < history.index("## 1971-01-01 00:00 UTC: Second run")
+    assert history.count("| a | 1 |") == 1 and history.count("| a | 2 |") == 1 and history.count("Command: ") == 2
+
+
+def test_a_failing_child_names_its_contender_and_carries_the_end_of_its_stderr(child: tuple[Path, Path]) -> None:
+    script, log = child
+    with pytest.raises(harness.ChildFailed) as e:
+        harness.child_json("W1 broken", [str(script), "broken", str(log), "1"])
+    message = str(e.value)
+    assert message.startswith("benchmark child 'W1 broken' failed (exit status 3):\n")
+    assert message.endswith("the end of the broken contender's traceback\n")
+    assert e.value.contender == "W1 broken" and e.value.returncode == 3
+    assert len(e.value.stderr_tail) == harness.STDERR_TAIL < 3000  # its end, not all of it
+    # Without keep_going the first failure stops the rounds.
+    with pytest.raises(harness.ChildFailed, match="'broken'"):
+        harness.alternate(["ok", "broken"], 2, _runner(child, {"ok": [1, 1], "broken": [1, 1]}), show=None)
+    assert log.read_text().split() == ["broken", "ok", "broken"]
+
+
+def test_a_child_without_json_or_past_its_timeout_fails_with_its_name(child: tuple[Path, Path]) -> None:
+    script, log = child
+    with pytest.raises(harness.ChildFailed, match=r"(?s)'silent'.*no JSON object"):
+        harness.child_json("silent", [str(script), "silent", str(log), "1"])
+    with pytest.raises(harness.ChildFailed, match=r"(?s)'slow'.*killed after 1 s"):
+        harness.child_json("slow", [str(script), "slow", str(log), "1"], timeout=1)
+
+
+def _script(name: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_normalize_kernel_script_writes_its_table_and_history(tmp_path: Path) -> None:
+    _script("normalize_kernel.py", "--rounds", "2", "--calls", "1", "--out", str(tmp_path))
+    text = (tmp_path / "normalize_kernel.md").read_text()
+    assert "Command: `python benchmarks/normalize_kernel.py --rounds 2 --calls 1 --out " in text
+    assert "| chain | us per call median | min | max | records |" in text
+    assert "| w1 normalize+flip float16 | " in text and "| rgb normalize+flip / rgb cast | " in text
+    assert (tmp_path / "normalize_kernel_history.md").read_text().count("| rgb cast | ") == 1
+
+
+def test_raw_copy_script_writes_its_table_and_ratios_to_mmap(tmp_path: Path) -> None:
+    data = cached_sample(tmp_path / "sample", pairs=1, records=512)
+    _script("raw_copy.py", "--rounds", "2", "--seconds", "0.05", "--data", str(data), "--out", str(tmp_path))
+    text = (tmp_path / "raw_copy.md").read_text()
+    for row in ("| mmap | ", "| pread 64 KiB | ", "| pread 64 KiB / mmap | ", "| pread 1024 KiB / mmap | "):
+        assert row in text
+    assert (tmp_path / "raw_copy_history.md").exists()
