@@ -268,7 +268,7 @@ def summary_table(
     """One row per contender: the median, min and max of ``metric``, then ``columns``."""
     columns = columns or {}
     header = [first, f"{label} median", "min", "max", *columns]
-    rows = []
+    rows: list[list[object]] = []
     for name in rounds.contenders:
         runs = rounds.ok(name)
         if not runs:
@@ -290,7 +290,8 @@ def ratio_table(rounds: Rounds, pairs: Iterable[Pair], *, metric: str = "records
     rows = []
     for pair in pairs:
         a, b = pair[0], pair[1]
-        text = pair[2] if len(pair) == 3 else f"{a} / {b}"  # type: ignore[misc]
+        named = b if isinstance(b, str) else "best of " + ", ".join(b)
+        text = pair[2] if len(pair) == 3 else f"{a} / {named}"
         rs = rounds.ratios(a, b, metric)
         if rs:
             s = Spread.of(rs)
