@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"stoker vs peers and the ceiling ({cores()} cores, batch {BATCH})"
     write_results("compare", title, report(results, meta), script=__file__, out=args.out, argv=argv,
                   frameworks=["tensorflow", "torch", "jax", "grain"])  # fmt: skip
-    out = Path(args.out)
+    folder = Path(args.out)
     summary = {
         w: {k: spread([x for x in rs if x]) for k, rs in res["rates"].items() if any(rs)} for w, res in results.items()
     }
@@ -465,10 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     for w, res in results.items():
         rounds = _rounds(res["rates"])
         ratios[w] = {k: spread(r) for k in rounds.contenders if k != "ceiling" and (r := rounds.ratios(k, "ceiling"))}
-    (out / "compare.json").write_text(json.dumps({"meta": meta, "results": results, "summary": summary,
+    (folder / "compare.json").write_text(json.dumps({"meta": meta, "results": results, "summary": summary,
                                                   "ratio_to_ceiling": ratios}, indent=1))  # fmt: skip
     try:
-        chart(results, out / "compare.png")
+        chart(results, folder / "compare.png")
     except ImportError:
         print("matplotlib is not installed: no chart (pip install 'stoker[bench]')", file=sys.stderr)
     return 0
