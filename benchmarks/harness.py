@@ -41,7 +41,7 @@ from stoker.bench import (
 )
 from stoker.bench import _evict_page_cache as evict_page_cache
 from stoker.cli import dataset_from_fields
-from stoker.readahead import physical_memory
+from stoker.readahead import Readahead, physical_memory
 from stoker.sample import cached_sample, expected_label
 from stoker.stats import LoaderStats
 
@@ -52,6 +52,7 @@ __all__ = [
     "ChildFailed",
     "Column",
     "LoaderStats",
+    "Readahead",
     "RecordReader",
     "Rounds",
     "Run",

@@ -160,10 +160,10 @@ def stoker_child(
     data: Path, cast: str | None, readahead: bool, seconds: float, shuffle: str | None = None
 ) -> dict[str, Any]:
     import stoker
-    import stoker.readahead
+    from harness import Readahead
 
     if not readahead:
-        stoker.readahead.Readahead.after_read = lambda self, *a, **k: False  # type: ignore[method-assign]
+        Readahead.after_read = lambda self, *a, **k: False  # type: ignore[method-assign]
     ds = stoker.Dataset(
         image=stoker.Field(str(data / "img_*.bin"), dtype="int8", shape=(RES, RES, 1)),
         label=stoker.Field(str(data / "out_*.bin.gz"), dtype="float32", compression="gzip"),
