@@ -1,16 +1,16 @@
 """What every script under benchmarks/ shares: child runs, rounds, medians, ratios, tables, results files.
 
 A benchmark names its contenders, says how one of them runs once (usually in a fresh child
-process: :func:`child_json`), and hands both to :func:`alternate`, which runs every contender
+process: `child_json`), and hands both to `alternate`, which runs every contender
 once per round, in the opposite order every other round (this kind of machine drifts by tens of
 percent within a minute, so a contender is compared with the others of its own round). The
-figures come back as :class:`Rounds`: medians and spreads per contender, per-round ratios
-against a baseline. :func:`summary_table` and :func:`ratio_table` render them as markdown, and
-:func:`write_results` writes ``results/NAME.md`` (the exact command, the machine, the table) and
-appends the same to ``results/NAME_history.md``.
+figures come back as `Rounds`: medians and spreads per contender, per-round ratios
+against a baseline. `summary_table` and `ratio_table` render them as markdown, and
+`write_results` writes `results/NAME.md` (the exact command, the machine, the table) and
+appends the same to `results/NAME_history.md`.
 
 stoker's internals that the benchmarks drive (the ceiling loops and the loader's child of
-``stoker.bench``, the cached sample, the loader's stats) are imported here and nowhere else under
+`stoker.bench`, the cached sample, the loader's stats) are imported here and nowhere else under
 benchmarks/, so a move of those modules changes this file only.
 """
 
@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,9 @@ from stoker.access import RecordReader
 from stoker.bench import (
     CEILING_LOOPS,
     COMPRESSED_CEILING_LOOPS,
+    batch_rows,
     burn,
     output_buffer,
-    time_batches,
 )
 from stoker.bench import _evict_page_cache as evict_page_cache
 from stoker.cli import dataset_from_fields
@@ -114,11 +114,11 @@ def _with_rates(out: Run) -> Run:
 def child_json(
     contender: str, args: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None
 ) -> Run:
-    """Run ``python args...`` in a fresh process; return the JSON object on the last line it prints.
+    """Run `python args...` in a fresh process; return the JSON object on the last line it prints.
 
-    ``records_per_s`` (and ``mb_per_s`` with ``bytes_read``) are added where the child reported
-    ``records`` and ``seconds``. A child that fails, prints no JSON or outlives ``timeout`` seconds
-    raises :class:`ChildFailed` naming ``contender``, with the end of its stderr. ``env``: variables
+    `records_per_s` (and `mb_per_s` with `bytes_read`) are added where the child reported
+    `records` and `seconds`. A child that fails, prints no JSON or outlives `timeout` seconds
+    raises `ChildFailed` naming `contender`, with the end of its stderr. `env`: variables
     set for the child on top of this process's environment.
     """
     try:
@@ -142,9 +142,45 @@ def child_json(
 
 
 def stoker_child(contender: str, kind: str, cfg: Mapping[str, Any]) -> Run:
-    """One run of stoker's loader (``kind="stoker"``) or a ceiling loop (``"ceiling"``), as
-    ``stoker.bench`` measures them (see its docstring for ``cfg``), in a fresh process."""
+    """One run of stoker's loader (`kind="stoker"`) or a ceiling loop (`"ceiling"`), as
+    `stoker.bench` measures them (see its docstring for `cfg`), in a fresh process."""
     return child_json(contender, ["-m", "stoker.bench", kind, json.dumps(dict(cfg))])
+
+
+def time_batches(
+    batches: Iterator[Any],
+    seconds: float,
+    *,
+    warmup: float = 0.0,
+    began: float | None = None,
+    step: Callable[[], None] | None = None,
+    sync: Callable[[Any], None] | None = None,
+) -> dict[str, float]:
+    """Records per second of `batches` in their steady state, for the benchmark scripts' children.
+
+    The first batch, then every batch until `warmup` seconds after `began` (default: now;
+    pass the time before the pipeline was built to count its start-up into the warm-up), run
+    unmeasured; then `seconds` are timed. `step()` runs after each batch but the first (a
+    consumer's own work); `sync(batch)` waits for a device before the clock starts and stops.
+    """
+    began = time.perf_counter() if began is None else began
+    batch = next(batches)
+    while time.perf_counter() - began < warmup:
+        batch = next(batches)
+        if step is not None:
+            step()
+    if sync is not None:
+        sync(batch)
+    n = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        batch = next(batches)
+        n += batch_rows(batch)
+        if step is not None:
+            step()
+    if sync is not None:
+        sync(batch)
+    return {"records": n, "seconds": time.perf_counter() - start}
 
 
 @dataclass(frozen=True)
@@ -163,7 +199,7 @@ class Spread:
         return cls(statistics.median(vs), min(vs), max(vs))
 
     def text(self, fmt: str = "{:.2f}", brackets: str = "()") -> str:
-        """``median (min..max)``, each in ``fmt``."""
+        """`median (min..max)`, each in `fmt`."""
         return f"{fmt.format(self.median)} {brackets[0]}{fmt.format(self.low)}..{fmt.format(self.high)}{brackets[1]}"
 
 
@@ -190,7 +226,7 @@ class Rounds:
         return Spread.of(self.values(contender, metric))
 
     def ratios(self, contender: str, baseline: str | Sequence[str], metric: str = "records_per_s") -> list[float]:
-        """``contender / baseline`` in each round where both ran; a sequence of baselines: the
+        """`contender / baseline` in each round where both ran; a sequence of baselines: the
         best of them in that round (e.g. the fastest ceiling loop)."""
         names = [baseline] if isinstance(baseline, str) else list(baseline)
         out = []
@@ -213,12 +249,12 @@ def alternate(
     show: str | None = "records_per_s",
     label: str = "",
 ) -> Rounds:
-    """Run every contender once per round, ``rounds`` times, in reverse order every other round.
+    """Run every contender once per round, `rounds` times, in reverse order every other round.
 
-    ``run(name)`` measures one contender once and returns its figures. With ``keep_going``, a
-    run raising :class:`ChildFailed` is reported on stderr and recorded as None (the others go
-    on); else it propagates. Each result's ``show`` figure is printed to stderr as it comes,
-    prefixed by ``label``.
+    `run(name)` measures one contender once and returns its figures. With `keep_going`, a
+    run raising `ChildFailed` is reported on stderr and recorded as None (the others go
+    on); else it propagates. Each result's `show` figure is printed to stderr as it comes,
+    prefixed by `label`.
     """
     out = Rounds(tuple(contenders), {name: [] for name in contenders})
     for r in range(rounds):
@@ -241,7 +277,7 @@ def alternate(
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str | None = None) -> str:
-    """A markdown table; ``align``: one letter per column, ``l`` or ``r`` (default: the first
+    """A markdown table; `align`: one letter per column, `l` or `r` (default: the first
     column left, the others right)."""
     align = align or "l" + "r" * (len(header) - 1)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"]
@@ -253,7 +289,7 @@ Column = Callable[[list[Run]], object]  # an extra cell of a contender's row, fr
 
 
 def median_of(metric: str, fmt: str = "{:,.0f}") -> Column:
-    """A column: the median of ``metric`` over a contender's runs."""
+    """A column: the median of `metric` over a contender's runs."""
     return lambda runs: fmt.format(statistics.median(float(r[metric]) for r in runs)) if runs else ""
 
 
@@ -266,7 +302,7 @@ def summary_table(
     columns: Mapping[str, Column] | None = None,
     first: str = "contender",
 ) -> str:
-    """One row per contender: the median, min and max of ``metric``, then ``columns``."""
+    """One row per contender: the median, min and max of `metric`, then `columns`."""
     columns = columns or {}
     header = [first, f"{label} median", "min", "max", *columns]
     rows: list[list[object]] = []
@@ -285,7 +321,7 @@ Pair = tuple[str, str | Sequence[str]] | tuple[str, str | Sequence[str], str]
 
 
 def ratio_table(rounds: Rounds, pairs: Iterable[Pair], *, metric: str = "records_per_s", fmt: str = "{:.2f}") -> str:
-    """One row per ``(contender, baseline[, label])``: the median, min and max of the per-round
+    """One row per `(contender, baseline[, label])`: the median, min and max of the per-round
     ratios contender / baseline (a sequence of baselines: the best of them each round). Pairs
     with no round where both ran are left out."""
     rows = []
@@ -308,9 +344,9 @@ def versus_table(
     fmt: str = "{:,.2f}",
     ratio_fmt: str = "{:.2f}",
 ) -> str:
-    """One row per ``(label, contender, baseline, metric)``: the baseline's median, the
-    contender's, and the per-round ratios contender / baseline as ``median (min..max)`` (an A/B
-    of two versions, figure by figure). ``header``: the four column titles."""
+    """One row per `(label, contender, baseline, metric)`: the baseline's median, the
+    contender's, and the per-round ratios contender / baseline as `median (min..max)` (an A/B
+    of two versions, figure by figure). `header`: the four column titles."""
     cells = []
     for label, a, b, metric in rows:
         rs = rounds.ratios(a, b, metric)
@@ -323,7 +359,7 @@ def versus_table(
 
 
 def add_out_argument(ap: argparse.ArgumentParser) -> None:
-    """``--out DIR``: where NAME.md and NAME_history.md are written (default benchmarks/results)."""
+    """`--out DIR`: where NAME.md and NAME_history.md are written (default benchmarks/results)."""
     ap.add_argument("--out", default=str(RESULTS), help="directory for the results table and its history")
 
 
@@ -352,7 +388,7 @@ def _version(dist: str) -> str | None:
 
 
 def machine(frameworks: Sequence[str] = ()) -> str:
-    """One line: cores, CPU model, RAM, OS, Python, and numpy's and ``frameworks``' versions."""
+    """One line: cores, CPU model, RAM, OS, Python, and numpy's and `frameworks`' versions."""
     cores = len(os.sched_getaffinity(0))
     versions = [f"{d} {v}" for d in ("numpy", *frameworks) if (v := _version(d))]
     versions += [f"{d} not installed" for d in frameworks if _version(d) is None]
@@ -365,7 +401,7 @@ def machine(frameworks: Sequence[str] = ()) -> str:
 
 
 def command_line(script: str, argv: Sequence[str] | None = None) -> str:
-    """``python benchmarks/SCRIPT.py ARGS``: the command that made a table (``argv``: sys.argv[1:])."""
+    """`python benchmarks/SCRIPT.py ARGS`: the command that made a table (`argv`: sys.argv[1:])."""
     args = sys.argv[1:] if argv is None else argv
     return shlex.join(["python", f"benchmarks/{Path(script).name}", *args])
 
@@ -381,11 +417,11 @@ def write_results(
     frameworks: Sequence[str] = (),
     now: float | None = None,
 ) -> Path:
-    """Write ``out/NAME.md`` (title, command, machine, ``body``), append it to ``out/NAME_history.md``
+    """Write `out/NAME.md` (title, command, machine, `body`), append it to `out/NAME_history.md`
     under a UTC timestamp, print it, and return the table's path.
 
-    ``script``: the benchmark's ``__file__``; ``argv``: its arguments (default sys.argv[1:]);
-    ``frameworks``: the distributions whose versions the machine line gives beside numpy's.
+    `script`: the benchmark's `__file__`; `argv`: its arguments (default sys.argv[1:]);
+    `frameworks`: the distributions whose versions the machine line gives beside numpy's.
     """
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ from stoker.bench import (
     child_json,
     output_buffer,
     run_child,
-    time_batches,
 )
 from stoker.cli import dataset_from_fields, main
 from stoker.sample import expected_label, write_sample
@@ -163,26 +162,7 @@ def test_a_ceiling_thread_counts_from_its_first_batch_done_in_the_timed_window()
     assert tally.n - tally.base == 16 and tally.ended >= tally.begun
 
 
-def test_time_batches_times_the_steady_state_only_and_runs_the_consumer_s_step() -> None:
-    made: list[float] = []
-
-    def batches() -> Iterator[dict[str, np.ndarray]]:  # batches of 4 records, 10 ms apart
-        while True:
-            time.sleep(0.01)
-            made.append(time.perf_counter())
-            yield {"x": np.zeros(4), "y": np.zeros(4)}
-
-    steps, synced = [], []
-    began = time.perf_counter()
-    out = time_batches(batches(), 0.1, warmup=0.15, began=began, step=lambda: steps.append(1), sync=synced.append)
-    assert out["records"] % 4 == 0 and 0.1 <= out["seconds"] < 0.2
-    untimed = len(made) - out["records"] // 4
-    # Untimed: the first batch and those asked for within the warm-up (each made 10 ms after
-    # it was asked for); timed: every one after them, all made once the warm-up was over.
-    assert untimed >= 2 and all(t < began + 0.15 + 0.01 + 0.005 for t in made[:untimed])
-    assert out["records"] > 0 and all(t >= began + 0.15 for t in made[untimed:])
-    assert len(synced) == 2  # before the clock starts and before it stops
-    assert len(steps) == len(made) - 1  # after every batch but the first
+def test_batch_rows_counts_the_records_of_a_tuple_or_a_dict_batch() -> None:
     assert batch_rows((np.zeros((3, 2)), np.zeros(3))) == 3 and batch_rows({"a": np.zeros((5, 1))}) == 5
 
 

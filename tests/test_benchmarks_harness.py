@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from stoker.sample import cached_sample
@@ -142,6 +144,29 @@ def test_a_child_without_json_or_past_its_timeout_fails_with_its_name(child: tup
         harness.child_json("silent", [str(script), "silent", str(log), "1"])
     with pytest.raises(harness.ChildFailed, match=r"(?s)'slow'.*killed after 1 s"):
         harness.child_json("slow", [str(script), "slow", str(log), "1"], timeout=1)
+
+
+def test_time_batches_times_the_steady_state_only_and_runs_the_consumer_s_step() -> None:
+    made: list[float] = []
+
+    def batches() -> Iterator[dict[str, np.ndarray]]:  # batches of 4 records, 10 ms apart
+        while True:
+            time.sleep(0.01)
+            made.append(time.perf_counter())
+            yield {"x": np.zeros(4), "y": np.zeros(4)}
+
+    steps, synced = [], []
+    began = time.perf_counter()
+    time_batches = harness.time_batches
+    out = time_batches(batches(), 0.1, warmup=0.15, began=began, step=lambda: steps.append(1), sync=synced.append)
+    assert out["records"] % 4 == 0 and 0.1 <= out["seconds"] < 0.2
+    untimed = len(made) - out["records"] // 4
+    # Untimed: the first batch and those asked for within the warm-up (each made 10 ms after
+    # it was asked for); timed: every one after them, all made once the warm-up was over.
+    assert untimed >= 2 and all(t < began + 0.15 + 0.01 + 0.005 for t in made[:untimed])
+    assert out["records"] > 0 and all(t >= began + 0.15 for t in made[untimed:])
+    assert len(synced) == 2  # before the clock starts and before it stops
+    assert len(steps) == len(made) - 1  # after every batch but the first
 
 
 def _script(name: str, *args: str) -> str:

@@ -67,7 +67,6 @@ __all__ = [
     "output_buffer",
     "run_child",
     "summarize",
-    "time_batches",
 ]
 
 
@@ -258,42 +257,6 @@ def batch_rows(batch: Any) -> int:
     """Records in a batch: a dict of arrays or tensors (its first field), or a tuple (its first item)."""
     first = batch[0] if isinstance(batch, list | tuple) else next(iter(batch.values()))
     return int(first.shape[0])
-
-
-def time_batches(
-    batches: Iterator[Any],
-    seconds: float,
-    *,
-    warmup: float = 0.0,
-    began: float | None = None,
-    step: Callable[[], None] | None = None,
-    sync: Callable[[Any], None] | None = None,
-) -> dict[str, float]:
-    """Records per second of `batches` in their steady state, for the benchmark scripts' children.
-
-    The first batch, then every batch until `warmup` seconds after `began` (default: now;
-    pass the time before the pipeline was built to count its start-up into the warm-up), run
-    unmeasured; then `seconds` are timed. `step()` runs after each batch but the first (a
-    consumer's own work); `sync(batch)` waits for a device before the clock starts and stops.
-    """
-    began = time.perf_counter() if began is None else began
-    batch = next(batches)
-    while time.perf_counter() - began < warmup:
-        batch = next(batches)
-        if step is not None:
-            step()
-    if sync is not None:
-        sync(batch)
-    n = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        batch = next(batches)
-        n += batch_rows(batch)
-        if step is not None:
-            step()
-    if sync is not None:
-        sync(batch)
-    return {"records": n, "seconds": time.perf_counter() - start}
 
 
 def burn(seconds: float) -> None:
