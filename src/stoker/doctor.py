@@ -15,7 +15,33 @@ from .inflate import BACKEND
 from .machine import cores_phrase
 from .stats import LoaderStats
 
-__all__ = ["CONSUMER_BOUND", "AT_CEILING", "verdict"]
+__all__ = ["AT_CEILING", "CONSUMER_BOUND", "VERDICTS_PAGE", "VERDICT_IDS", "verdict"]
+
+# Every verdict ends by naming its section of this page, so a user can read what to change.
+VERDICTS_PAGE = "docs/performance/verdicts.md"
+# The page's sections, one per kind of verdict: each is the anchor of its heading there.
+VERDICT_IDS = (
+    "no-batches",
+    "consumer-bound",
+    "at-ceiling",
+    "buffers-made-anew",
+    "memory-budget-bound",
+    "prefetch-below-workers",
+    "no-stage-measured",
+    "decompression",
+    "stream-turns",
+    "cpu-starved",
+    "workers-outnumber-cores",
+    "per-batch-work",
+    "storage-bound",
+    "more-threads",
+    "global-shuffle-gathers",
+    "copy-with-cast",
+    "copy-bound",
+    "copy-decompressed",
+    "cast",
+    "per-batch-overhead",
+)
 
 # The consumer's own work is more than half the loop: stoker is ahead and waits on it.
 CONSUMER_BOUND = 0.5
@@ -64,17 +90,19 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         backend: the inflate library in use (`"isal"` or `"zlib"`).
     """
     if stats.batches == 0 or stats.seconds <= 0:
-        return "no batches delivered yet: nothing to diagnose"
+        return _see("no-batches", "no batches delivered yet: nothing to diagnose")
     if stats.consumer_fraction >= CONSUMER_BOUND:
-        return (
+        return _see(
+            "consumer-bound",
             f"consumer-bound: the pipeline waits on you {stats.consumer_fraction:.0%} of the time "
-            f"(you wait on it {stats.wait_fraction:.0%}); a faster step, not stoker, would move it"
+            f"(you wait on it {stats.wait_fraction:.0%}); a faster step, not stoker, would move it",
         )
     if ceiling_ratio is not None and ceiling_ratio >= AT_CEILING:
         above = " (over 100%: noisy rounds, read the spread)" if ceiling_ratio > 1.05 else ""
-        return (
+        return _see(
+            "at-ceiling",
             f"at {ceiling_ratio:.0%} of this machine's ceiling: the copy is the limit{above} "
-            "(less data per record, or faster memory/storage, would move it)"
+            "(less data per record, or faster memory/storage, would move it)",
         )
     where = "" if ceiling_ratio is None else f" at {ceiling_ratio:.0%} of the ceiling"
     memory = _memory_verdict(stats, where)
@@ -82,23 +110,27 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         return memory
     table = stats.stage_table()
     if not table:
-        return f"no worker stage measured{where}"
+        return _see("no-stage-measured", f"no worker stage measured{where}")
     stage, name, _, share = table[0]
     cores, threads = stats.cores, stats.threads
     more_threads = f"raise threads= (now {threads}, {cores} cores)" if threads < cores else ""
     if stage == "decompress":
         if backend != "isal":
-            return (
+            return _see(
+                "decompression",
                 f"gzip/zlib decompression of field {name!r} limits you ({share:.0%} of worker time{where}): "
-                "install isal (pip install 'stoker[fast]'), 1.5-2x faster inflate"
+                "install isal (pip install 'stoker[fast]'), 1.5-2x faster inflate",
             )
-        return f"decompression of field {name!r} limits you ({share:.0%} of worker time{where}, isal in use): " + (
-            more_threads or "store that field uncompressed, or split it into more files so more inflate at once"
+        return _see(
+            "decompression",
+            f"decompression of field {name!r} limits you ({share:.0%} of worker time{where}, isal in use): "
+            + (more_threads or "store that field uncompressed, or split it into more files so more inflate at once"),
         )
     if stage == "turn":
-        return (
+        return _see(
+            "stream-turns",
             f"workers wait for their turn on field {name!r}'s compressed streams ({share:.0%} of worker "
-            f"time{where}): raise cycle_length so more files are read at once"
+            f"time{where}): raise cycle_length so more files are read at once",
         )
     if stage in ("read", "read+cast", "gather"):
         cpu_share = stats.busy_cpu_seconds / stats.busy_seconds if stats.busy_seconds > 0 else 1.0
@@ -109,47 +141,56 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
             others = stats.others_cpus
             waited = split[1]
             if waited >= STARVED and others is not None and others >= OTHERS * cores:
-                return (
+                return _see(
+                    "cpu-starved",
                     f"CPU-starved: workers ({stage} of field {name!r}) waited for a CPU {waited:.0%} of their busy "
                     f"time{where} while the process used {stats.cpu_utilization:.0%} of {cores_phrase(cores)}: other "
                     f"processes take the CPU ({others:.1f} CPUs' worth of it; the machine's load average is "
-                    f"{stats.load_average:.1f})"
+                    f"{stats.load_average:.1f})",
                 )
             if waited >= STARVED and others is not None and threads >= cores:
-                return (
+                return _see(
+                    "workers-outnumber-cores",
                     f"workers outnumber the cores: {threads} workers on {cores} cores waited for a CPU {waited:.0%} "
                     f"of their busy time{where}, with no other process on it: threads={max(1, cores - 1)} or "
-                    f"{cores} (or None, autotuned) leaves each a core"
+                    f"{cores} (or None, autotuned) leaves each a core",
                 )
             if cpu_share < GIL_CPU and blocked is not None and blocked >= BLOCKED:
                 rate = stats.batches / stats.seconds
                 together = f", assembled {stats.coalesced} at a time" if stats.coalesced > 1 else ""
-                return (
+                return _see(
+                    "per-batch-work",
                     f"per-batch work limits you: {rate:,.0f} batches/s of {stats.batch_size} records{together}{where}; "
                     f"workers ran on a CPU only {cpu_share:.0%} of their busy time and were blocked {blocked:.0%} "
                     f"of the rest (not waiting for a CPU: the process used {stats.cpu_utilization:.0%} of "
                     f"{cores} cores): they take turns at Python's GIL for each batch's bookkeeping, so records "
-                    f"per batch set the rate: raise batch_size (now {stats.batch_size})"
+                    f"per batch set the rate: raise batch_size (now {stats.batch_size})",
                 )
         if cpu_share < IO_BOUND_CPU and cached and split is None:  # no scheduler statistics: a guess
-            return (
+            return _see(
+                "cpu-starved",
                 f"CPU-starved: workers ({stage} of field {name!r}) ran on a CPU only {cpu_share:.0%} of their "
                 f"busy time{where} though "
                 f"almost nothing came from the disk; the machine's load average is {stats.load_average:.1f} "
-                f"on {cores} cores: other processes (or your own threads holding the GIL) take the CPU"
+                f"on {cores} cores: other processes (or your own threads holding the GIL) take the CPU",
             )
         if cpu_share < IO_BOUND_CPU:
-            return (
+            return _see(
+                "storage-bound",
                 f"storage-bound: reads of field {name!r} wait on the disk (workers on the CPU only "
                 f"{cpu_share:.0%} of their busy time{where}): raise threads/prefetch for more reads in flight, "
-                "or keep the files in the page cache"
+                "or keep the files in the page cache",
             )
         if more_threads:
-            return f"{stage} of field {name!r} limits you ({share:.0%} of worker time{where}): {more_threads}"
+            return _see(
+                "more-threads",
+                f"{stage} of field {name!r} limits you ({share:.0%} of worker time{where}): {more_threads}",
+            )
         if stage == "gather":
-            return (
+            return _see(
+                "global-shuffle-gathers",
                 f"random-access gathers of field {name!r} for shuffle='global' limit you ({share:.0%} of worker "
-                f"time{where}): shuffle='files' reads each file front to back"
+                f"time{where}): shuffle='files' reads each file front to back",
             )
         busy = f"CPU {stats.cpu_utilization:.0%} of {cores_phrase(cores)}"
         # The ceiling makes the same copy: below it, stoker's own per-batch work is the gap.
@@ -162,25 +203,37 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         )
         gap += _runs_gap(stats) if ceiling_ratio is not None else ""
         if stage == "read+cast":
-            return (
+            return _see(
+                "copy-with-cast",
                 f"the copy of field {name!r} with its cast to {stats.dtypes.get(name, '?')} limits you "
                 f"({share:.0%} of worker time{where}, {busy}): keep the stored dtype and cast on the "
-                f"accelerator to move fewer bytes{gap}"
+                f"accelerator to move fewer bytes{gap}",
             )
-        return f"the copy of field {name!r} limits you ({share:.0%} of worker time{where}, {busy}){gap}"
+        return _see(
+            "copy-bound", f"the copy of field {name!r} limits you ({share:.0%} of worker time{where}, {busy}){gap}"
+        )
     if stage == "copy":
-        return f"copying decompressed records of field {name!r} limits you ({share:.0%} of worker time{where}): " + (
-            more_threads or "store that field uncompressed so it is read straight into the batch"
+        return _see(
+            "copy-decompressed",
+            f"copying decompressed records of field {name!r} limits you ({share:.0%} of worker time{where}): "
+            + (more_threads or "store that field uncompressed so it is read straight into the batch"),
         )
     if stage == "cast":
-        return (
+        return _see(
+            "cast",
             f"the cast of field {name!r} to {stats.dtypes.get(name, '?')} limits you ({share:.0%} of worker "
-            f"time{where}): keep the stored dtype and cast on the accelerator"
+            f"time{where}): keep the stored dtype and cast on the accelerator",
         )
-    return (
+    return _see(
+        "per-batch-overhead",
         f"per-batch overhead (buffers, files, bookkeeping) limits you ({share:.0%} of worker time{where}): "
-        f"raise batch_size (now {stats.batch_size})"
+        f"raise batch_size (now {stats.batch_size})",
     )
+
+
+def _see(anchor: str, said: str) -> str:
+    """``said`` followed by where the verdicts page explains it and what to change."""
+    return f"{said}; see {VERDICTS_PAGE}#{anchor}"
 
 
 def _runs_gap(stats: LoaderStats) -> str:
@@ -237,11 +290,12 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
             else f"memory_budget={_size(need)!r}, a lower prefetch=, or holding fewer batches"
         )
         together = f" (assembled {k} at a time: a batch kept keeps its assembly's buffer)" if k > 1 else ""
-        return (
+        return _see(
+            "buffers-made-anew",
             f"batch buffers made anew instead of recycled: {stats.buffers_made} for {stats.batches} batches"
             f"{together}{where}, "
             f"each paying a first touch of its pages; the pool recycles a batch once you drop it, within what "
-            f"{held} leaves beside prefetch={prefetch} in flight: {move} would move it"
+            f"{held} leaves beside prefetch={prefetch} in flight: {move} would move it",
         )
     if prefetch >= threads:
         return None
@@ -249,13 +303,15 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
         # The default prefetch takes half of what the budget holds beside the decoded files a
         # loader keeps (see stoker.loader): this reaches `threads` batches.
         need = 2 * threads * bb + KEPT_DECODED_BYTES
-        return (
+        return _see(
+            "memory-budget-bound",
             f"memory_budget-bound: {held}, so prefetch={prefetch} keeps at most {prefetch} of {threads} "
-            f"workers busy{where}: memory_budget={_size(need)!r} (or a smaller batch_size) lets every worker run"
+            f"workers busy{where}: memory_budget={_size(need)!r} (or a smaller batch_size) lets every worker run",
         )
-    return (
+    return _see(
+        "prefetch-below-workers",
         f"prefetch={prefetch} keeps at most {prefetch} of {threads} workers busy{where}: raise prefetch= to "
-        f"{threads} or more ({held})"
+        f"{threads} or more ({held})",
     )
 
 
