@@ -1080,7 +1080,7 @@ def test_buffers_made_anew_are_counted_and_named_when_the_pool_cannot_recycle_th
     v = verdict(s)
     assert v.startswith(f"batch buffers made anew instead of recycled: {s.buffers_made} for 100 batches, ")
     assert "the pool recycles a batch once you drop it" in v and v.endswith(
-        "hold fewer batches, or lower prefetch= would move it"
+        "hold fewer batches, or lower prefetch= would move it; see docs/performance/verdicts.md#buffers-made-anew"
     )
     # Batches dropped, but a budget that leaves the pool no room: the budget is named.
     tight = dataclasses.replace(dropped, buffers_made=2 * dropped.batches, memory_budget=3 * dropped.batch_bytes)
