@@ -147,13 +147,16 @@ class Dataset:
             epochs: epochs per pass (per `iter(loader)`); None repeats forever. Batches never
                 span epochs. Pass k covers epochs `k*epochs .. k*epochs+epochs-1`.
             drop_remainder: drop each epoch's last short batch.
-            cycle_length, block_length: tf.data interleave settings; None = stoker's defaults
-                (see `stoker.plan.default_cycle_length` / `default_block_length`).
+            cycle_length: files read side by side (tf.data's interleave setting); None = stoker's
+                default (see `stoker.plan.default_cycle_length`).
+            block_length: consecutive records taken from a file before the next (tf.data's);
+                None = stoker's default (`default_block_length`).
             cast: one dtype for every field, or `{field: dtype}`; applied while assembling.
                 A numpy bool/integer/float dtype, or `"bfloat16"` (ml_dtypes', which the
                 TF, PyTorch and JAX adapters hand on as their own bfloat16).
-            threads, prefetch: worker threads and batches prepared ahead; None = chosen by
-                stoker. They never change what is delivered.
+            threads: worker threads; None = chosen by stoker. It never changes what is delivered.
+            prefetch: batches prepared ahead; None = chosen by stoker. It never changes what is
+                delivered.
             memory_budget: bytes the engine may hold (batches in flight plus recycled buffers,
                 and small compressed files kept decoded), as `"2GiB"` or an int. None (the
                 default): a quarter of the memory this process may use, container limits
