@@ -156,6 +156,7 @@ def test_docstring_examples_run(path: Path, in_sample: Path) -> None:
     document.pop_evaluator(document.import_document)  # the module as the package has it, not a second copy
     document.namespace.update(vars(importlib.import_module(_module_name(path))))
     document.namespace["train_step"] = lambda *a, **k: None
+    document.namespace["stoker"] = stoker
     document.namespace["ds"] = stoker.Dataset(
         image=stoker.Field("data/img_*.bin", "int8", (128, 128, 1)),
         label=stoker.Field("data/out_*.bin.gz", "float32", compression="gzip"),
