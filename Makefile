@@ -15,7 +15,7 @@ DEMO_VENV := .venv-demo
 DEMO_BIN := $(DEMO_VENV)/bin
 DEMO_STAMP := $(DEMO_VENV)/.installed
 
-.PHONY: demo test lint bench venv wheel clean
+.PHONY: demo test docs lint bench venv wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -37,10 +37,15 @@ $(DEMO_STAMP): pyproject.toml setup.py src/stoker/_kernels.c $(CONSTRAINTS) | $(
 demo: $(DEMO_STAMP)
 	$(DEMO_BIN)/stoker bench
 
-test: $(STAMP)
+test: $(STAMP) docs
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q tests
+
+# The site from docs/ and the docstrings; --strict makes a broken link, reference or docstring fail
+# the build (and so `make test`). The NO_MKDOCS_2_WARNING banner is mkdocs-material's notice, not ours.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/w1.py
@@ -59,4 +64,4 @@ wheel: $(STAMP)
 	ls dist/*.whl
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) dist build .stoker-cache .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) dist build site .stoker-cache .pytest_cache .mypy_cache .ruff_cache

@@ -5,9 +5,9 @@ Example:
     >>> ds = stoker.Dataset(
     ...     image=stoker.Field("data/img_*.bin", dtype="int8", shape=(128, 128, 1)),
     ...     label=stoker.Field("data/out_*.bin.gz", dtype="float32", compression="gzip"),
-    ... )  # doctest: +SKIP
-    >>> for batch in ds.loader(256, cast={"image": "float32"}):  # doctest: +SKIP
-    ...     ...
+    ... )
+    >>> for batch in ds.loader(256, cast={"image": "float32"}):
+    ...     train_step(batch["image"], batch["label"])
 """
 
 import importlib

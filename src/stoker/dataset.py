@@ -43,8 +43,8 @@ class Dataset:
 
     Example:
         >>> ds = Dataset(image=Field("data/img_*.bin", "int8", (128, 128, 1)),
-        ...              label=Field("data/out_*.bin.gz", "float32"))  # doctest: +SKIP
-        >>> for batch in ds.loader(256, cast={"image": "float32"}):  # doctest: +SKIP
+        ...              label=Field("data/out_*.bin.gz", "float32"))
+        >>> for batch in ds.loader(256, cast={"image": "float32"}):
         ...     images, labels = batch["image"], batch["label"]
     """
 
@@ -147,13 +147,16 @@ class Dataset:
             epochs: epochs per pass (per `iter(loader)`); None repeats forever. Batches never
                 span epochs. Pass k covers epochs `k*epochs .. k*epochs+epochs-1`.
             drop_remainder: drop each epoch's last short batch.
-            cycle_length, block_length: tf.data interleave settings; None = stoker's defaults
-                (see `stoker.plan.default_cycle_length` / `default_block_length`).
+            cycle_length: files read side by side (tf.data's interleave setting); None = stoker's
+                default (see `stoker.plan.default_cycle_length`).
+            block_length: consecutive records taken from a file before the next (tf.data's);
+                None = stoker's default (`default_block_length`).
             cast: one dtype for every field, or `{field: dtype}`; applied while assembling.
                 A numpy bool/integer/float dtype, or `"bfloat16"` (ml_dtypes', which the
                 TF, PyTorch and JAX adapters hand on as their own bfloat16).
-            threads, prefetch: worker threads and batches prepared ahead; None = chosen by
-                stoker. They never change what is delivered.
+            threads: worker threads; None = chosen by stoker. It never changes what is delivered.
+            prefetch: batches prepared ahead; None = chosen by stoker. It never changes what is
+                delivered.
             memory_budget: bytes the engine may hold (batches in flight plus recycled buffers,
                 and small compressed files kept decoded), as `"2GiB"` or an int. None (the
                 default): a quarter of the memory this process may use, container limits
@@ -221,7 +224,7 @@ class Dataset:
         """Record `i` (negative counts from the end) as `{field: array of shape}`.
 
         Example:
-            >>> ds[0]["image"].shape  # doctest: +SKIP
+            >>> ds[0]["image"].shape
             (128, 128, 1)
         """
         from .access import read_one
@@ -253,7 +256,7 @@ class Dataset:
         fields from their decoded form (cached, bounded) or from the index's seek points.
 
         Example:
-            >>> batch = ds.read([5, 0, 5])  # doctest: +SKIP
+            >>> batch = ds.read([5, 0, 5])
         """
         from .access import read_records
 
@@ -272,8 +275,8 @@ class Dataset:
         SpecError naming it: split by record, or give it a larger fraction.
 
         Example:
-            >>> parts = ds.split({"train": 0.9, "val": 0.1}, seed=0)  # doctest: +SKIP
-            >>> train = parts["train"].loader(256, shuffle="global", seed=1)  # doctest: +SKIP
+            >>> parts = ds.split({"train": 0.75, "val": 0.25}, seed=0)
+            >>> train = parts["train"].loader(256, shuffle="global", seed=1)
         """
         from .access import split
 

@@ -57,7 +57,7 @@ def shard_from_jax() -> tuple[int, int]:
     """`(jax.process_index(), jax.process_count())`: this process's shard of a multi-host job.
 
     Example:
-        >>> loader = ds.loader(256, shard=stoker.jax.shard_from_jax())  # doctest: +SKIP
+        >>> loader = ds.loader(256, shard=stoker.jax.shard_from_jax())
     """
     return shard_from_rank(jax.process_index(), jax.process_count())
 
@@ -75,9 +75,11 @@ def to_jax(loader: Loader, sharding: Any = None, prefetch_to_device: int = 2) ->
         prefetch_to_device: batches put on the device ahead of the one being used.
 
     Example:
-        >>> mesh = jax.make_mesh((jax.device_count(),), ("batch",))  # doctest: +SKIP
-        >>> data = NamedSharding(mesh, PartitionSpec("batch"))  # doctest: +SKIP
-        >>> for batch in ds.loader(256, drop_remainder=True).to_jax(sharding=data):  # doctest: +SKIP
+        >>> from jax.sharding import NamedSharding, PartitionSpec
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("batch",))
+        >>> data = NamedSharding(mesh, PartitionSpec("batch"))
+        >>> state = None  # the model's
+        >>> for batch in ds.loader(256, drop_remainder=True).to_jax(sharding=data):
         ...     state = train_step(state, batch["image"], batch["label"])
     """
     return JaxLoader(loader, sharding=sharding, prefetch_to_device=prefetch_to_device)

@@ -45,8 +45,9 @@ def to_keras(loader: Loader, x: Names, y: Names | None = None, *, sample_weight:
 
     Args:
         loader: a stoker Loader; its `len()` batches make one Keras epoch.
-        x, y: a field name (its array), or a list of names (a dict of arrays, for a model
-            with named inputs or outputs). `y` None: inputs only (`predict`).
+        x: a field name (its array), or a list of names (a dict of arrays, for a model with
+            named inputs).
+        y: the same for the targets (named outputs); None: inputs only (`predict`).
         sample_weight: a field giving each record's weight in the loss.
 
     Example:

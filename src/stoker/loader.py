@@ -98,7 +98,7 @@ class Loader:
     asked for, and stop when the pass ends, is closed, is broken out of, or is dropped.
 
     Example:
-        >>> with ds.loader(256, cast={"image": "float32"}) as loader:  # doctest: +SKIP
+        >>> with ds.loader(256, cast={"image": "float32"}) as loader:
         ...     for batch in loader:
         ...         train_step(batch["image"], batch["label"])
     """

@@ -129,8 +129,9 @@ class Field:
         dtype: the stored element type (`"int8"`, `"float32"`, ...; `"bfloat16"` is
             ml_dtypes' type, stored little-endian).
         shape: the shape of one record; `()` for a scalar per record.
-        header_bytes, footer_bytes: skipped at the start/end of every file (of the
-            decompressed stream for compressed files), as tf.data.FixedLengthRecordDataset does.
+        header_bytes: skipped at the start of every file (of the decompressed stream for
+            compressed files), as tf.data.FixedLengthRecordDataset does.
+        footer_bytes: skipped at the end of every file, likewise.
         compression: `"auto"` (by suffix and magic bytes), `None`, `"gzip"`, `"zlib"`.
         byte_order: `"little"` or `"big"`: how multi-byte elements are stored. None
             (default): the order the dtype states (`">u2"` is big-endian), else little.

@@ -49,7 +49,7 @@ def assert_resumable(make_loader: Callable[[], Loader], steps: int | Iterable[in
             next epochs unless `reshuffle_each_iteration=False`).
 
     Example:
-        >>> assert_resumable(lambda: ds.loader(64, epochs=2, shuffle="global", seed=1))  # doctest: +SKIP
+        >>> assert_resumable(lambda: ds.loader(64, epochs=2, shuffle="global", seed=1))
     """
     if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
         raise ValueError(f"{passes=} must be a positive integer")

@@ -988,8 +988,8 @@ def native_dataset(
     CorruptDataError), rather than tf.data's zip cutting the group short without a word.
 
     Example:
-        >>> tfds = stoker.tf.native_dataset(ds, 256, cast={"image": "float32"})  # doctest: +SKIP
-        >>> for batch in tfds:  # doctest: +SKIP
+        >>> tfds = stoker.tf.native_dataset(ds, 256, cast={"image": "float32"})
+        >>> for batch in tfds:
         ...     train_step(batch["image"], batch["label"])
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:

@@ -67,7 +67,7 @@ def shard_from_distributed() -> tuple[int, int]:
     """`(rank, world_size)` of the initialized `torch.distributed` group, else `(0, 1)`.
 
     Example:
-        >>> loader = ds.loader(256, shard=stoker.torch.shard_from_distributed())  # doctest: +SKIP
+        >>> loader = ds.loader(256, shard=stoker.torch.shard_from_distributed())
     """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -282,9 +282,9 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
     `load_state_dict` in the same worker on resume (same `num_workers`).
 
     Example:
-        >>> from torchdata.stateful_dataloader import StatefulDataLoader  # doctest: +SKIP
-        >>> batches = StokerIterableDataset(ds, 256, shuffle="global", seed=0)  # doctest: +SKIP
-        >>> dl = StatefulDataLoader(batches, batch_size=None, num_workers=2)  # doctest: +SKIP
+        >>> from torchdata.stateful_dataloader import StatefulDataLoader
+        >>> batches = StokerIterableDataset(ds, 256, shuffle="global", seed=0)
+        >>> dl = StatefulDataLoader(batches, batch_size=None, num_workers=2)
     """
 
     def __init__(

@@ -25,7 +25,7 @@ bit for bit.
 
 Example (the seed's int8 frames to float32 in [-1, 1], flipped left-right half the time):
     >>> from stoker.transforms import Normalize, RandomFlip
-    >>> loader = ds.loader(256, seed=7, transform=[  # doctest: +SKIP
+    >>> loader = ds.loader(256, seed=7, transform=[
     ...     Normalize(mean=-0.5, std=127.5, fields="image"),  # -128 -> -1.0, 127 -> 1.0
     ...     RandomFlip(fields="image", axis=1),  # axis of the record (H, W, C): W
     ... ])
