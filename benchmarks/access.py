@@ -6,7 +6,7 @@
    to count it; with it none is.
    Also 200 larger gzip groups (256 images of 4 KiB, 1 MiB decoded per file, + gzip labels):
    open + ``len(ds)`` + the first batch in file order, with and without the index.
-2. Random access on W1 raw (the seed's layout, ``stoker.sample.cached_sample``):
+2. Random access on W1 raw (the seed's layout, ``stoker.cli.sample.cached_sample``):
    ``ds.read`` of 256 random indices, and ``ds[i]`` one record at a time.
 3. Random access on W2 (``benchmarks/compare.py``'s generator: smooth 128x128 int8 frames,
    each file ONE gzip member of 4096 records, 64 MiB decoded; the first 4 files), indexed

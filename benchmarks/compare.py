@@ -22,7 +22,7 @@ Workloads (all on the same files; batch 256):
 
 Contenders, each in its fastest reasonable configuration we know:
 
-- ``ceiling``: stoker.bench's fastest ceiling loop, one thread per core: ``mmap_kept`` (the
+- ``ceiling``: stoker.cli.bench's fastest ceiling loop, one thread per core: ``mmap_kept`` (the
   compiled streamed cast from memory maps made once per file for the run) for W1, W1-int8 and
   W3; ``mmap_stream`` (maps made at each visit) for W1-cold's one cold pass; ``inflate_cast``
   (isal inflate into a reused buffer, then the same cast) for W2;

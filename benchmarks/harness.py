@@ -10,7 +10,7 @@ against a baseline. `summary_table` and `ratio_table` render them as markdown, a
 appends the same to `results/NAME_history.md`.
 
 stoker's internals that the benchmarks drive (the ceiling loops and the loader's child of
-`stoker.bench`, the cached sample, the loader's stats) are imported here and nowhere else under
+`stoker.cli.bench`, the cached sample, the loader's stats) are imported here and nowhere else under
 benchmarks/, so a move of those modules changes this file only.
 """
 
@@ -31,19 +31,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stoker.access import RecordReader
-from stoker.bench import (
+from stoker.cli import dataset_from_fields
+from stoker.cli.bench import (
     CEILING_LOOPS,
     COMPRESSED_CEILING_LOOPS,
     batch_rows,
     burn,
     output_buffer,
 )
-from stoker.bench import _evict_page_cache as evict_page_cache
-from stoker.cli import dataset_from_fields
-from stoker.readahead import Readahead, physical_memory
-from stoker.sample import cached_sample, expected_label
-from stoker.stats import LoaderStats
+from stoker.cli.bench import _evict_page_cache as evict_page_cache
+from stoker.cli.sample import cached_sample, expected_label
+from stoker.engine.records import RecordReader
+from stoker.engine.stats import LoaderStats
+from stoker.io.readahead import Readahead, physical_memory
 
 __all__ = [
     "CEILING_LOOPS",
@@ -143,8 +143,8 @@ def child_json(
 
 def stoker_child(contender: str, kind: str, cfg: Mapping[str, Any]) -> Run:
     """One run of stoker's loader (`kind="stoker"`) or a ceiling loop (`"ceiling"`), as
-    `stoker.bench` measures them (see its docstring for `cfg`), in a fresh process."""
-    return child_json(contender, ["-m", "stoker.bench", kind, json.dumps(dict(cfg))])
+    `stoker.cli.bench` measures them (see its docstring for `cfg`), in a fresh process."""
+    return child_json(contender, ["-m", "stoker.cli.bench", kind, json.dumps(dict(cfg))])
 
 
 def time_batches(

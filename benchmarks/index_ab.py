@@ -34,7 +34,7 @@ import json, sys, time
 from pathlib import Path
 import numpy as np
 import stoker
-from stoker.access import RecordReader
+from stoker.engine.records import RecordReader
 small, w2, seconds = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 fields = {"image": stoker.Field(str(small / "img_*.bin.gz"), "int8", (64,)),
           "label": stoker.Field(str(small / "out_*.bin.gz"), "float32")}

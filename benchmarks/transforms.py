@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 import stoker
-import stoker.transforms as transforms
+import stoker.engine.transforms as transforms
 from harness import (
     add_out_argument,
     alternate,

@@ -1,7 +1,7 @@
 """W1: the seed's layout (16 pairs x 4096 records of 128x128 int8 + gzip float32 labels, ~1 GiB).
 
 Alternates, round after round, each contender in a fresh process: stoker and the ceiling
-loops (see stoker.bench) with float32 output, the same with int8 output, stoker and the kept-map
+loops (see stoker.cli.bench) with float32 output, the same with int8 output, stoker and the kept-map
 loop with float16 output, and stoker at
 batch_size 16 to show engine overhead at small batches, the two shuffle modes, and W3-cold
 (global shuffle and sequential with the page cache evicted before each round). Warm contenders,

@@ -16,7 +16,7 @@ run starts cold and reads from the disk. Contenders alternate, each in a fresh p
   simplest loop we could write);
 - ``disk+cast``: the same as ``disk`` plus the cast of every chunk to float32 (the cold ceiling);
 - ``stoker float32`` / ``stoker int8``: ``ds.loader(256)`` with and without the cast;
-- ``stoker float32 no-readahead``: the same with ``stoker.readahead`` switched off, to show what
+- ``stoker float32 no-readahead``: the same with ``stoker.io.readahead`` switched off, to show what
   the readahead and drop-behind buy;
 - ``disk random``: the disk's rate for W3's access pattern, random 16 KiB records: four threads
   per core, each asking the disk for 256 records drawn at random from all the image files at

@@ -161,7 +161,7 @@ def gunzip_members(data: bytes) -> bytes:
 def resign(entry: dict) -> None:
     """Give an edited index entry the check of its new values, as if stoker's writer had written
     them: what then stands between the edit and the records are the checks made when it is used."""
-    from stoker.index import entry_check
+    from stoker.io.index import entry_check
 
     with contextlib.suppress(KeyError, TypeError, ValueError, OverflowError, AttributeError, struct.error):
         entry["check"] = entry_check(

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 import stoker
-import stoker.access
-import stoker.batch
-import stoker.engine
+import stoker.engine.assembler
+import stoker.engine.executor
+import stoker.engine.records
 import stoker.transforms
 from stoker import kernels
 
@@ -37,8 +37,8 @@ GROUPS = 4
 
 def without_kernels() -> None:
     kernels._kernels = None
-    stoker.engine._kernels = None  # type: ignore[attr-defined]
-    stoker.transforms._kernels = None
+    stoker.engine.executor._kernels = None  # type: ignore[attr-defined]
+    stoker.engine.transforms._kernels = None
 
 
 def values(groups: int, n: int) -> np.ndarray:
@@ -71,7 +71,7 @@ def cut_after_check(victims: list[str], armed: threading.Event) -> None:
             victims.append(path)
             os.truncate(path, 0)
 
-    size, sizes = stoker.batch.file_size, stoker.batch.file_sizes
+    size, sizes = stoker.engine.assembler.file_size, stoker.engine.assembler.file_sizes
 
     def file_size(fd: int) -> int:
         now = size(fd)
@@ -83,16 +83,16 @@ def cut_after_check(victims: list[str], armed: threading.Event) -> None:
         cut(fds[0])
         return now
 
-    acquire = stoker.access.RecordReader._acquire  # maps the file and checks its size
+    acquire = stoker.engine.records.RecordReader._acquire  # maps the file and checks its size
 
     def acquired(self: Any, name: str, spec: Any, info: Any, local: Any) -> Any:
         m = acquire(self, name, spec, info, local)
         cut(m.fd)
         return m
 
-    stoker.batch.file_size = file_size  # type: ignore[assignment]
-    stoker.batch.file_sizes = file_sizes  # type: ignore[assignment]
-    stoker.access.RecordReader._acquire = acquired  # type: ignore[method-assign]
+    stoker.engine.assembler.file_size = file_size  # type: ignore[assignment]
+    stoker.engine.assembler.file_sizes = file_sizes  # type: ignore[assignment]
+    stoker.engine.records.RecordReader._acquire = acquired  # type: ignore[method-assign]
 
 
 # name -> (dtype, records per file, loader keywords or None for ds.read)

@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker
-import stoker.access
+import stoker.engine.records
 from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, open_paths, reference
-from stoker.access import RecordReader
-from stoker.plan import BatchPlan, Plan, PlanConfig
+from stoker.engine.records import RecordReader
+from stoker.plan.batches import BatchPlan, Plan, PlanConfig
 from stoker.testing import assert_resumable
 
 LAB_MULTI = FieldPlan("out", "float32", (), kind="multi")
@@ -265,13 +265,13 @@ def test_a_record_subsets_global_shuffle_keeps_its_files_mapped(
     root = build(tmp_path, [6] * 80, {"image": IMG, "label": LAB_GZ})
     sub = root.split({"a": 0.9, "b": 0.1}, seed=0, by="record")["a"]
     opened: dict[str, int] = {}
-    real_open = stoker.access.open_local
+    real_open = stoker.engine.records.open_local
 
     def counted(name: str, path: str) -> int:
         opened[path] = opened.get(path, 0) + 1
         return real_open(name, path)
 
-    monkeypatch.setattr(stoker.access, "open_local", counted)
+    monkeypatch.setattr(stoker.engine.records, "open_local", counted)
     loader = sub.loader(8, with_index=True, shuffle="global", seed=4, threads=1, cast=cast)
     seq = check_batches(root, loader, complete=False, cast=None if cast is None else {"image": cast, "label": cast})
     assert sorted(seq) == sorted(zip(*(a.tolist() for a in _root_pairs(sub)), strict=True))
@@ -279,7 +279,7 @@ def test_a_record_subsets_global_shuffle_keeps_its_files_mapped(
 
 
 def _root_pairs(sub: stoker.Subset) -> tuple[np.ndarray, np.ndarray]:
-    from stoker.access import locate, to_root
+    from stoker.dataset import locate, to_root
 
     return to_root(sub, *locate(sub, np.arange(len(sub))))
 

@@ -1,4 +1,4 @@
-"""stoker.bench children and `stoker bench`: real child processes on real files."""
+"""stoker.cli.bench children and `stoker bench`: real child processes on real files."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import vm_flags
-from stoker.bench import (
+from stoker.cli import dataset_from_fields, main
+from stoker.cli.bench import (
     CEILING_LOOPS,
     _drain_until,
     _Tally,
@@ -24,9 +25,8 @@ from stoker.bench import (
     output_buffer,
     run_child,
 )
-from stoker.cli import dataset_from_fields, main
-from stoker.sample import expected_label, write_sample
-from stoker.stats import LoaderStats
+from stoker.cli.sample import expected_label, write_sample
+from stoker.engine.stats import LoaderStats
 
 
 @pytest.fixture

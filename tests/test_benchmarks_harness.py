@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoker.sample import cached_sample
+from stoker.cli.sample import cached_sample
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))

@@ -16,7 +16,7 @@ import pytest
 
 from stoker import cli
 from stoker.cli import build_parser, main
-from stoker.index import INDEX_NAME
+from stoker.io.index import INDEX_NAME
 
 SMALL = ["--pairs", "2", "--records", "50", "--inrez", "8"]
 

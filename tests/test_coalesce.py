@@ -16,8 +16,8 @@ import pytest
 import stoker
 import stoker.loader as sl
 from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, consume, write_dataset
-from stoker.engine import ALIGNMENT
-from stoker.plan import BatchPlan, Gather, Run, coalesce
+from stoker.engine.executor import ALIGNMENT
+from stoker.plan.batches import BatchPlan, Gather, Run, coalesce
 from stoker.testing import assert_same_batches
 
 COUNTS = [130, 0, 47, 211, 9, 64]
@@ -164,10 +164,10 @@ def test_batches_reading_a_compressed_stream_in_turns_are_made_one_at_a_time(
 ) -> None:
     # Files too large to decode whole are read front to back in turns: such a batch cannot be
     # assembled again after a failure, so it goes alone; the rest are still assembled together.
-    import stoker.batch
+    import stoker.engine.assembler
 
     ds = build(tmp_path, COUNTS, {"image": IMG, "label": LAB_GZ})
-    monkeypatch.setattr(stoker.batch, "VERIFY_WHOLE_BYTES", 4 * 60)  # groups of 60 records or fewer: whole
+    monkeypatch.setattr(stoker.engine.assembler, "VERIFY_WHOLE_BYTES", 4 * 60)  # groups of 60 records or fewer: whole
     made: list[int] = []
     real = sl.coalesce
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import stoker_threads, vm_flags, wait_no_stoker_threads
-from stoker import engine, kernels
-from stoker.engine import ALIGNMENT, AlignedPool, OrderedMap, ThreadExecutor
+from stoker import kernels
+from stoker.engine import executor as engine
+from stoker.engine.executor import ALIGNMENT, AlignedPool, OrderedMap, ThreadExecutor
 
 
 def _jitter(x: int) -> int:

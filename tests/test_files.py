@@ -228,7 +228,7 @@ def test_empty_compressed_file_is_corrupt_naming_file(tmp_path: Path, suffix: st
 
 def test_building_a_dataset_decompresses_nothing_when_trailers_agree(tmp_path: Path, monkeypatch) -> None:
     ds_paths = write_dataset(tmp_path, [5, 6], {"image": IMG, "label": LAB_GZ})
-    import stoker.files as files
+    import stoker.io.files as files
 
     def fail(*a, **k):
         raise AssertionError("decompressed while building the Dataset")
@@ -308,7 +308,7 @@ def _member(data: bytes, **kw: int) -> bytes:
 
 
 def _proved(path: Path) -> bool:
-    from stoker.files import one_gzip_member
+    from stoker.io.files import one_gzip_member
 
     return one_gzip_member(str(path), path.stat().st_size)
 
@@ -330,13 +330,13 @@ def test_one_gzip_member_is_proved_by_the_absence_of_a_second_member_header(tmp_
         p = tmp_path / f"{name}.gz"
         p.write_bytes(data)
         assert _proved(p) is want, name
-    assert not __import__("stoker.files").files.one_gzip_member("s3://bucket/one.gz", 1 << 20)  # never remote
+    assert not __import__("stoker.io.files").io.files.one_gzip_member("s3://bucket/one.gz", 1 << 20)  # never remote
 
 
 def test_a_second_member_header_cut_by_the_scan_chunk_boundary_is_still_found(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stoker import files
+    from stoker.io import files
 
     first = _member(bytes(range(256)) * 20)
     p = tmp_path / "cut.gz"
@@ -355,7 +355,7 @@ IMG_GZ = FieldPlan("img", "int8", (6, 6, 1), kind="gzip")
 
 
 def _decompressions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    from stoker import files
+    from stoker.io import files
 
     made: list[str] = []
     original = files.decompressed_size

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import stoker
-import stoker.transforms as transforms
+import stoker.engine.transforms as transforms
 from conftest import LAB_GZ, FieldPlan, build
-from stoker.plan import BatchPlan
+from stoker.plan.batches import BatchPlan
 from stoker.testing import assert_same_batches
 from stoker.transforms import Cast, Normalize, RandomCrop, RandomFlip, Stage, batch_rng
 

@@ -14,10 +14,11 @@ import pytest
 
 import stoker
 from conftest import IMG, FieldPlan, build, check_batches, reference, resign
-from stoker import batch, inflate, seekpoints
-from stoker import index as index_module
 from stoker.cli import main
-from stoker.index import INDEX_NAME, INDEX_VERSION
+from stoker.engine import assembler as batch
+from stoker.io import index as index_module
+from stoker.io import inflate, seekpoints
+from stoker.io.index import INDEX_NAME, INDEX_VERSION
 
 Made = list[tuple[str, tuple[int, int]]]  # (path, start) of each Inflater constructed
 IMG_GZ = FieldPlan("img", "int8", (6, 6, 1), kind="gzip")
@@ -244,7 +245,7 @@ def test_member_starts_are_seek_points_for_random_access(tmp_path: Path, inflate
     ds = stoker.Dataset(ds.fields)
     points = ds._catalog.seek_points[(0, "label")]
     assert len(points) == 3 and points[0][:2] == (0, 0) and points[1][1] == 400  # 1200 bytes in 3 members
-    from stoker.access import RecordReader
+    from stoker.engine.records import RecordReader
 
     reader = RecordReader(ds._catalog, cache_bytes=0)  # force decoding from seek points
     out = {"image": np.empty((1, 6, 6, 1), np.int8), "label": np.empty(1, np.float32)}

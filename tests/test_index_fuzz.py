@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 
 import stoker
 from conftest import FieldPlan, consume, field_for, reference, resign, write_dataset
-from stoker import access, batch
-from stoker.index import INDEX_NAME
+from stoker.engine import assembler as batch
+from stoker.engine import records
+from stoker.io.index import INDEX_NAME
 
 PLANS = {
     "x": FieldPlan("img", "int32", (64,), kind="multi", header=3, footer=5),
@@ -258,7 +259,7 @@ def _read_everything_or_fail_loudly(pristine: Pristine, root: Path, data: st.Dat
             assert sorted(seen) == [(g, i) for g, n in enumerate(COUNTS) for i in range(n)], "records lost or repeated"
 
     picks = np.array(data.draw(st.lists(st.integers(0, total - 1), min_size=1, max_size=40), label="records"))
-    with mock.patch.object(access, "DEFAULT_CACHE_BYTES", 0):  # every compressed read from a seek point
+    with mock.patch.object(records, "DEFAULT_CACHE_BYTES", 0):  # every compressed read from a seek point
 
         def read_many() -> dict[str, np.ndarray]:
             if len(ds) != total:

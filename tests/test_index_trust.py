@@ -29,9 +29,11 @@ import pytest
 
 import stoker
 from conftest import FieldPlan, consume, field_for, reference, resign, write_dataset
-from stoker import access, batch, index, seekpoints
 from stoker.cli import main
-from stoker.index import ENV_INDEX_DIR, INDEX_NAME
+from stoker.engine import assembler as batch
+from stoker.engine import records
+from stoker.io import index, seekpoints
+from stoker.io.index import ENV_INDEX_DIR, INDEX_NAME
 
 SPACING = 16 * 1024
 IMG = FieldPlan("img", "int32", (64,), kind="gzip", header=3, footer=5)  # 256-byte records
@@ -59,7 +61,7 @@ def right_or_stoker_error(ds_of: Callable[[], stoker.Dataset], truth: list[dict[
     try:
         ds = ds_of()
         picks = np.arange(0, sum(COUNTS), 7)
-        with mock.patch.object(access, "DEFAULT_CACHE_BYTES", 0):  # nothing held decoded: points decide
+        with mock.patch.object(records, "DEFAULT_CACHE_BYTES", 0):  # nothing held decoded: points decide
             got = ds.read(picks)
         assert all(np.array_equal(got[n], flat[n][picks]) for n in flat), "wrong records from seek points"
         outcomes.append("read: right")
@@ -133,7 +135,7 @@ def test_windows_of_another_build_under_the_indexed_name_are_refused_naming_them
 
 def read_from_points(ds: stoker.Dataset) -> None:
     """Every 7th record, nothing held decoded: each read starts at a seek point."""
-    with mock.patch.object(access, "DEFAULT_CACHE_BYTES", 0):
+    with mock.patch.object(records, "DEFAULT_CACHE_BYTES", 0):
         ds.read(np.arange(0, len(ds), 7))
 
 
@@ -154,7 +156,7 @@ def test_a_full_reindex_removes_old_builds_unfinished_writes_and_version_2_windo
 
 _KILL_BEFORE_RENAME = """
 import os, signal, sys
-from stoker import index
+from stoker.io import index
 from stoker.cli import main
 def killed(path, doc):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -575,5 +577,5 @@ def test_a_data_file_with_a_name_near_the_limit_gets_windows_under_a_shortened_n
         assert windows_files(tmp_path) == named_windows(tmp_path) and len(named_windows(tmp_path)) == 1
     assert all(len(n) <= 255 - 14 for n in windows_files(tmp_path))
     ds = stoker.Dataset(fields)
-    with mock.patch.object(access, "DEFAULT_CACHE_BYTES", 0):
+    with mock.patch.object(records, "DEFAULT_CACHE_BYTES", 0):
         assert np.array_equal(ds.read(np.arange(0, 2000, 7))["x"], reference(ds)[0]["x"][::7])

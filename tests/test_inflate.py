@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import stoker
-from stoker.inflate import Inflater, TruncatedStreamError, decompressed_size, gzip_trailer_size
+from stoker.io.inflate import Inflater, TruncatedStreamError, decompressed_size, gzip_trailer_size
 
 DATA = bytes((i * 7 + i // 251) & 0xFF for i in range(300_000))
 
@@ -128,7 +128,7 @@ def test_a_member_whose_magic_is_cut_by_a_read_boundary_is_still_a_member(
 ) -> None:
     """Only the first byte (1f) of the second member in one read: read on before judging it,
     not take it for trailing garbage (a valid two-member file was refused)."""
-    from stoker import inflate
+    from stoker.io import inflate
 
     first = gzip.compress(bytes(range(256)) * 40, mtime=0)
     second = gzip.compress(b"xyz" * 100, mtime=0)

@@ -100,7 +100,7 @@ _IN_THE_NEW_VENV = """
 import sys
 import numpy as np
 import stoker, stoker._kernels
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
 assert stoker.__file__.startswith(sys.prefix), stoker.__file__  # the wheel's copy, not the source tree
 assert stoker.kernels.compiled()
 d = stoker.write_sample(sys.argv[1], pairs=2, records=20, inrez=8)

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import stoker
+from stoker.cli.sample import expected_label
 from stoker.jax import shard_from_jax, to_jax
-from stoker.sample import expected_label
 from stoker.testing import assert_same_batches
 
 pytestmark = pytest.mark.jax

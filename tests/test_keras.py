@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import keras
 import stoker, stoker.keras
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
 
 d = stoker.write_sample(sys.argv[1], pairs=2, records=24, inrez=8)
 ds = stoker.Dataset(image=stoker.Field(str(d / "img_*.bin"), "int8", (8, 8, 1)),

@@ -82,7 +82,7 @@ def test_sample_dataset_pairs_every_image_with_its_label(tmp_path: Path) -> None
     )
     seen = []
     for b in ds.loader(16, cycle_length=2, block_length=5):
-        assert np.array_equal(b["label"], stoker.sample.expected_label(b["image"]))
+        assert np.array_equal(b["label"], stoker.cli.sample.expected_label(b["image"]))
         seen.extend(b["label"].astype(int).tolist())
     assert sorted(seen) == list(range(120))
 
@@ -162,7 +162,7 @@ def _raw_bf16(tmp_path: Path, groups: np.ndarray, index: np.ndarray) -> list[np.
 def test_reads_go_into_the_batch_s_own_memory_never_into_a_copy() -> None:
     import ml_dtypes
 
-    from stoker.batch import _bytes_of
+    from stoker.engine.assembler import _bytes_of
 
     batch = np.zeros((4, 3), ml_dtypes.bfloat16)  # a dtype numpy exports no buffer for
     _bytes_of(batch[1:3])[:2] = b"\x80\x3f"  # bfloat16 1.0, written through the view
@@ -648,7 +648,7 @@ def test_same_bytes_as_tf_data_fixed_length_records_with_gzip_labels(tmp_path: P
 
 def test_the_next_pass_starts_on_the_batch_buffers_of_the_last(tmp_path: Path) -> None:
     """A pass per epoch reuses the loader's buffers (no fresh pages each epoch); a new allocator replaces them."""
-    from stoker.engine import AlignedPool
+    from stoker.engine.executor import AlignedPool
 
     ds = _big(tmp_path)
     made: list[list[int]] = [[], []]

@@ -13,7 +13,7 @@ import pytest
 
 import stoker
 from conftest import open_paths, stoker_threads
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
 
 
 def _records(n: int, record: int, base: int) -> np.ndarray:

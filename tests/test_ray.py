@@ -29,7 +29,7 @@ from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches
 pytestmark = pytest.mark.ray
 
 LAB_ZZ = FieldPlan("lab", "int16", (2,), kind="zlib", header=3)
-# Decompresses to ~10 MiB, over stoker.batch.VERIFY_WHOLE_BYTES: streamed, never decoded whole.
+# Decompresses to ~10 MiB, over stoker.engine.assembler.VERIFY_WHOLE_BYTES: streamed, never decoded whole.
 BIG_GZ = FieldPlan("big", "int16", (2048,), kind="gzip")
 
 

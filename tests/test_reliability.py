@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 import stoker
-import stoker.batch
+import stoker.engine.assembler
 import stoker.loader
 from conftest import (
     IMG,
@@ -454,7 +454,7 @@ def test_kept_maps_are_bounded_and_the_first_kept_stay(tmp_path: Path, monkeypat
     """Beyond the limit the map given back last is closed, not the oldest: epochs visit the
     files in the same order, so keeping the first maps finds them again on every epoch (closing
     the oldest would close each map just before its next visit)."""
-    monkeypatch.setattr(stoker.batch, "_max_kept_maps", lambda: 1)  # as under a low mapping limit
+    monkeypatch.setattr(stoker.engine.assembler, "_max_kept_maps", lambda: 1)  # as under a low mapping limit
     write_dataset(tmp_path, [40, 40, 40], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
@@ -488,10 +488,11 @@ def test_kept_maps_are_bounded_by_the_mapping_limit_not_the_descriptor_limit() -
     systems) bounds only the files held open, not the maps kept (a quarter of vm.max_map_count,
     at most 16384)."""
     script = (
-        "import resource, stoker.batch, stoker.kernels\n"
+        "import resource, stoker.kernels\n"
+        "from stoker.engine.executor import assembler\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
         "assert not stoker.kernels.maps_hold_descriptors()\n"
-        "print(stoker.batch._max_open_files(), stoker.batch.pass_open_files(), stoker.batch._max_kept_maps())\n"
+        "print(assembler._max_open_files(), assembler.pass_open_files(), assembler._max_kept_maps())\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     with open("/proc/sys/vm/max_map_count") as f:
@@ -505,15 +506,15 @@ def test_kept_maps_are_bounded_by_the_mapping_limit_not_the_descriptor_limit() -
 # most times one image file was opened, and whether every record came once, intact.
 _OPEN_FILES_SCRIPT = """
 import collections, json, resource, sys
-import numpy as np, stoker, stoker.batch
+import numpy as np, stoker, stoker.engine.assembler
 root, soft, hard, shuffle = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 opens = collections.Counter()
-real_open = stoker.batch.open_local
+real_open = stoker.engine.assembler.open_local
 def counted(name, path):
     opens[path] += 1
     return real_open(name, path)
-stoker.batch.open_local = counted
+stoker.engine.assembler.open_local = counted
 ds = stoker.Dataset(image=stoker.Field(root + "/img_*.bin", "int8", (6, 6, 1)),
                     label=stoker.Field(root + "/out_*.bin.gz", "float32"))
 kw = dict(shuffle="global", seed=3) if shuffle == "global" else {}
@@ -589,14 +590,14 @@ def test_a_global_shuffles_epochs_share_each_files_map_while_both_read_it(
     write_dataset(tmp_path, [40, 40], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
-    real_map_file = stoker.batch.map_file
+    real_map_file = stoker.engine.assembler.map_file
     made: list[str] = []
 
     def map_file(fd: int, size: int) -> Any:
         made.append(os.readlink(f"/proc/self/fd/{fd}"))
         return real_map_file(fd, size)
 
-    monkeypatch.setattr(stoker.batch, "map_file", map_file)
+    monkeypatch.setattr(stoker.engine.assembler, "map_file", map_file)
     fds = _fd_count()
     loader = ds.loader(4, epochs=8, shuffle="global", seed=3, cast="float32", threads=2, prefetch=4, with_index=True)
     with loader:
@@ -623,14 +624,14 @@ def test_kept_maps_lend_one_map_per_unchanged_file_and_close_each_once_nobody_ho
         fd = os.open(path, os.O_RDONLY)
         try:
             st = os.fstat(fd)
-            return map_file(fd, st.st_size), stoker.batch._identity_of(st, st.st_size)
+            return map_file(fd, st.st_size), stoker.engine.assembler._identity_of(st, st.st_size)
         finally:
             os.close(fd)
 
     def maps() -> int:  # of the file at ``path`` now, or of the one it replaced ("(deleted)")
         return len(mapped_paths(path))
 
-    kept = stoker.batch.KeptMaps(limit=1)
+    kept = stoker.engine.assembler.KeptMaps(limit=1)
     old, ident = mapped()
     assert kept.take(str(path), ident) is None
     assert kept.lend(str(path), ident, old) is old
@@ -967,7 +968,7 @@ def test_a_later_batch_failing_first_neither_hangs_nor_drops_an_earlier_one(
     # Batches 2 and 3 both read group 0's labels. Batch 3 fails on its image while batch 2 is
     # still reading its own: batch 2 must still be delivered, then batch 3's error.
     if streamed:  # files above this size are read in turns by ticket; make these labels one
-        monkeypatch.setattr(stoker.batch, "VERIFY_WHOLE_BYTES", 0)
+        monkeypatch.setattr(stoker.engine.assembler, "VERIFY_WHOLE_BYTES", 0)
     write_dataset(tmp_path, [30, 30], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
@@ -1071,7 +1072,7 @@ _INTERRUPT = textwrap.dedent(
         timer.join()
         gc.collect()  # an interrupted pass held in a reference cycle is closed when collected
         # close() joins the workers; one that a Ctrl-C cut short before it set the stop flag leaves
-        # them to leave by themselves, within stoker.engine.WAIT_SECONDS (0.1 s): wait up to 1 s.
+        # them to leave by themselves, within stoker.engine.executor.WAIT_SECONDS (0.1 s): wait up to 1 s.
         deadline = time.monotonic() + 1.0
         while (others() or fds() != before[1]) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -1087,7 +1088,7 @@ def test_keyboard_interrupt_during_iteration_stops_every_thread(tmp_path: Path, 
     write_dataset(tmp_path, [200, 150, 90], PAIR)
     # A child process: a stray SIGINT must never reach the test runner itself. Several runs in it:
     # where a Ctrl-C lands is a matter of timing (a lock taken in Python code once kept 3 runs in 10
-    # of "inside next()" from stopping; see stoker.engine._State).
+    # of "inside next()" from stopping; see stoker.engine.executor._State).
     proc = subprocess.run([sys.executable, "-c", _INTERRUPT, str(tmp_path), mode, "5", where], capture_output=True,
                           text=True, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -1250,7 +1251,7 @@ def test_a_ready_batch_is_not_held_back_while_its_worker_waits_on_the_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker sends the consumer's wake-up for a batch with its next copy kernel (see
-    stoker.engine); a read that may wait on the disk sends it first."""
+    stoker.engine.executor); a read that may wait on the disk sends it first."""
     write_dataset(tmp_path, [40], PAIR)
     ds = _pair_ds(tmp_path)
     image = str(tmp_path / "img_0000.bin")

@@ -29,7 +29,8 @@ from moto.server import ThreadedMotoServer
 
 import stoker
 from conftest import IMG, LAB_GZ, FieldPlan, check_batches, consume, field_for, write_dataset
-from stoker import batch, fetch, remote
+from stoker.engine import assembler as batch
+from stoker.io import fetch, remote
 
 pytestmark = pytest.mark.remote
 
@@ -525,7 +526,7 @@ def test_storage_options_stay_out_of_repr_and_hash() -> None:
     assert a != stoker.Field("s3://b/x.bin", "int8", storage_options={"secret": "other"})
 
 
-# -- I/O concurrency apart from the workers (stoker.fetch) -------------------------------------------
+# -- I/O concurrency apart from the workers (stoker.io.fetch) -------------------------------------------
 def test_one_worker_keeps_num_parallel_reads_gets_in_flight_and_no_more(
     tmp_path: Path, seaweed: Any, s3_bucket: str, seaweed_proxy: tuple[str, Faults], small_parts: int
 ) -> None:

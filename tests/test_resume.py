@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
 from stoker.testing import assert_resumable, assert_same_batches
 
 R = 4  # frames of R x R x 1 int8: 16 bytes, the first 4 hold the global record index

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import stoker
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
 
 
 def test_writes_images_and_gzip_labels_in_the_seed_layout(tmp_path: Path) -> None:

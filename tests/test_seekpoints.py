@@ -18,12 +18,14 @@ from isal import isal_zlib
 
 import stoker
 from conftest import FieldPlan, build, consume, encode, field_for, make_values, reference, resign, write_dataset
-from stoker import access, batch, index, inflate, seekpoints
-from stoker.access import RecordReader
 from stoker.cli import main
-from stoker.files import FileInfo
-from stoker.index import INDEX_NAME
-from stoker.seekpoints import SeekPoint
+from stoker.engine import assembler as batch
+from stoker.engine import records
+from stoker.engine.records import RecordReader
+from stoker.io import index, inflate, seekpoints
+from stoker.io.files import FileInfo
+from stoker.io.index import INDEX_NAME
+from stoker.io.seekpoints import SeekPoint
 
 SPACING = 16 * 1024
 IMG = FieldPlan("img", "int32", (64,), kind="gzip", header=3, footer=5)  # 256-byte records, many deflate blocks
@@ -198,7 +200,7 @@ def test_select_of_records_reads_through_seek_points(
 ) -> None:
     ds = indexed(tmp_path, {"x": IMG, "y": LAB})
     ref = np.concatenate([r["x"] for r in reference(ds)])
-    monkeypatch.setattr(access, "DEFAULT_CACHE_BYTES", 0)  # files count as too large to hold decoded
+    monkeypatch.setattr(records, "DEFAULT_CACHE_BYTES", 0)  # files count as too large to hold decoded
     batches = list(ds.select(records=slice(2600, 2700)).loader(50))
     assert np.array_equal(np.concatenate([b["x"] for b in batches]), ref[2600:2700])
     starts = [inf.members[0][1] for inf in opened.of(ds.files[0]["x"].path)]
@@ -337,7 +339,7 @@ def test_index_and_windows_files_get_the_mode_of_a_plain_file(tmp_path: Path) ->
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet="ab1.9_-", max_size=12), st.text(alphabet="a/.", max_size=6))
 def test_opening_splits_names_as_os_path_splitext_does(name: str, directory: str) -> None:
-    from stoker.files import _stem, _suffix
+    from stoker.io.files import _stem, _suffix
 
     assert _stem(name) == os.path.splitext(name)[0]
     path = directory + name
@@ -418,7 +420,7 @@ def test_a_seek_point_that_lies_is_a_stale_index_error_naming_the_index_on_every
     plan, edit = LIES[lie]
     ds = indexed(tmp_path, {"x": plan, "y": LAB})
     monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
-    monkeypatch.setattr(access, "DEFAULT_CACHE_BYTES", 0)  # random access from points, nothing held
+    monkeypatch.setattr(records, "DEFAULT_CACHE_BYTES", 0)  # random access from points, nothing held
     loader = ds.loader(100, with_index=True, cycle_length=1)
     it = iter(loader)
     for _ in range(25):  # record 2500 of group 0, inside its one member

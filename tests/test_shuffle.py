@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import stoker
+from stoker.cli.sample import expected_label
 from stoker.order import permute_groups
-from stoker.sample import expected_label
 from stoker.testing import assert_same_batches
 
 R = 4  # frames of R x R x 1 int8: 16 bytes, the first 4 hold the global record index
@@ -65,7 +65,7 @@ def split_epochs(batches: list[dict[str, np.ndarray]], per_epoch: int, epochs: i
 def reference_interleave(counts: Sequence[int], order: Sequence[int], cycle: int, block: int) -> list[tuple[int, int]]:
     """(group, record) in tf.data's ``interleave(cycle, block, deterministic=True)`` order, record by record.
 
-    Written from tf.data's InterleaveDatasetOp::GetNextInternal, independently of stoker.plan.
+    Written from tf.data's InterleaveDatasetOp::GetNextInternal, independently of stoker.plan.batches.
     """
     inputs = iter(order)
     slots: list[tuple[int, Iterator[int]] | None] = [None] * cycle

@@ -1,4 +1,4 @@
-"""Closing a loader has a deadline (stoker.engine.SHUTDOWN_SECONDS): a Ctrl-C reaches the caller
+"""Closing a loader has a deadline (stoker.engine.executor.SHUTDOWN_SECONDS): a Ctrl-C reaches the caller
 within seconds even while a worker is stuck, and a FIFO put where a file was never blocks a worker.
 
 The loaders run in a child process (tests/stuck_work.py) that this test interrupts with SIGINT,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import stoker
-from stoker.engine import SHUTDOWN_SECONDS
+from stoker.engine.executor import SHUTDOWN_SECONDS
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(stoker.__file__).parents[1]), str(HERE)])}

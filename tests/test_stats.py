@@ -16,12 +16,12 @@ import pytest
 import stoker
 from conftest import LAB_GZ, FieldPlan, build, check_batches
 from stoker import kernels
-from stoker.autotune import ThreadTuner
 from stoker.doctor import verdict
-from stoker.files import open_local
+from stoker.engine.autotune import ThreadTuner
+from stoker.engine.stats import CPU_SAMPLE_SECONDS, LoaderStats
+from stoker.io.files import open_local
+from stoker.io.readahead import Readahead, drop_behind_for
 from stoker.machine import physical_memory
-from stoker.readahead import Readahead, drop_behind_for
-from stoker.stats import CPU_SAMPLE_SECONDS, LoaderStats
 from stoker.testing import assert_same_batches
 
 WIDE_GZ = FieldPlan("wide", "int16", (64, 64), kind="gzip")
@@ -311,7 +311,7 @@ def test_global_shuffle_larger_than_ram_asks_for_records_ahead_and_changes_none(
     for each batch's records before they are copied, maps its files MADV_RANDOM, and keeps every
     file open for the epoch: 80 files, more than the 64 that used to be, each opened once per
     epoch instead of again and again as batches drew from all of them. The records are the same."""
-    import stoker.batch
+    import stoker.engine.assembler
 
     ds = build(tmp_path, [7 + g % 5 for g in range(80)], {"wide": WIDE_RAW, "label": LAB_GZ})
     opened: list[str] = []
@@ -320,7 +320,7 @@ def test_global_shuffle_larger_than_ram_asks_for_records_ahead_and_changes_none(
         opened.append(path)
         return open_local(name, path)
 
-    monkeypatch.setattr(stoker.batch, "open_local", counting)
+    monkeypatch.setattr(stoker.engine.assembler, "open_local", counting)
     # One worker: two opening a file at once keep one and close the other (a second open).
     loader = ds.loader(16, cast=cast, with_index=True, epochs=2, shuffle="global", seed=2, threads=1)
     loader.drop_behind = True  # as for a dataset larger than half the RAM
@@ -351,14 +351,14 @@ def test_advising_ahead_asks_for_every_batch_once_and_in_time(tmp_path: Path) ->
     plans = list(ds.loader(8, shuffle="global", seed=1, epochs=2)._plan.batches(2))
     assert len(plans) == 18
     for depth in (1, 3, len(plans) - 1, len(plans), len(plans) + 2):
-        tasks = list(_advising_ahead((stoker.batch.Task(p) for p in plans), depth))
+        tasks = list(_advising_ahead((stoker.engine.assembler.Task(p) for p in plans), depth))
         assert [t.plan for t in tasks] == plans
         asked = [(k, plans.index(p)) for k, t in enumerate(tasks) for p in t.ahead]
         assert sorted(j for _, j in asked) == list(range(len(plans)))
         assert all(k <= j <= k + depth for k, j in asked)
 
-    def failing() -> Iterator[stoker.batch.Task]:
-        yield from (stoker.batch.Task(p) for p in plans[:5])
+    def failing() -> Iterator[stoker.engine.assembler.Task]:
+        yield from (stoker.engine.assembler.Task(p) for p in plans[:5])
         raise ValueError("planning failed at batch 5")
 
     for depth in (3, 9):
@@ -371,16 +371,16 @@ def test_advising_ahead_asks_for_every_batch_once_and_in_time(tmp_path: Path) ->
 
 
 def _count_inflaters(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    import stoker.batch
+    import stoker.engine.assembler
 
     opened: list[str] = []
 
-    class Counting(stoker.batch.Inflater):
+    class Counting(stoker.engine.assembler.Inflater):
         def __init__(self, path: str, *args: object, **kw: object) -> None:
             opened.append(path)
             super().__init__(path, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(stoker.batch, "Inflater", Counting)
+    monkeypatch.setattr(stoker.engine.assembler, "Inflater", Counting)
     return opened
 
 
@@ -389,7 +389,7 @@ def test_a_small_gzip_file_is_inflated_once_for_all_epochs_and_passes(
 ) -> None:
     # Files under VERIFY_WHOLE_BYTES are decoded and checked whole; the end check must not
     # decompress them a second time (it did: stats showed the second pass as "assemble"), and
-    # later epochs and passes find them decoded (stoker.batch.KeptDecoded).
+    # later epochs and passes find them decoded (stoker.engine.assembler.KeptDecoded).
     ds = build(tmp_path, [300, 200, 100], {"wide": WIDE_GZ, "label": LAB_GZ})
     opened = _count_inflaters(monkeypatch)
     with ds.loader(64, with_index=True, epochs=2) as loader:
@@ -527,7 +527,7 @@ class Workers:
 
 
 def test_the_tuner_keeps_a_worker_only_when_it_pays() -> None:
-    from stoker.autotune import ThreadTuner
+    from stoker.engine.autotune import ThreadTuner
 
     tuner = ThreadTuner(start=1, max_threads=4, tune_prefetch=True, fits=100)
     w = Workers()
@@ -580,7 +580,7 @@ def test_the_tuner_tries_no_worker_more_than_the_memory_budget_leaves_batches_fo
 
 
 def test_a_trial_worker_that_clearly_loses_is_taken_back_before_its_window_ends() -> None:
-    from stoker.autotune import CLEAR_LOSS, EARLY_FRACTION, MIN_BATCHES, MIN_SECONDS, ThreadTuner
+    from stoker.engine.autotune import CLEAR_LOSS, EARLY_FRACTION, MIN_BATCHES, MIN_SECONDS, ThreadTuner
 
     def time_at_three(per_batch_at_three: float) -> tuple[float, ThreadTuner, list[str]]:
         tuner, w, now = ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=100), Workers(), 0.0
@@ -614,7 +614,7 @@ def test_a_trial_worker_that_clearly_loses_is_taken_back_before_its_window_ends(
 def test_a_window_holding_a_fresh_buffer_s_first_touch_starts_again() -> None:
     """A trial of one worker more grows the look-ahead by a buffer, whose first touch can take
     longer than tens of batches (on a VM whose free memory the host takes back)."""
-    from stoker.autotune import MAX_RESTARTS, ThreadTuner
+    from stoker.engine.autotune import MAX_RESTARTS, ThreadTuner
 
     def climb(report_fresh: bool) -> ThreadTuner:
         tuner = ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=100, cores=2, cpu_clock=lambda: 0.0)
@@ -655,7 +655,7 @@ def test_a_window_holding_a_fresh_buffer_s_first_touch_starts_again() -> None:
 
 
 def test_the_tuner_tries_no_worker_more_once_the_process_keeps_every_core_busy() -> None:
-    from stoker.autotune import SATURATED, ThreadTuner
+    from stoker.engine.autotune import SATURATED, ThreadTuner
 
     def climb(cores_busy: float) -> tuple[ThreadTuner, list[str]]:
         now = [0.0]  # the consumer's clock; the process's CPU clock runs cores_busy times as fast
@@ -702,7 +702,7 @@ def _climb_on_many_cores(records_per_s: dict[int, float], busy: dict[int, float]
 
 
 def test_workers_that_wait_on_the_gil_are_halved_while_half_runs_as_fast() -> None:
-    from stoker.autotune import GAIN, HALVE_BELOW
+    from stoker.engine.autotune import GAIN, HALVE_BELOW
 
     # W1 int8 on a 16-core host, as measured: 16 threads keep 3.6 cores busy and run slower
     # than 8, which keep 4.3 busy (below HALVE_BELOW of 8), and 4 (3.8 busy) run as fast as 8.
@@ -731,7 +731,7 @@ def test_workers_that_keep_their_cores_busy_are_not_halved() -> None:
 
 
 def test_a_climb_handed_to_the_next_pass_goes_on_and_skips_that_pass_s_start_up() -> None:
-    from stoker.autotune import ThreadTuner
+    from stoker.engine.autotune import ThreadTuner
 
     per_batch = {1: 0.010, 2: 0.005, 3: 0.0049}  # as above: 2 threads pay, 3 do not
     tuner, w, now = ThreadTuner(start=1, max_threads=4, tune_prefetch=True, fits=100), Workers(), 0.0
@@ -753,7 +753,7 @@ def test_a_climb_handed_to_the_next_pass_goes_on_and_skips_that_pass_s_start_up(
 
 
 def test_the_tuner_drops_a_gain_that_was_only_the_pass_warming_up() -> None:
-    from stoker.autotune import ThreadTuner
+    from stoker.engine.autotune import ThreadTuner
 
     tuner = ThreadTuner(start=2, max_threads=4, tune_prefetch=True, fits=100)
     w = Workers()
@@ -951,7 +951,7 @@ def test_below_the_ceiling_what_cuts_assemblies_into_many_runs_is_named(
 
 
 def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it_drops() -> None:
-    from stoker.autotune import ThreadTuner
+    from stoker.engine.autotune import ThreadTuner
 
     def run(waits: dict[int, float]) -> tuple[ThreadTuner, list[str]]:
         # The consumer keeps every batch 5 ms (a training step on the host) and then waits
@@ -978,8 +978,8 @@ def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it
 
 def test_cpu_seconds_count_the_consumer_burning_cpu_between_batches(tmp_path: Path) -> None:
     """Process CPU is sampled every CPU_SAMPLE_SECONDS, not per batch; it still adds up."""
-    from stoker.bench import burn
-    from stoker.stats import CPU_SAMPLE_SECONDS
+    from stoker.cli.bench import burn
+    from stoker.engine.stats import CPU_SAMPLE_SECONDS
 
     ds = build(tmp_path, [400], {"wide": WIDE_RAW})
     with ds.loader(8, epochs=None, threads=1) as loader:

@@ -23,8 +23,8 @@ import tensorflow as tf  # make test installs TF; a missing TF fails loudly, nev
 import stoker
 from conftest import record_allocations, small_sample
 from netns import run_loopback_only
-from stoker.engine import AlignedPool
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
+from stoker.engine.executor import AlignedPool
 from stoker.tf import as_tensor, native_dataset
 
 HERE = Path(__file__).resolve().parent

@@ -22,8 +22,8 @@ from tensorflow.python.ops import gen_dataset_ops
 import stoker
 import stoker.tf as stf
 from conftest import record_allocations, small_sample
-from stoker.engine import AlignedPool
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
+from stoker.engine.executor import AlignedPool
 
 pytestmark = pytest.mark.tf
 
@@ -239,7 +239,7 @@ def test_tensors_dropped_inside_a_graph_return_their_buffers_by_the_next_batch_a
         total = tf.constant(0.0, tf.float64)
         for batch in dataset:  # a dataset loop in the graph: no Python per batch
             first = tf.reshape(batch["image"], [tf.shape(batch["image"])[0], -1])[:, :4]
-            index = tf.cast(tf.bitcast(first, tf.uint32), tf.float32)  # as stoker.sample.expected_label
+            index = tf.cast(tf.bitcast(first, tf.uint32), tf.float32)  # as stoker.cli.sample.expected_label
             tf.debugging.assert_equal(batch["label"], index, message="label does not match its image")
             total += tf.cast(tf.reduce_sum(batch["label"]), tf.float64)
         return total

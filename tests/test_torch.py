@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 import stoker
 import stoker.torch
 from conftest import Allocations
-from stoker.engine import AlignedPool
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
+from stoker.engine.executor import AlignedPool
 from stoker.testing import assert_same_batches
 from stoker.torch import StokerIterableDataset, shard_from_distributed, to_torch, worker_shard
 

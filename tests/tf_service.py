@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 import stoker
-from stoker.sample import expected_label
+from stoker.cli.sample import expected_label
 from stoker.tf import native_dataset
 
 # (case name, processing mode, epochs, native_dataset keywords)

@@ -13,8 +13,8 @@ Example:
 import importlib
 from types import ModuleType
 
-from .access import Subset
-from .dataset import Dataset
+from .cli.sample import write_sample
+from .dataset import Dataset, Subset
 from .errors import (
     CorruptDataError,
     PairingError,
@@ -27,10 +27,9 @@ from .errors import (
     SupersededError,
     WriteError,
 )
-from .files import Group
-from .index import write_index
+from .io.files import Group
+from .io.index import write_index
 from .loader import Loader
-from .sample import write_sample
 from .spec import Field
 
 __all__ = [

@@ -9,11 +9,11 @@ stage takes the time.
 
 from __future__ import annotations
 
-from .batch import KEPT_DECODED_BYTES
-from .engine import MAX_PER_WAKE
-from .inflate import BACKEND
+from .engine.assembler import KEPT_DECODED_BYTES
+from .engine.executor import MAX_PER_WAKE
+from .engine.stats import LoaderStats
+from .io.inflate import BACKEND
 from .machine import cores_phrase
-from .stats import LoaderStats
 
 __all__ = ["AT_CEILING", "CONSUMER_BOUND", "VERDICTS_PAGE", "VERDICT_IDS", "verdict"]
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import SpecError
 from .loader import UserPosition
-from .order import shard_from_rank
+from .plan.order import shard_from_rank
 
 # What jax.device_put runs for a host array once its Python is done: one C++ call that places
 # the array on a device (on the CPU, aliases it). See _DirectPut. Internal to JAX (checked on

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .autotune import SPARE, ThreadTuner, available_cores, default_prefetch, wanted_prefetch
-from .batch import (
+from .engine.assembler import (
     GROUP_KEY,
     INDEX_KEY,
     KEPT_DECODED_BYTES,
@@ -27,13 +26,25 @@ from .batch import (
     pass_open_files,
     raise_open_files,
 )
-from .dataset import resolve_cast
-from .engine import ALIGNMENT, AlignedPool, Allocator, Executor, OrderedMap, Stopped, ThreadExecutor, run_finalizer
+from .engine.autotune import SPARE, ThreadTuner, available_cores, default_prefetch, wanted_prefetch
+from .engine.executor import (
+    ALIGNMENT,
+    AlignedPool,
+    Allocator,
+    Executor,
+    OrderedMap,
+    Stopped,
+    ThreadExecutor,
+    run_finalizer,
+)
+from .engine.stats import Counters, LoaderStats
+from .engine.transforms import Stage
 from .errors import SpecError, StateError, SupersededError
-from .fetch import Fetcher, parallel_reads
+from .io.fetch import Fetcher, parallel_reads
+from .io.readahead import AHEAD_BYTES, Readahead, drop_behind_for
+from .io.remote import is_remote
 from .machine import default_memory_budget
-from .order import even_length, fingerprint, shard_length, validate_shard
-from .plan import (
+from .plan.batches import (
     BatchPlan,
     Plan,
     PlanConfig,
@@ -44,11 +55,8 @@ from .plan import (
     next_pass,
     pass_end,
 )
-from .readahead import AHEAD_BYTES, Readahead, drop_behind_for
-from .remote import is_remote
-from .spec import parse_bytes
-from .stats import Counters, LoaderStats
-from .transforms import Stage
+from .plan.order import even_length, fingerprint, shard_length, validate_shard
+from .spec import parse_bytes, resolve_cast
 
 if TYPE_CHECKING:
     from .dataset import Dataset
@@ -201,7 +209,7 @@ class Loader:
         self._climb: ThreadTuner | None = None  # autotune's climb, until done (it spans passes)
         self._executor: Executor = executor or ThreadExecutor(self.threads)
         if workers == "process":
-            from .workers import ProcessExecutor
+            from .engine.workers import ProcessExecutor
 
             assert self._stage is not None
             self._executor = ProcessExecutor(self.threads, self._stage, dataset._catalog)
@@ -241,7 +249,7 @@ class Loader:
         # adapters swap in pinned or shared memory here (one buffer path, not two).
         self.allocator_factory: Callable[[int], Allocator] = lambda pooled: AlignedPool(max_pooled_bytes=pooled)
         if workers == "process":
-            from .workers import SharedPool
+            from .engine.workers import SharedPool
 
             self.allocator_factory = lambda pooled: SharedPool(max_pooled_bytes=pooled)
         # Where the next pass starts when it is not the pass after the last (a loaded state).

@@ -54,8 +54,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .access import RecordReader, Subset
-from .batch import (
+from .dataset import Dataset, Subset
+from .engine.assembler import (
     GROUP_KEY,
     INDEX_KEY,
     KEPT_DECODED_BYTES,
@@ -65,13 +65,13 @@ from .batch import (
     KeptMaps,
     loader_kept_maps,
 )
-from .dataset import Dataset
-from .engine import AlignedPool
+from .engine.executor import AlignedPool
+from .engine.records import RecordReader
 from .errors import SpecError
-from .files import Catalog
+from .io.files import Catalog
 from .kernels import cast_into
-from .order import permute_groups
-from .plan import BatchPlan, Run
+from .plan.batches import BatchPlan, Run
+from .plan.order import permute_groups
 from .spec import resolve_dtype
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import SpecError
 
-__all__ = ["Compression", "Field", "is_float", "parse_bytes", "resolve_dtype", "shape_hint"]
+__all__ = ["Compression", "Field", "is_float", "parse_bytes", "resolve_cast", "resolve_dtype", "shape_hint"]
 
 Compression = Literal["auto", "gzip", "zlib"] | None
 _COMPRESSIONS = ("auto", "gzip", "zlib", None)
@@ -259,3 +259,29 @@ def _scaled_down(shape: tuple[int, ...], k: int) -> tuple[int, ...] | None:
     if shape and shape[0] % k == 0:
         return (shape[0] // k, *shape[1:]) if shape[0] > k or len(shape) > 1 else ()
     return None
+
+
+def resolve_cast(fields: Mapping[str, Field], cast: Any) -> dict[str, np.dtype]:
+    """The dtype each field is delivered in, from `cast` (None, one dtype, or a map)."""
+    out = {n: f.native_dtype for n, f in fields.items()}
+    if cast is None:
+        return out
+    items: Sequence[tuple[str, Any]]
+    if isinstance(cast, Mapping):
+        unknown = [k for k in cast if k not in fields]
+        if unknown:
+            raise SpecError(f"cast names unknown field(s) {unknown}; fields are {list(fields)}", field=str(unknown[0]))
+        items = list(cast.items())
+    else:
+        items = [(n, cast) for n in fields]
+    for name, value in items:
+        try:
+            dtype = resolve_dtype(value)
+        except SpecError as e:
+            raise SpecError(f"cast for field {name!r}: {e}", field=name) from e
+        if dtype.kind not in "biuf" and not is_float(dtype):
+            raise SpecError(
+                f"cast for field {name!r}: {dtype} must be a bool, integer or float dtype (or 'bfloat16')", field=name
+            )
+        out[name] = dtype.newbyteorder("=")
+    return out

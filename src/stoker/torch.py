@@ -33,13 +33,13 @@ import torch
 import torch.utils.data
 
 from .dataset import Dataset
-from .engine import AlignedPool
+from .engine.executor import AlignedPool
 from .errors import SpecError, StateError
 from .loader import UserPosition, default_threads
-from .order import shard_from_rank, validate_shard
+from .plan.order import shard_from_rank, validate_shard
 
 if TYPE_CHECKING:
-    from .engine import Allocator
+    from .engine.executor import Allocator
     from .loader import Loader
 
 __all__ = ["PinnedPool", "StokerIterableDataset", "TorchLoader", "shard_from_distributed", "to_torch", "worker_shard"]

@@ -7,103 +7,27 @@ import json
 import os
 import sys
 import time
-import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .dataset import Dataset, resolve_cast
-from .errors import CorruptDataError, PairingError, ReadError, SpecError, StaleIndexError, StokerError
-from .machine import available_cores, cores_phrase
+from ..dataset import Dataset
+from ..errors import CorruptDataError, PairingError, ReadError, SpecError, StaleIndexError, StokerError
+from ..machine import available_cores, cores_phrase
+from ..spec import resolve_cast
+from .config import build_fields, dataset_from_fields, fields_from_config, parse_field
 from .sample import CONFIG_NAME, cached_sample, write_sample
-from .spec import Field
 
 __all__ = ["dataset_from_fields", "main", "parse_field"]
-
-_COMPRESSION_WORDS = {"gzip": "gzip", "zlib": "zlib", "none": None, "raw": None, "auto": "auto"}
-
-
-def parse_field(text: str) -> dict[str, Any]:
-    """`NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]` (shape as `128x128x1`) -> field settings."""
-    name, sep, rest = text.partition("=")
-    if not sep or not name:
-        raise SpecError(f"--field {text!r} must look like NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]")
-    parts = rest.split(":")
-    # The glob may itself hold ':'; dtype, shape and compression are the known tail words.
-    tail: list[str] = []
-    while len(parts) > 1 and len(tail) < 3:
-        tail.insert(0, parts.pop())
-    files = ":".join(parts)
-    if not tail:
-        raise SpecError(f"--field {text!r} names no dtype; use NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]")
-    spec: dict[str, Any] = {"name": name, "files": files, "dtype": tail[0], "shape": [], "compression": "auto"}
-    for word in tail[1:]:
-        if word.lower() in _COMPRESSION_WORDS:
-            spec["compression"] = _COMPRESSION_WORDS[word.lower()]
-        elif word and all(p.isdigit() for p in word.lower().split("x")):
-            spec["shape"] = [int(p) for p in word.lower().split("x")]
-        else:
-            raise SpecError(f"--field {text!r}: {word!r} is neither a shape like 128x128x1 nor a compression")
-    return spec
-
-
-def _fields_from_config(path: str) -> list[dict[str, Any]]:
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as e:
-        raise SpecError(f"cannot read config {path!r}: {e.strerror}", path=path) from e
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"config {path!r} is not valid TOML: {e}", path=path) from e
-    table = doc.get("fields")
-    if not isinstance(table, Mapping) or not table:
-        raise SpecError(f"config {path!r} has no [fields.NAME] tables", path=path)
-    base = os.path.dirname(os.path.abspath(path))
-    out = []
-    for name, spec in table.items():
-        if not isinstance(spec, Mapping) or "files" not in spec or "dtype" not in spec:
-            raise SpecError(f"config {path!r}: [fields.{name}] needs files and dtype", path=path, field=name)
-        files = spec["files"]
-        if isinstance(files, str):
-            files = files if os.path.isabs(files) else os.path.join(base, files)
-        elif isinstance(files, list):
-            files = [p if os.path.isabs(p) else os.path.join(base, p) for p in files]
-        out.append({**spec, "name": name, "files": files})
-    return out
-
-
-def dataset_from_fields(
-    specs: Sequence[Mapping[str, Any]], *, pair_key: str | None = None, index: str = "auto"
-) -> Dataset:
-    """A Dataset from field settings as `parse_field` or a config file give them."""
-    return Dataset(_fields(specs), pair_key=pair_key, index=index)
-
-
-def _fields(specs: Sequence[Mapping[str, Any]]) -> dict[str, Field]:
-    fields = {}
-    for s in specs:
-        compression = s.get("compression", "auto")
-        if isinstance(compression, str) and compression.lower() in ("none", "raw"):
-            compression = None
-        fields[s["name"]] = Field(
-            s["files"],
-            s["dtype"],
-            tuple(s.get("shape", ())),
-            header_bytes=int(s.get("header_bytes", 0)),
-            footer_bytes=int(s.get("footer_bytes", 0)),
-            compression=compression,
-            byte_order=s.get("byte_order"),
-        )
-    return fields
 
 
 def _field_specs(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     if args.config and args.field:
         raise SpecError("give --field or --config, not both")
     if args.config:
-        return _fields_from_config(args.config)
+        return fields_from_config(args.config)
     if args.field:
         return [parse_field(f) for f in args.field]
     return None
@@ -123,7 +47,7 @@ def _sample_layout(directory: Path, inrez: int | None) -> tuple[list[dict[str, A
     """(fields, a sentence saying where they came from, whether they were assumed)."""
     config = directory / CONFIG_NAME
     if inrez is None and config.is_file():
-        return _fields_from_config(str(config)), f"from {config}", False
+        return fields_from_config(str(config)), f"from {config}", False
     given = inrez is not None
     inrez = 128 if inrez is None else inrez
     specs: list[dict[str, Any]] = [
@@ -261,9 +185,9 @@ def _inspect_rows(
             for n, f in ds.fields.items()
         }
         return ds, rows, layouts
-    from .files import expand_files
+    from ..io.files import expand_files
 
-    fields = _fields(specs)
+    fields = build_fields(specs)
     paths = {n: expand_files(n, f) for n, f in fields.items()}
     if len({len(p) for p in paths.values()}) > 1:
         raise error  # files that pair by position cannot be told apart
@@ -448,8 +372,8 @@ def _record_text(v: np.ndarray) -> str:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from .index import write_index
-    from .seekpoints import SPACING
+    from ..io.index import write_index
+    from ..io.seekpoints import SPACING
 
     specs = _field_specs(args)
     if specs is None:
@@ -479,7 +403,7 @@ def _bench_cache() -> Path:
 
 def _run_compare(args: argparse.Namespace) -> int:
     """`stoker bench --compare`: benchmarks/compare.py of the source checkout stoker runs from."""
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "compare.py"
     if not script.is_file():
         raise SpecError(f"--compare runs {script}, which is not there: run it from a source checkout of stoker")
     rounds = 5 if args.rounds is None else args.rounds  # the issue's minimum for peer comparisons
@@ -523,9 +447,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _run_compare(args)
     if args.rounds is None:
         args.rounds = 3
+    from ..doctor import verdict
+    from ..engine.stats import LoaderStats
     from .bench import measure, summarize
-    from .doctor import verdict
-    from .stats import LoaderStats
 
     specs = _field_specs(args)
     if specs is None:
@@ -677,8 +601,8 @@ examples:
 
 
 def _version() -> str:
-    from . import __version__
-    from .kernels import compiled
+    from .. import __version__
+    from ..kernels import compiled
 
     kernels = "compiled kernels" if compiled() else "no compiled kernels: the numpy slow path"
     return f"stoker {__version__} ({kernels}; Python {sys.version.split()[0]})"
@@ -851,7 +775,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -52,9 +52,9 @@ from typing import Any
 
 import numpy as np
 
-from .engine import AlignedPool
-from .kernels import cast_into
-from .spec import resolve_dtype
+from ..engine.executor import AlignedPool
+from ..kernels import cast_into
+from ..spec import resolve_dtype
 
 __all__ = [
     "CEILING_LOOPS",
@@ -128,7 +128,7 @@ def _ceiling_worker(
     tally = _Tally()
     tallies.append(tally)
     if loop == "inflate_cast":
-        from .inflate import Inflater
+        from ..io.inflate import Inflater
 
         while time.perf_counter() < until:
             for p in paths:
@@ -284,7 +284,7 @@ def _drain_until(batches: Iterator[Any], until: float, busy: float) -> None:
 
 
 def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
-    from .cli import dataset_from_fields
+    from .config import dataset_from_fields
 
     ds = dataset_from_fields(cfg["fields"])
     total_bytes = sum(f.record_bytes for f in ds.fields.values())
@@ -373,7 +373,7 @@ def child_json(name: str, args: Sequence[str], *, env: dict[str, str] | None = N
 
 def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
     """Run one contender for `cfg['seconds']` in a fresh process and return its figures."""
-    out = child_json(contender, ["-m", "stoker.bench", contender, json.dumps(cfg)])
+    out = child_json(contender, ["-m", "stoker.cli.bench", contender, json.dumps(cfg)])
     return Measurement(
         contender, out["records"], out["seconds"], out["bytes_read"], out.get("stats"), out.get("cpu_seconds", 0.0),
         out.get("first_batch_seconds"),

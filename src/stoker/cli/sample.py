@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import SpecError
-from .index import INDEX_NAME
+from ..errors import SpecError
+from ..io.index import INDEX_NAME
 
 __all__ = ["CONFIG_NAME", "cached_sample", "expected_label", "sample_config", "sample_files", "write_sample"]
 

@@ -26,13 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from .engine import Allocator, StopFlag, Stopped, flush_wake
-from .errors import CorruptDataError, ReadError, StaleIndexError, StokerError
-from .fetch import Fetcher
-from .files import Catalog, FileInfo, open_local
-from .index import count_disagrees
-from .inflate import Inflater, TruncatedStreamError
-from .kernels import (
+from ..errors import CorruptDataError, ReadError, StaleIndexError, StokerError
+from ..io.fetch import Fetcher
+from ..io.files import Catalog, FileInfo, open_local
+from ..io.index import count_disagrees
+from ..io.inflate import Inflater, TruncatedStreamError
+from ..io.readahead import Readahead
+from ..io.reads import seek_read
+from ..io.remote import is_remote, pieces
+from ..io.seekpoints import SeekPoint
+from ..kernels import (
     MapFault,
     address,
     cast_into,
@@ -47,12 +50,10 @@ from .kernels import (
     map_file,
     maps_hold_descriptors,
 )
-from .machine import descriptor_limits, max_map_count, set_soft_descriptor_limit
-from .plan import BatchPlan, Gather, Run
-from .readahead import Readahead
-from .remote import is_remote, pieces
-from .seekpoints import SeekPoint
-from .spec import Field
+from ..machine import descriptor_limits, max_map_count, set_soft_descriptor_limit
+from ..plan.batches import BatchPlan, Gather, Run
+from ..spec import Field
+from .executor import Allocator, StopFlag, Stopped, flush_wake
 from .stats import CPU_SAMPLE_SECONDS, Counters, thread_clock
 
 __all__ = ["GROUP_KEY", "INDEX_KEY", "VALID_KEY", "Assembler", "KeptMaps", "Task", "fill_padding"]
@@ -929,8 +930,6 @@ class Assembler:
                 elif info.compression is None:  # a remote file
                     dst[order[a:b]] = self._remote_records(name, spec, info, index[a:b])
                 elif name in self.seek_fields:
-                    from .access import seek_read  # access builds on this module
-
                     points = self.catalog.seek_points.get((g, name), (SeekPoint(0, 0),))
                     dst[order[a:b]] = seek_read(name, spec, info, points, index[a:b], self.catalog.count(g))
                 else:

@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from .engine import MAX_PER_WAKE
-from .machine import available_cores, cores_phrase
+from ..machine import available_cores, cores_phrase
+from .executor import MAX_PER_WAKE
 
 __all__ = [
     "CLEAR_LOSS",

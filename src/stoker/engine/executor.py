@@ -28,7 +28,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
-from .kernels import _kernels
+from ..kernels import _kernels
 
 __all__ = [
     "ALIGNMENT", "AlignedPool", "Allocator", "Executor", "OrderedMap", "StopFlag", "Stopped", "ThreadExecutor",

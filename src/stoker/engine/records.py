@@ -25,38 +25,31 @@ root dataset's group and record in the file.
 
 from __future__ import annotations
 
-import hashlib
-import math
 import mmap
-import numbers
 import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import remote
-from .batch import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, fill_padding, pass_open_files
-from .dataset import Dataset, resolve_cast
-from .errors import CorruptDataError, RecordIndexError, SpecError
-from .files import Catalog, FileInfo, Group, open_local
-from .index import count_disagrees
-from .inflate import Inflater
-from .kernels import MapFault, copy_records, gather_records, gathers, guard_maps, map_address
-from .order import Permutation
-from .remote import is_remote
-from .seekpoints import SeekPoint
+from ..errors import CorruptDataError
+from ..io import remote
+from ..io.files import Catalog, FileInfo, open_local
+from ..io.index import count_disagrees
+from ..io.inflate import Inflater
+from ..io.reads import seek_read, short_stream
+from ..io.remote import is_remote
+from ..io.seekpoints import SeekPoint
+from ..kernels import MapFault, copy_records, gather_records, gathers, guard_maps, map_address
+from .assembler import pass_open_files
 
 if TYPE_CHECKING:
-    from .engine import Allocator
-    from .fetch import Fetcher
-    from .plan import BatchPlan
-    from .spec import Field
+    from ..spec import Field
 
-__all__ = ["DEFAULT_CACHE_BYTES", "RecordReader", "Subset", "read_one", "read_records", "select", "split"]
+__all__ = ["DEFAULT_CACHE_BYTES", "STREAM_SPLIT", "RecordReader"]
 
 # Decoded compressed files kept per Dataset for random access. Labels of the seed's layout
 # (4 bytes a record) take 16 KiB a group, so a million groups' labels fit; image files of
@@ -323,9 +316,9 @@ class RecordReader:
             if got < spec.header_bytes + len(buf):
                 at = max(0, (inf.produced - spec.header_bytes) // spec.record_bytes)
                 found = f"ends at decompressed offset {inf.produced}, inside record {at}"
-                raise count_disagrees(index_file, info, name, g, n, found, record=at, offset=inf.produced) or _short(
-                    name, spec, info, n, inf.produced
-                )
+                raise count_disagrees(
+                    index_file, info, name, g, n, found, record=at, offset=inf.produced
+                ) or short_stream(name, spec, info, n, inf.produced)
             if inf.skip(spec.footer_bytes) != spec.footer_bytes or not inf.at_end():
                 found = f"does not end after {n} records and footer_bytes={spec.footer_bytes}"
                 lie = count_disagrees(index_file, info, name, g, n, found, record=n, offset=inf.produced)
@@ -349,45 +342,6 @@ class RecordReader:
 _FILE_START = (SeekPoint(0, 0),)
 
 
-def seek_read(
-    name: str, spec: Field, info: FileInfo, points: Sequence[SeekPoint], local: np.ndarray, count: int
-) -> np.ndarray:
-    """Records `local` (any order) of a compressed file, each run decoded from the seek point before it.
-
-    `points`: the file's seek points sorted by decompressed offset; `count`: its records (for errors).
-    """
-    assert info.compression is not None
-    rb = spec.record_bytes
-    wanted, inverse = np.unique(local, return_inverse=True)
-    got = np.empty((len(wanted), *spec.shape), spec.dtype)
-    view = memoryview(got.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-    starts = np.array([p[1] for p in points], dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(wanted) != 1) + 1
-    inf: Inflater | None = None
-    try:
-        done = 0
-        for run in np.split(wanted, breaks):
-            target = spec.header_bytes + int(run[0]) * rb
-            k = int(np.searchsorted(starts, target, side="right")) - 1
-            if inf is None or inf.produced > target or int(starts[k]) > inf.produced:
-                if inf is not None:
-                    inf.close()
-                inf = Inflater(
-                    info.path, info.compression, field=name, start=points[k], storage_options=spec.storage_options
-                )
-            want = target - inf.produced
-            if inf.skip(want) != want:
-                raise _short(name, spec, info, count, inf.produced)
-            nbytes = len(run) * rb
-            if inf.readinto(view[done : done + nbytes]) != nbytes:
-                raise _short(name, spec, info, count, inf.produced)
-            done += nbytes
-    finally:
-        if inf is not None:
-            inf.close()
-    return got[inverse]
-
-
 def _cut_short(name: str, spec: Field, info: FileInfo, size: int, offset: int) -> CorruptDataError:
     """The error for a read of `info`'s file failing at byte `offset`: the file is `size` bytes now."""
     index = max(0, (offset - spec.header_bytes) // spec.record_bytes)
@@ -396,362 +350,3 @@ def _cut_short(name: str, spec: Field, info: FileInfo, size: int, offset: int) -
         f"was built (reading record {index}, byte offset {offset}, failed)",
         field=name, path=info.path, index=index, offset=offset,
     )  # fmt: skip
-
-
-def _short(name: str, spec: Field, info: FileInfo, n: int, produced: int) -> CorruptDataError:
-    index = max(0, (produced - spec.header_bytes) // spec.record_bytes)
-    return CorruptDataError(
-        f"field {name!r}: {info.compression} stream {info.path!r} ends at decompressed offset {produced}, "
-        f"inside record {index} of {n}",
-        field=name, path=info.path, index=index, offset=produced,
-    )  # fmt: skip
-
-
-_FIRSTS: weakref.WeakKeyDictionary[Dataset, np.ndarray] = weakref.WeakKeyDictionary()
-_READERS: weakref.WeakKeyDictionary[Dataset, RecordReader] = weakref.WeakKeyDictionary()
-_TABLE_LOCK = threading.Lock()
-
-
-def _firsts(ds: Dataset) -> np.ndarray:
-    """Cumulative record counts: group g holds global records `firsts[g] .. firsts[g + 1]`."""
-    table = _FIRSTS.get(ds)
-    if table is None:
-        counts = np.fromiter((ds.records_in(g) for g in range(ds.num_groups)), np.int64, ds.num_groups)
-        table = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
-        with _TABLE_LOCK:
-            _FIRSTS[ds] = table
-    return table
-
-
-def _root(ds: Dataset) -> Dataset:
-    return ds.root if isinstance(ds, Subset) else ds
-
-
-def _reader(ds: Dataset) -> RecordReader:
-    root = _root(ds)
-    with _TABLE_LOCK:
-        reader = _READERS.get(root)
-        if reader is None:
-            reader = _READERS[root] = RecordReader(root._catalog)
-    return reader
-
-
-def locate(ds: Dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(group, record within the group) of each valid global index of `ds`."""
-    firsts = _firsts(ds)
-    groups = np.searchsorted(firsts, indices, side="right") - 1
-    return groups, indices - firsts[groups]
-
-
-def to_root(ds: Dataset, groups: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(group, record) of `ds` as (group, record in the file) of its root dataset."""
-    if not isinstance(ds, Subset):
-        return groups, records
-    view = ds._catalog
-    root_records = records.copy()
-    order = np.argsort(groups, kind="stable")
-    bounds = np.flatnonzero(np.diff(groups[order])) + 1
-    for part in np.split(order, bounds) if len(order) else []:
-        selected = view.records[int(groups[part[0]])]
-        if selected is not None:
-            root_records[part] = selected[records[part]]
-    return view.groups[groups], root_records
-
-
-def _indices(ds: Dataset, indices: Any, what: str) -> np.ndarray:
-    idx = np.asarray(indices)
-    if idx.ndim != 1:
-        raise SpecError(f"{what} must be a 1-D sequence of record indices, got shape {idx.shape}")
-    if idx.size and idx.dtype.kind not in "iu":
-        raise SpecError(f"{what} must be integers, got dtype {idx.dtype}")
-    idx = idx.astype(np.int64)
-    n = int(_firsts(ds)[-1])
-    if idx.size:
-        bad = (idx < -n) | (idx >= n)
-        if bad.any():
-            first = int(idx[np.flatnonzero(bad)[0]])
-            path = _first_path(ds)
-            raise RecordIndexError(
-                f"record index {first} is out of range for {ds!r} with {n} records (first file {path!r})",
-                index=first, path=path,
-            )  # fmt: skip
-    return np.where(idx < 0, idx + n, idx)
-
-
-def _first_path(ds: Dataset) -> str | None:
-    files = ds.files
-    return next(iter(files[0].values())).path if files else None
-
-
-def read_records(ds: Dataset, indices: Any, *, cast: Any = None) -> dict[str, np.ndarray]:
-    """`ds.read`: records at global `indices` (any order, repeats allowed) as `{field: (k, *shape)}`."""
-    idx = _indices(ds, indices, "indices")
-    dtypes = resolve_cast(ds.fields, cast)
-    out = {n: np.empty((len(idx), *f.shape), dtypes[n]) for n, f in ds.fields.items()}
-    if len(idx):
-        groups, records = to_root(ds, *locate(ds, idx))
-        _reader(ds).read_into(groups, records, out)
-    return out
-
-
-def read_one(ds: Dataset, i: Any) -> dict[str, np.ndarray]:
-    """`ds[i]`: one record as `{field: array of the field's shape}`; a slice reads a batch."""
-    if isinstance(i, slice):
-        return read_records(ds, np.arange(*i.indices(len(ds)), dtype=np.int64))
-    if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-        raise SpecError(f"a record index must be an integer (or a slice), got {i!r}")
-    batch = read_records(ds, np.array([int(i)], dtype=np.int64))
-    return {n: a[0, ...] for n, a in batch.items()}
-
-
-class _CatalogView(Catalog):
-    """The root catalog seen through a subset: its groups, and per group all records or some."""
-
-    def __init__(self, root: Catalog, groups: np.ndarray, records: Sequence[np.ndarray | None]) -> None:
-        # Not Catalog.__init__: a view shares the root's files and settled counts.
-        self.fields = root.fields
-        self._root = root
-        self.groups = groups
-        self.records = list(records)
-        self.num_groups = len(groups)
-        self.files = [root.files[int(g)] for g in groups]
-        self.seek_points = {
-            (v, name): root.seek_points[(int(g), name)]
-            for v, g in enumerate(groups)
-            for name in self.fields
-            if (int(g), name) in root.seek_points
-        }
-        self._lock = threading.Lock()
-
-    def count(self, g: int) -> int:
-        selected = self.records[g]
-        return len(selected) if selected is not None else self._root.count(int(self.groups[g]))
-
-    def settled(self) -> bool:
-        return all(r is not None for r in self.records) or self._root.settled()
-
-    def root(self) -> Catalog:
-        return self._root
-
-
-class Subset(Dataset):
-    """Some groups of a root Dataset and, per group, all or some of its records (in file order).
-
-    Made by `Dataset.select` and `Dataset.split`; everything a Dataset does
-    (`len`, `ds[i]`, `read`, `loader` with every option, `select` again) works on it.
-    Its global indices run over its own records, group by group.
-    """
-
-    _catalog: _CatalogView
-
-    def __init__(self, root: Dataset, groups: np.ndarray, records: Sequence[np.ndarray | None]) -> None:
-        # Not Dataset.__init__: no globbing or counting again, the root did that.
-        self.root = root
-        self.fields = root.fields
-        self.pair_key = root.pair_key
-        self._catalog = _CatalogView(root._catalog, groups, records)
-
-    @property
-    def groups(self) -> tuple[Group, ...]:
-        """Every group of the subset, `index` being its group number in the root dataset."""
-        view = self._catalog
-        return tuple(
-            Group(int(view.groups[v]), {n: i.path for n, i in view.files[v].items()}, view.count(v))
-            for v in range(view.num_groups)
-        )
-
-    def _subset_key(self) -> str:
-        h = hashlib.sha256(np.ascontiguousarray(self._catalog.groups, np.int64).tobytes())
-        for selected in self._catalog.records:
-            h.update(b"*" if selected is None else b"[" + np.ascontiguousarray(selected, np.int64).tobytes() + b"]")
-        return h.hexdigest()[:16]
-
-    def _assembler(
-        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool,
-        fetcher: Fetcher | None = None,
-    ) -> Assembler:  # fmt: skip
-        kind = _GroupsAssembler if all(r is None for r in self._catalog.records) else _RecordsAssembler
-        return kind(self, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher)
-
-    def __repr__(self) -> str:
-        return f"Subset of {self.root!r}: {self.num_groups} groups"
-
-
-class _GroupsAssembler(Assembler):
-    """Whole groups: the streaming assembler, with `__group__` named in the root dataset."""
-
-    def __init__(
-        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
-        with_index: bool, fetcher: Fetcher | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(
-            view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher
-        )
-        self._groups = view._catalog.groups
-
-    def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
-        out, plan = super().__call__(task)
-        if self.with_index:
-            real = plan.rows if plan.valid is None else plan.valid
-            out[GROUP_KEY][:real] = self._groups[out[GROUP_KEY][:real]]
-        return out, plan
-
-
-class _RecordsAssembler(Assembler):
-    """Some records of groups: every planned batch read by random access (no stream turns)."""
-
-    def __init__(
-        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
-        with_index: bool, fetcher: Fetcher | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(
-            view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher
-        )
-        self._view = view
-        self._reader = RecordReader(view.root._catalog)  # its cache lives as long as this pass
-
-    def prepare(self, plan: BatchPlan) -> Task:
-        return Task(plan)
-
-    def fetching_ahead(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
-        return plans  # its batches are read by random access (RecordReader), not through the fetcher
-
-    def close(self) -> None:
-        super().close()
-        self._reader.close()
-
-    def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
-        plan = task.plan
-        out = {n: self.allocator.array((plan.rows, *f.shape), self.out_dtypes[n]) for n, f in self.fields.items()}
-        if self.with_index:
-            out[GROUP_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
-            out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
-        if plan.valid is not None:
-            out[VALID_KEY] = self.allocator.array((plan.rows,), np.dtype(bool))
-            fill_padding(out, plan.valid)
-        if plan.gather is not None:
-            groups, local = plan.gather.groups, plan.gather.index
-        else:
-            runs = [r for r in plan.runs if r.count]
-            groups = np.concatenate([np.full(r.count, r.group, np.int64) for r in runs] or [np.zeros(0, np.int64)])
-            local = np.concatenate(
-                [np.arange(r.start, r.stop, r.step, dtype=np.int64) for r in runs] or [np.zeros(0, np.int64)]
-            )
-        root_groups, root_records = to_root(self._view, groups, local)
-        self._reader.read_into(root_groups, root_records, out)
-        if self.with_index:
-            out[GROUP_KEY][: len(groups)] = root_groups
-            out[INDEX_KEY][: len(groups)] = root_records
-        return out, plan
-
-
-def _positions(value: Any, n: int, what: str) -> np.ndarray:
-    """A slice or integer sequence of positions in `[0, n)` (negatives from the end), no repeats."""
-    if isinstance(value, slice):
-        return np.arange(*value.indices(n), dtype=np.int64)
-    arr = np.asarray(value)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise SpecError(f"{what} must be a slice or a 1-D sequence of integers, got {value!r:.100}")
-    arr = arr.astype(np.int64)
-    if arr.size and (arr.min() < -n or arr.max() >= n):
-        bad = int(arr[(arr < -n) | (arr >= n)][0])
-        raise RecordIndexError(f"{what}: {bad} is out of range for {n}", index=bad)
-    arr = np.where(arr < 0, arr + n, arr)
-    if len(np.unique(arr)) != len(arr):
-        raise SpecError(f"{what} holds repeated values; a subset holds each group or record once")
-    return arr
-
-
-def select(ds: Dataset, *, groups: Any = None, records: Any = None) -> Subset:
-    """A subset of `ds`: `groups` (a slice or group numbers, kept in the order given), then
-    `records` (a slice or global record indices of those groups, taken in ascending order).
-
-    Groups are numbered as in `ds` (for a subset: its own groups); `records` index the
-    records of the selected groups, as `len(ds.select(groups=...))` counts them. Groups
-    left with no record are dropped. Repeats are an error.
-
-    Example:
-        >>> few = ds.select(groups=[0, 2], records=slice(0, 100))
-    """
-    if isinstance(ds, Subset):
-        root, base_groups, base_records = ds.root, ds._catalog.groups, list(ds._catalog.records)
-    else:
-        root, base_groups, base_records = ds, np.arange(ds.num_groups, dtype=np.int64), [None] * ds.num_groups
-    if groups is not None:
-        chosen = _positions(groups, len(base_groups), "groups")
-        base_groups = base_groups[chosen]
-        base_records = [base_records[int(i)] for i in chosen]
-    view = Subset(root, base_groups, base_records)
-    if records is None:
-        return view
-    idx = np.sort(_positions(records, len(view), "records"))
-    vg, local = locate(view, idx)
-    new_groups: list[int] = []
-    new_records: list[np.ndarray | None] = []
-    bounds = np.flatnonzero(np.diff(vg)) + 1
-    for part in np.split(np.arange(len(idx)), bounds) if len(idx) else []:
-        v = int(vg[part[0]])
-        chosen_records = local[part]
-        prior = base_records[v]
-        mapped = chosen_records if prior is None else prior[chosen_records]
-        g = int(base_groups[v])
-        whole = len(mapped) == root.records_in(g) and bool((mapped == np.arange(len(mapped))).all())
-        new_groups.append(g)
-        new_records.append(None if whole else mapped)  # whole groups keep streaming reads
-    return Subset(root, np.array(new_groups, dtype=np.int64), new_records)
-
-
-def _sizes(fractions: Sequence[float], total: int) -> list[int]:
-    """Largest-remainder rounding: sizes summing to `total`, ties to the earlier name."""
-    exact = [f * total for f in fractions]
-    sizes = [math.floor(x) for x in exact]
-    for k in sorted(range(len(exact)), key=lambda k: (-(exact[k] - sizes[k]), k))[: total - sum(sizes)]:
-        sizes[k] += 1
-    return sizes
-
-
-def split(ds: Dataset, fractions: Mapping[str, float], *, seed: int, by: str = "group") -> dict[str, Subset]:
-    """Disjoint subsets covering `ds`, sized by `fractions` (summing to 1), deterministic in `seed`.
-
-    `by="group"` deals whole groups (files), so any compression streams; `by="record"`
-    deals records. Units are permuted by a keyed permutation of `seed` (its own stream,
-    independent of loader shuffles), cut in the order of `fractions` with sizes rounded by
-    largest remainder, and each part keeps the dataset's order. The same seed and dataset
-    give the same parts on any machine. A part that would be empty (2 groups cannot give a 10%
-    part by group) is a SpecError, never a silent empty subset.
-
-    Example:
-        >>> parts = ds.split({"train": 0.9, "val": 0.1}, seed=0, by="record")
-        >>> len(parts["train"]) + len(parts["val"]) == len(ds)
-        True
-    """
-    if not isinstance(fractions, Mapping) or not fractions:
-        raise SpecError(f"fractions={fractions!r} must be a non-empty mapping of name -> fraction")
-    for name, f in fractions.items():
-        if not isinstance(name, str) or isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f <= 1:
-            raise SpecError(f"fractions[{name!r}]={f!r} must be a number in [0, 1] under a string name")
-    if abs(sum(float(f) for f in fractions.values()) - 1) > 1e-9:
-        total = sum(fractions.values())
-        raise SpecError(f"fractions {dict(fractions)} sum to {total}, not 1: the parts must cover the data")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise SpecError(f"seed={seed!r} must be a non-negative integer")
-    if by not in ("group", "record"):
-        raise SpecError(f"by={by!r} must be 'group' or 'record'")
-    total = ds.num_groups if by == "group" else len(ds)
-    sizes = _sizes([float(f) for f in fractions.values()], total)
-    empty = [name for name, size in zip(fractions, sizes, strict=True) if size == 0]
-    if empty:
-        unit = "groups" if by == "group" else "records"
-        instead = "split by='record', give them larger fractions" if by == "group" else "give them larger fractions"
-        raise SpecError(
-            f"split {dict(fractions)} of {total} {unit} (by={by!r}) leaves {', '.join(map(repr, empty))} empty "
-            f"(sizes {dict(zip(fractions, sizes, strict=True))}); {instead}, or leave them out"
-        )
-    perm = Permutation(total, int(seed), 0, STREAM_SPLIT)(np.arange(total, dtype=np.int64))
-    out: dict[str, Subset] = {}
-    start = 0
-    for name, size in zip(fractions, sizes, strict=True):
-        part = np.sort(perm[start : start + size])
-        start += size
-        out[name] = select(ds, groups=part) if by == "group" else select(ds, records=part)
-    return out

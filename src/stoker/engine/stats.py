@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .machine import available_cores, cores_phrase
+from ..machine import available_cores, cores_phrase
 
 if TYPE_CHECKING:
-    from .plan import Run
+    from ..plan.batches import Run
 
 __all__ = ["CPU_SAMPLE_SECONDS", "STAGES", "Counters", "LoaderStats"]
 

@@ -41,15 +41,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import kernels as _compiled
-from .engine import Stopped
-from .errors import SpecError
-from .kernels import STREAM_MIN_BYTES, address, cast_into, cast_mapped
-from .spec import resolve_dtype
+from .. import kernels as _compiled
+from ..errors import SpecError
+from ..kernels import STREAM_MIN_BYTES, address, cast_into, cast_mapped
+from ..spec import resolve_dtype
+from .executor import Stopped
 
 if TYPE_CHECKING:
-    from .files import Catalog
-    from .plan import BatchPlan
+    from ..io.files import Catalog
+    from ..plan.batches import BatchPlan
 
 __all__ = [
     "DEFAULT_SEED",

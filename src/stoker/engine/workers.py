@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .engine import SHUTDOWN_SECONDS, AlignedPool, OrderedMap, StopFlag, Stopped
-from .errors import SpecError, StokerError
+from ..errors import SpecError, StokerError
+from .executor import SHUTDOWN_SECONDS, AlignedPool, OrderedMap, StopFlag, Stopped
 
 if TYPE_CHECKING:
-    from .files import Catalog
-    from .plan import BatchPlan
+    from ..io.files import Catalog
+    from ..plan.batches import BatchPlan
     from .transforms import Stage
 
 __all__ = ["ProcessExecutor", "SharedPool", "WorkerError", "require_linux"]

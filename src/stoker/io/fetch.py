@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ReadError, SpecError
 from . import remote
-from .errors import ReadError, SpecError
 
 __all__ = [
     "DEFAULT_PARALLEL_READS", "MIN_PART_BYTES", "STREAM_AHEAD", "Fetcher", "RemoteStream", "parallel_reads",

@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CorruptDataError, PairingError, ReadError, SpecError
+from ..errors import CorruptDataError, PairingError, ReadError, SpecError
+from ..machine import open_regular
+from ..spec import Field, shape_hint
 from .index import IndexLookup, apply_index, resolve_index_dir
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
-from .machine import open_regular
 from .remote import Probe, is_remote
 from .seekpoints import SeekPoint
-from .spec import Field, shape_hint
 
 __all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
 

@@ -51,18 +51,17 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from ..errors import CorruptDataError, SpecError, StaleIndexError, WriteError
 from . import seekpoints
-from .errors import CorruptDataError, SpecError, StaleIndexError, WriteError
 from .inflate import Inflater
 from .remote import is_remote
 from .seekpoints import SeekPoint, WindowRef
 
 if TYPE_CHECKING:
-    from .dataset import Dataset
+    from ..spec import Field
     from .files import Catalog, FileInfo
-    from .spec import Field
 
 __all__ = [
     "ENV_INDEX_DIR",
@@ -455,8 +454,14 @@ def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry], index
     return written
 
 
+class Indexable(Protocol):
+    """What write_index reads of a Dataset: its catalog (io sits below the Dataset and never imports it)."""
+
+    _catalog: Catalog
+
+
 def write_index(
-    dataset: Dataset,
+    dataset: Indexable,
     *,
     spacing: int = seekpoints.SPACING,
     index_dir: str | os.PathLike[str] | None = None,

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from .errors import CorruptDataError, ReadError, StaleIndexError, StokerError
-from .machine import open_regular
+from ..errors import CorruptDataError, ReadError, StaleIndexError, StokerError
+from ..machine import open_regular
 from .remote import RemoteReader, is_remote
 from .seekpoints import CHECK_BYTES, PrimedInflate, SeekPoint, load_window, point_check, stale_point
 

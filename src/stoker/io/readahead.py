@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from .kernels import willneed_records
-from .machine import physical_memory
+from ..kernels import willneed_records
+from ..machine import physical_memory
 
 __all__ = ["AHEAD_BYTES", "Readahead", "drop_behind_for"]
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .errors import ReadError, SpecError
+from ..errors import ReadError, SpecError
 
 __all__ = [
     "PART_BYTES", "RETRY", "Client", "Probe", "RemoteReader", "Retry", "client", "expand", "get_range",

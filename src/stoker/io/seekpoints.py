@@ -49,7 +49,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from .errors import CorruptDataError, ReadError, StaleIndexError
+from ..errors import CorruptDataError, ReadError, StaleIndexError
 
 __all__ = [
     "CHECK_BYTES",

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import SpecError
-from .kernels import permute
+from ..errors import SpecError
+from ..kernels import permute
 
 __all__ = [
     "MAX_RECORDS",

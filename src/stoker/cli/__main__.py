@@ -1,0 +1,5 @@
+"""``python -m stoker.cli``: the ``stoker`` command."""
+
+from . import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Threads, buffers, prefetch, and decode/cast/transform of records into the batch."""

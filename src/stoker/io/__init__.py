@@ -1,0 +1,1 @@
+"""Which files, paired how, read how: file tables, remote storage, inflate, seek points, the index, readahead."""
