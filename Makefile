@@ -40,6 +40,7 @@ demo: $(DEMO_STAMP)
 test: $(STAMP) docs
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests
 
 # The site from docs/ and the docstrings; --strict makes a broken link, reference or docstring fail
