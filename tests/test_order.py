@@ -1,4 +1,4 @@
-"""Properties of stoker.order: permutations, window shuffle, shard coverage, elastic resume, fingerprints."""
+"""Properties of stoker.plan.order: permutations, window shuffle, shard coverage, elastic resume, fingerprints."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker.kernels
-import stoker.order
+import stoker.plan.order
 from stoker.errors import SpecError
-from stoker.order import (
+from stoker.plan.order import (
     Permutation,
     diff_fingerprint_parts,
     even_length,
@@ -104,7 +104,7 @@ def test_compiled_permutation_gives_the_numpy_networks_values_bit_for_bit(
     perm = index_permutation(n, seed, epoch)
     compiled = perm(positions)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stoker.order, "permute", lambda *args: None)
+        mp.setattr(stoker.plan.order, "permute", lambda *args: None)
         assert np.array_equal(compiled, perm(positions))
 
 
@@ -112,7 +112,7 @@ def test_compiled_permutation_gives_the_numpy_networks_values_bit_for_bit(
 def permutation_code(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test using it runs with the compiled permutation and with its numpy code."""
     if request.param == "numpy":
-        monkeypatch.setattr(stoker.order, "permute", lambda *args: None)
+        monkeypatch.setattr(stoker.plan.order, "permute", lambda *args: None)
     return str(request.param)
 
 

@@ -55,7 +55,7 @@ __all__ = [
 # Submodules reachable as attributes after a bare `import stoker`, imported on first use so that
 # `import stoker` needs numpy alone (the adapters import their framework when they load).
 _LAZY_SUBMODULES = frozenset(
-    {"autotune", "doctor", "jax", "keras", "kernels", "order", "ray", "testing", "tf", "torch", "transforms"}
+    {"doctor", "jax", "keras", "kernels", "order", "ray", "testing", "tf", "torch", "transforms"}
 )
 
 
