@@ -489,7 +489,7 @@ def test_kept_maps_are_bounded_by_the_mapping_limit_not_the_descriptor_limit() -
     at most 16384)."""
     script = (
         "import resource, stoker.kernels\n"
-        "from stoker.engine.executor import assembler\n"
+        "from stoker.engine import assembler\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
         "assert not stoker.kernels.maps_hold_descriptors()\n"
         "print(assembler._max_open_files(), assembler.pass_open_files(), assembler._max_kept_maps())\n"
