@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -15,8 +17,20 @@ import pytest
 from stoker.cli.sample import cached_sample
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+
+def _load_harness() -> ModuleType:
+    """benchmarks/harness.py by its path: benchmarks/ is a folder of scripts (one is ray.py), so it must
+    not go on sys.path, where it would shadow packages of the same names for the rest of the session."""
+    spec = importlib.util.spec_from_file_location("stoker_benchmarks_harness", BENCHMARKS / "harness.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = _load_harness()
 
 # A contender's child: appends its name to a log (the order the processes really ran in), then
 # prints noise and the figures it was given, or fails with a long stderr.
