@@ -186,3 +186,48 @@ def test_a_sigbus_handler_set_before_the_guard_still_gets_signals_sent_to_the_pr
     )  # fmt: skip
     assert done.returncode == 0, done
     assert done.stdout.split() == ["python", "handler", "still", "here"]
+
+
+# A handler set over the guard's after stoker installed it: faulthandler.enable(), or the one
+# Ray's C++ runtime installs when ray.init() starts it. The next file mapped puts the guard back in
+# front; a fault outside any kernel still reaches the later handler, then ends the process.
+_SET_LATER = """
+import faulthandler, json, os, sys
+import numpy as np
+from stoker import kernels
+path, later = sys.argv[1], sys.argv[2]
+kernels.guard_maps()
+if later == "faulthandler":
+    faulthandler.enable()
+else:
+    import ray
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+np.zeros(1 << 16, np.uint8).tofile(path)
+fd = os.open(path, os.O_RDONLY)
+mapped = kernels.map_file(fd, 1 << 16)
+os.close(fd)
+os.truncate(path, 0)
+try:
+    kernels.cast_mapped(np.empty(1 << 16, np.float32), np.frombuffer(mapped, np.int8))
+except kernels.MapFault as e:
+    print(json.dumps({"address": e.address, "base": kernels.map_address(mapped)}), flush=True)
+print(int(np.frombuffer(mapped, np.uint8).sum()), flush=True)  # numpy's read: no guard
+"""
+
+
+@pytest.mark.parametrize("later", ["faulthandler", pytest.param("ray", marks=pytest.mark.ray)])
+def test_a_handler_set_after_the_guard_does_not_take_kernel_faults_from_it(tmp_path: Path, later: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _SET_LATER, str(tmp_path / "f.bin"), later], env=ENV, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    assert lines, f"the kernel's fault was not caught: {_died(done)}"
+    fault = json.loads(lines[0])
+    assert fault["base"] <= fault["address"] < fault["base"] + (1 << 16), fault  # the guard's own report
+    # The unguarded read after it: the later handler reports it, then the process dies of it.
+    assert len(lines) == 1 and done.returncode == -signal.SIGBUS, _died(done)
+    if later == "faulthandler":  # one report: the unguarded read's, none for the kernel's fault
+        assert done.stderr.count("Fatal Python error: Bus error") == 1, done.stderr[-3000:]
+    else:  # Ray's report names the faulting function: numpy's, never the kernel's
+        assert "SIGBUS received" in done.stderr and "k_i8_f32" not in done.stderr, done.stderr[-3000:]

@@ -350,54 +350,71 @@ static void send_deferred(void) {
  * past its new end, which would kill the process. Every kernel reading memory the caller hands
  * it runs under its thread's guard: a SIGBUS while the guard is set jumps back to it
  * (siglongjmp; the loops hold no lock and allocate nothing), and the call raises MapFault, with
- * the faulting address, once it holds the GIL again; stoker.batch turns that into the
- * CorruptDataError naming the file. A SIGBUS anywhere else goes to the handler that was there
- * before (faulthandler's, or the default: the process dies as it would have). The handler is
- * installed by guard_maps(), which stoker calls before it maps a file, and stays. A handler
- * installed later over it (faulthandler.enable()) reports the fault first, then passes it back
- * by raise(): the guard still holds, without the address. */
+ * the faulting address, once it holds the GIL again; stoker's record reads turn that into the
+ * CorruptDataError naming the file. A SIGBUS anywhere else is handed to the handler that was
+ * there before (faulthandler's, or the default: the process dies as it would have).
+ * guard_maps(), which stoker calls before it maps a file, installs the handler, and installs it
+ * again over any handler set since (Ray's and TensorFlow's C++ runtimes set their own when they
+ * start, chaining to ours), so a fault in a kernel always reaches the guard first. Since such a
+ * handler may pass a signal back to ours, a signal passed on comes back at most once: then it
+ * ends the process, as the default action does, instead of going round the chain again. */
 static __thread sigjmp_buf *guard_ = NULL; /* where this thread's fault jumps, while set */
 static __thread uintptr_t fault_at_ = 0;   /* the address of its last fault (0: not known) */
 static volatile sig_atomic_t armed_ = 0;   /* guards set in all threads: none, no thread-local read */
+static volatile sig_atomic_t passing_ = 0; /* a SIGBUS outside every guard was handed on */
 static struct sigaction before_;           /* the SIGBUS handler before ours */
-static pthread_once_t guard_once_ = PTHREAD_ONCE_INIT;
+static struct sigaction ours_;             /* ours, to install again */
+static pthread_mutex_t guard_lock_ = PTHREAD_MUTEX_INITIALIZER;
 static PyObject *MapFault = NULL;
 
+static void end_as_default(int sig, int sent) {
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(sig, &dfl, NULL);
+    if (sent) raise(sig); /* a fault recurs once the handler returns */
+}
+
 static void on_sigbus(int sig, siginfo_t *info, void *context) {
+    (void)context;
     sigjmp_buf *env = armed_ ? guard_ : NULL;
     if (env != NULL) {
         guard_ = NULL; /* a second fault before the guard is left goes on to the previous handler */
         fault_at_ = info != NULL && info->si_code > 0 ? (uintptr_t)info->si_addr : 0;
         siglongjmp(*env, 1);
     }
-    if (before_.sa_flags & SA_SIGINFO) {
-        before_.sa_sigaction(sig, info, context);
-        return;
-    }
     const int sent = info == NULL || info->si_code <= 0; /* by kill() or raise(), not by a fault */
-    if (before_.sa_handler == SIG_IGN && sent) return;
-    if (before_.sa_handler != SIG_DFL && before_.sa_handler != SIG_IGN) {
-        before_.sa_handler(sig);
+    if (passing_) { /* handed on before, and back: end it */
+        end_as_default(sig, sent);
         return;
     }
-    /* The default action: a fault recurs once this returns, a sent signal is sent again. */
-    struct sigaction dfl;
-    memset(&dfl, 0, sizeof dfl);
-    dfl.sa_handler = SIG_DFL;
-    sigemptyset(&dfl.sa_mask);
-    sigaction(sig, &dfl, NULL);
-    if (sent) raise(sig);
+    /* Hand it on as the previous handler's own installation would get it: a fault recurs into it
+     * once this returns; a sent signal is sent again, and where that handler returns, the process
+     * goes on and ours is installed again. */
+    passing_ = 1;
+    sigaction(sig, &before_, NULL);
+    if (sent) {
+        raise(sig);
+        sigaction(sig, &ours_, NULL);
+        passing_ = 0;
+    }
 }
 
 static void install_guard(void) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_sigaction = on_sigbus;
-    /* SA_NODEFER: the jump leaves the handler without restoring the signal mask (sigsetjmp
-     * saves none: a system call per kernel call), so SIGBUS must not be blocked in it. */
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGBUS, &sa, &before_);
+    struct sigaction now;
+    pthread_mutex_lock(&guard_lock_);
+    if (sigaction(SIGBUS, NULL, &now) == 0 && !((now.sa_flags & SA_SIGINFO) && now.sa_sigaction == on_sigbus)) {
+        memset(&ours_, 0, sizeof ours_);
+        ours_.sa_sigaction = on_sigbus;
+        /* SA_NODEFER: the jump leaves the handler without restoring the signal mask (sigsetjmp
+         * saves none: a system call per kernel call), so SIGBUS must not be blocked in it. */
+        ours_.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        sigemptyset(&ours_.sa_mask);
+        sigaction(SIGBUS, &ours_, &before_);
+        passing_ = 0;
+    }
+    pthread_mutex_unlock(&guard_lock_);
 }
 
 /* The guard this thread had (nested calls restore it); the thread-local is touched here, outside
@@ -427,10 +444,11 @@ static inline void guard_leave(sigjmp_buf *outer) {
     }                                                   \
     guard_leave(outer_);
 
-/* guard_maps(): install the SIGBUS handler of the guard (once; later calls do nothing). */
+/* guard_maps(): install the SIGBUS handler of the guard, unless it is the one installed (one
+ * system call to look). */
 static PyObject *guard_maps(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    pthread_once(&guard_once_, install_guard);
+    install_guard();
     Py_RETURN_NONE;
 }
 
@@ -1788,7 +1806,7 @@ static PyObject *flush(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"flush", flush, METH_NOARGS, "flush(): send this thread's deferred wake-up (Signal.post_later) now"},
     {"file_size", file_size, METH_O, "file_size(fd) -> int (fstat's st_size, GIL held)"},
-    {"guard_maps", guard_maps, METH_NOARGS, "guard_maps(): install the SIGBUS handler that turns faults in kernels into MapFault"},
+    {"guard_maps", guard_maps, METH_NOARGS, "guard_maps(): install the SIGBUS handler that turns faults in kernels into MapFault (again, if another replaced it)"},
     {"set_isa", set_isa, METH_O, "set_isa(level) -> int: hand-written loops allowed (0 none, 1 AVX2/F16C, 2 all; -1 asks); the level before"},
     {"normalize", normalize, METH_VARARGS,
      "normalize(src, out, src_addr, n, rec_stride, extra_addr, row_stride, O, M, I, flips_addr, dst_addr, ops[, stream])"

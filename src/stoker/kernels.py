@@ -189,8 +189,9 @@ def map_file(fd: int, size: int) -> Any:
 
 
 def guard_maps() -> None:
-    """Make faults in the kernels' reads of memory maps raise `MapFault` (installs their
-    SIGBUS handler once; nothing without the kernels). Called before a file is mapped."""
+    """Make faults in the kernels' reads of memory maps raise `MapFault`: installs their SIGBUS
+    handler, again if a runtime started since (Ray's, TensorFlow's) put its own over it; nothing
+    without the kernels. Called before a file is mapped."""
     if _kernels is not None:
         _kernels.guard_maps()
 
