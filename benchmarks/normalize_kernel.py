@@ -1,7 +1,7 @@
 """The fused Normalize kernel alone, against the plain cast, on one thread (no loader, no files).
 
 What a worker spends on one batch's images, without reading or bookkeeping: the compiled
-one-pass kernel (``stoker.transforms.OnePass``, the hand-written row and unit loops where they
+one-pass kernel (``stoker.engine.fusion.OnePass``, the hand-written row and unit loops where they
 apply) running a chain on records already in memory, against ``stoker.kernels.cast_into``'s
 plain cast of the same records. Two layouts:
 
@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from harness import Run, add_out_argument, alternate, output_buffer, ratio_table, summary_table, write_results
+from stoker.engine.fusion import Stage
 from stoker.kernels import cast_into
-from stoker.transforms import Cast, Normalize, RandomFlip, Stage
+from stoker.transforms import Cast, Normalize, RandomFlip
 
 IMAGENET_MEAN = [123.675, 116.28, 103.53]
 IMAGENET_STD = [58.395, 57.12, 57.375]

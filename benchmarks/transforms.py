@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 import stoker
-import stoker.engine.transforms as transforms
+import stoker.engine.fusion as fusion
 from harness import (
     add_out_argument,
     alternate,
@@ -110,7 +110,7 @@ def child(name: str, data: str, seconds: float) -> dict[str, float]:
     elif kind == "wait":
         transform = [wait_20ms]
     if cfg.get("kernel") is False:
-        transforms._kernels = None  # the pure-numpy path, as where no C compiler built it
+        fusion._kernels = None  # the pure-numpy path, as where no C compiler built it
     kw = {k: v for k, v in cfg.items() if k in ("cast", "workers", "threads")}
     n = 0
     with ds.loader(256, epochs=None, seed=0, transform=transform, **kw) as loader:

@@ -28,6 +28,7 @@ import numpy as np
 import stoker
 import stoker.engine.assembler
 import stoker.engine.executor
+import stoker.engine.fusion
 import stoker.engine.records
 import stoker.transforms
 from stoker import kernels
@@ -38,7 +39,7 @@ GROUPS = 4
 def without_kernels() -> None:
     kernels._kernels = None
     stoker.engine.executor._kernels = None  # type: ignore[attr-defined]
-    stoker.engine.transforms._kernels = None
+    stoker.engine.fusion._kernels = None
 
 
 def values(groups: int, n: int) -> np.ndarray:

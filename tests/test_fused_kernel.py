@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import stoker
-import stoker.engine.transforms as transforms
+import stoker.engine.fusion as fusion
 from conftest import LAB_GZ, FieldPlan, build
+from stoker.engine.fusion import Stage
 from stoker.plan.batches import BatchPlan
 from stoker.testing import assert_same_batches
-from stoker.transforms import Cast, Normalize, RandomCrop, RandomFlip, Stage, batch_rng
+from stoker.transforms import Cast, Normalize, RandomCrop, RandomFlip, batch_rng
 
 SEED = 5
 
@@ -30,9 +31,9 @@ pytestmark = pytest.mark.usefixtures("isa")
 def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with the compiled kernel (built by ``make test``) and with the numpy path."""
     if request.param == "kernel":
-        assert transforms._kernels is not None, "stoker._kernels was not built: run `pip install -e .`"
+        assert fusion._kernels is not None, "stoker._kernels was not built: run `pip install -e .`"
     else:
-        monkeypatch.setattr(transforms, "_kernels", None)
+        monkeypatch.setattr(fusion, "_kernels", None)
     return str(request.param)
 
 
@@ -149,7 +150,7 @@ def test_a_narrowed_output_is_the_same_in_scratch_chunks_of_any_size(monkeypatch
     """Normalize + Cast to 16 bits runs through a float32 scratch, SCRATCH_BYTES at a time: with
     chunks of 2 records (11 records: 6 chunks, the last one short) the batch is the same."""
     shape = (5, 8, 3)
-    monkeypatch.setattr(transforms, "SCRATCH_BYTES", 2 * 5 * 8 * 3 * 4)
+    monkeypatch.setattr(fusion, "SCRATCH_BYTES", 2 * 5 * 8 * 3 * 4)
     x = _values("int8", (11, *shape), np.random.default_rng(4))
     fns = [
         Normalize(mean=-0.5, std=127.5, fields="image"),
@@ -180,7 +181,7 @@ def test_fused_crop_normalize_flip_takes_each_records_window(implementation: str
 
 
 def test_the_kernel_declines_what_it_cannot_do_in_one_pass() -> None:
-    if transforms._kernels is None:
+    if fusion._kernels is None:
         pytest.fail("stoker._kernels was not built: run `pip install -e .`")
     per_channel = Normalize(mean=[1.0, 2.0], std=[3.0, 4.0], fields="image")
     declined = {
@@ -222,7 +223,7 @@ def test_loader_with_the_kernel_equals_the_plain_formula(
 
 
 def test_assembly_runs_the_kernel_on_local_raw_records(tmp_path: Path) -> None:
-    if transforms._kernels is None:
+    if fusion._kernels is None:
         pytest.fail("stoker._kernels was not built: run `pip install -e .`")
     ds = build(tmp_path, [13, 0, 21], {"image": FRAME, "label": LAB_GZ})
     with ds.loader(8, seed=SEED, transform=_augment(), threads=1) as loader:

@@ -37,8 +37,8 @@ from .engine.executor import (
     ThreadExecutor,
     run_finalizer,
 )
+from .engine.fusion import Stage
 from .engine.stats import Counters, LoaderStats
-from .engine.transforms import Stage
 from .errors import SpecError, StateError, SupersededError
 from .io.fetch import Fetcher, parallel_reads
 from .io.readahead import AHEAD_BYTES, Readahead, drop_behind_for

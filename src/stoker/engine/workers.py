@@ -50,7 +50,7 @@ from .executor import SHUTDOWN_SECONDS, AlignedPool, OrderedMap, StopFlag, Stopp
 if TYPE_CHECKING:
     from ..io.files import Catalog
     from ..plan.batches import BatchPlan
-    from .transforms import Stage
+    from .fusion import Stage
 
 __all__ = ["ProcessExecutor", "SharedPool", "WorkerError", "require_linux"]
 
@@ -458,7 +458,7 @@ class ProcessExecutor:
     ) -> OrderedMap[R]:
         """`defer_wake` is ignored: a result's wake-up leaves at once, since the next task
         may first wait on a worker process."""
-        from .transforms import note_records
+        from .fusion import note_records
 
         # Regions a worker keeps mapped: every array of the batches in flight or pooled, with room.
         pool = _Pool(self.processes, self._stage_bytes, self.context, keep_mapped=4 * (window + self.processes + 2))

@@ -73,14 +73,14 @@ except ImportError:  # pragma: no cover - as above
     _Unchanged = _OwnedIterator = _context = _ops = _iterator_get_next = None
 
 from ..engine.executor import ALIGNMENT
-from ..engine.transforms import batch_rng
 from ..errors import SpecError
 from ..plan.batches import default_block_length, default_cycle_length
 from ..spec import resolve_cast
+from ..transforms import batch_rng
 
 if TYPE_CHECKING:
     from ..dataset import Dataset
-    from ..engine.transforms import Stage
+    from ..engine.fusion import Stage
     from ..loader import Loader
 
 __all__ = ["as_tensor", "bridge", "distributed_dataset", "element_spec", "native_dataset", "to_tf"]
