@@ -24,6 +24,10 @@ import stoker.tf as stf
 from conftest import record_allocations, small_sample
 from stoker.cli.sample import expected_label
 from stoker.engine.executor import AlignedPool
+from stoker.tf import dataset as tf_dataset
+from stoker.tf import iterator as tf_iterator
+from stoker.tf import op as tf_op
+from stoker.tf import passes as tf_passes
 
 pytestmark = pytest.mark.tf
 
@@ -36,12 +40,12 @@ def sample(tmp_path_factory: pytest.TempPathFactory) -> stoker.Dataset:
 @pytest.fixture
 def fresh_bridge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """The bridge decided again in this test (env and cache dir as the test sets them), then restored."""
-    saved = list(stf._bridge)
-    stf._bridge.clear()
+    saved = list(tf_op._bridge)
+    tf_op._bridge.clear()
     monkeypatch.delenv("STOKER_TF_BRIDGE", raising=False)  # auto, whatever the outer environment says
     monkeypatch.setenv("STOKER_CACHE", str(tmp_path / "cache"))
     yield
-    stf._bridge[:] = saved
+    tf_op._bridge[:] = saved
 
 
 def _values(tfds: tf.data.Dataset) -> list[dict[str, np.ndarray]]:
@@ -62,7 +66,7 @@ def test_native_and_numpy_function_bridges_deliver_the_same_batches(
 ) -> None:
     loader = sample.loader(20, cast={"image": "float32"}, with_index=True)
     native = _values(loader.to_tf())
-    stf._bridge.clear()
+    tf_op._bridge.clear()
     monkeypatch.setenv("STOKER_TF_BRIDGE", "numpy_function")
     assert stf.bridge() == "numpy_function: STOKER_TF_BRIDGE=numpy_function"
     tfds = loader.to_tf()
@@ -80,7 +84,7 @@ def test_native_and_numpy_function_bridges_deliver_the_same_batches(
 def test_an_eager_loop_gets_stokers_iterator_and_a_graph_or_an_async_executor_tensorflows_own(
     sample: stoker.Dataset,
 ) -> None:
-    """Guard of the eager fast path (stoker.tf._BatchIterator: no executor made per batch, no
+    """Guard of the eager fast path (stoker.tf.iterator._BatchIterator: no executor made per batch, no
     dict rebuilt by tf.data's structure code), and of where it must step aside."""
     loader = sample.loader(20, cast={"image": "float32"}, with_index=True)
     tfds = loader.to_tf()
@@ -98,7 +102,7 @@ def test_an_eager_loop_gets_stokers_iterator_and_a_graph_or_an_async_executor_te
                 assert a[k].dtype == spec[k].dtype.as_numpy_dtype
 
     it = iter(tfds)
-    assert isinstance(it, stf._BatchIterator)
+    assert isinstance(it, tf_iterator._BatchIterator)
     check([{k: v.numpy() for k, v in b.items()} for b in it])
     with context.execution_mode(context.ASYNC):  # the end must raise at the call: TensorFlow's sync path
         check(_values(tfds))
@@ -111,7 +115,7 @@ def test_an_eager_loop_gets_stokers_iterator_and_a_graph_or_an_async_executor_te
     check([{k: v.numpy() for k, v in step().items()} for _ in expected])
     with pytest.raises(tf.errors.OutOfRangeError):
         step()
-    assert type(iter(tfds.map(lambda b: b))) is not stf._BatchIterator  # what the user builds is TensorFlow's
+    assert type(iter(tfds.map(lambda b: b))) is not tf_iterator._BatchIterator  # what the user builds is TensorFlow's
 
 
 def test_bfloat16_batches_pass_either_bridge_bit_for_bit_and_the_op_copies_nothing(
@@ -132,7 +136,7 @@ def test_bfloat16_batches_pass_either_bridge_bit_for_bit_and_the_op_copies_nothi
         for t in b.values():
             assert np.from_dlpack(tf.bitcast(t, tf.int16)).ctypes.data in addresses
         native.append({k: tf.bitcast(v, tf.uint16).numpy() for k, v in b.items()})
-    stf._bridge.clear()
+    tf_op._bridge.clear()
     monkeypatch.setenv("STOKER_TF_BRIDGE", "numpy_function")
     fallback = [{k: tf.bitcast(v, tf.uint16).numpy() for k, v in b.items()} for b in loader.to_tf()]
     assert len(native) == len(fallback) == len(expected) == 10
@@ -159,29 +163,29 @@ def _wait_for_new_workers_to_end(before: set[str]) -> None:
 def test_a_failed_build_falls_back_with_a_warning_or_raises_when_native_is_required(
     sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(stf, "_loaded", [])  # as in a process that has not built it yet
+    monkeypatch.setattr(tf_op, "_loaded", [])  # as in a process that has not built it yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.warns(RuntimeWarning, match=r"native tf.data bridge could not be built.*no-such-compiler"):
         why = stf.bridge()
     assert why.startswith("numpy_function: ") and "no-such-compiler" in why
     assert len(_values(sample.loader(32).to_tf())) == 6  # the fallback still delivers every batch
-    stf._bridge.clear()
+    tf_op._bridge.clear()
     monkeypatch.setenv("STOKER_TF_BRIDGE", "native")
     with pytest.raises(OSError, match="no-such-compiler"):
         stf.bridge()
-    stf._bridge.clear()
+    tf_op._bridge.clear()
     monkeypatch.setenv("STOKER_TF_BRIDGE", "fast")
     with pytest.raises(stoker.SpecError, match=r"STOKER_TF_BRIDGE='fast'.*auto, native or numpy_function"):
         stf.bridge()
 
 
 def test_the_build_is_cached_per_source_and_reused(fresh_bridge: None, tmp_path: Path) -> None:
-    path = stf._build_bridge()
+    path = tf_op._build_bridge()
     assert path.parent == tmp_path / "cache" / "tfbridge"
     built = list(path.parent.glob("_tfbridge-*"))
     assert built == [path] and path.stat().st_size > 0  # no temporary file left beside it
     mtime = path.stat().st_mtime_ns
-    assert stf._build_bridge() == path and path.stat().st_mtime_ns == mtime  # not rebuilt
+    assert tf_op._build_bridge() == path and path.stat().st_mtime_ns == mtime  # not rebuilt
     assert b"StokerNextBatch" in path.read_bytes()
 
 
@@ -193,7 +197,7 @@ def test_an_unusable_cache_directory_builds_in_the_temp_directory(
     monkeypatch.setenv("STOKER_CACHE", str(blocker / "cache"))  # mkdir fails, even for root
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    path = stf._build_bridge()
+    path = tf_op._build_bridge()
     assert path.parent == tmp_path / "tmp" / f"stoker-tfbridge-{os.getuid()}" and path.stat().st_size > 0
 
 
@@ -346,12 +350,12 @@ def test_a_tensorflow_that_renamed_an_iterator_internal_gets_the_plain_dataset_w
     """stoker's eager iterator reads OwnedIterator's internals; a TensorFlow without one of them
     gets to_tf's dataset as TensorFlow's own (with a warning), not a failure at the first next()."""
     rename(monkeypatch)
-    monkeypatch.setattr(stf, "_eager_missing", [])  # probed again, on this "TensorFlow"
-    monkeypatch.setattr(stf, "_warned_eager", [])
+    monkeypatch.setattr(tf_iterator, "_eager_missing", [])  # probed again, on this "TensorFlow"
+    monkeypatch.setattr(tf_iterator, "_warned_eager", [])
     loader = sample.loader(20, cast={"image": "float32"}, with_index=True)
     with pytest.warns(RuntimeWarning, match=f"has no OwnedIterator.{renamed} .*TensorFlow's own iterator"):
         tfds = loader.to_tf()
-    assert not isinstance(tfds, stf._EagerBatches)
+    assert not isinstance(tfds, tf_iterator._EagerBatches)
     assert type(iter(tfds)) is iterator_ops.OwnedIterator
     expected = [{k: v.copy() for k, v in b.items()} for b in loader]
     got = _values(tfds)
@@ -366,8 +370,8 @@ def test_a_tensorflow_without_the_internals_gets_the_public_chain_and_the_same_b
     sample: stoker.Dataset, fresh_bridge: None, monkeypatch: pytest.MonkeyPatch, missing: str
 ) -> None:
     """A TensorFlow that moved one of tf.data's internals to_tf uses: it warns once and still delivers."""
-    monkeypatch.setattr(stf, missing, None)  # what the guarded import leaves on such a TensorFlow
-    monkeypatch.setattr(stf, "_warned_public", [])
+    monkeypatch.setattr(tf_dataset, missing, None)  # what the guarded import leaves on such a TensorFlow
+    monkeypatch.setattr(tf_dataset, "_warned_public", [])
     assert stf.bridge().startswith(f"numpy_function: TensorFlow {tf.__version__} has no tf.data {missing}")
     loader = sample.loader(20, cast={"image": "float32"}, with_index=True, drop_remainder=True)
     with pytest.warns(RuntimeWarning, match=f"no tf.data {missing}"):
@@ -389,8 +393,8 @@ def test_a_tensorflow_without_the_internals_gets_the_public_chain_and_the_same_b
 def test_the_public_chain_fails_naming_the_file_after_the_good_batches_and_leaves_no_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(stf, "_MapDataset", None)
-    monkeypatch.setattr(stf, "_warned_public", [True])  # warned already: this test is about errors
+    monkeypatch.setattr(tf_dataset, "_MapDataset", None)
+    monkeypatch.setattr(tf_dataset, "_warned_public", [True])  # warned already: this test is about errors
     ds = _corrupt_second_label_file(tmp_path)
     got = []
     with pytest.raises(tf.errors.OpError, match=r"out_0001\.bin\.gz"):
@@ -410,13 +414,13 @@ def test_the_numpy_function_bridge_closes_an_abandoned_pass(
     """Without the op, the pass's close runs through tf.numpy_function when TF destroys the iterator."""
     monkeypatch.setenv("STOKER_TF_BRIDGE", "numpy_function")
     before = {t.name for t in threading.enumerate()}
-    open_before = set(stf._PASSES)
+    open_before = set(tf_passes._PASSES)
     for i, _ in enumerate(sample.loader(4, threads=2, epochs=None).to_tf()):
         if i == 3:
             assert _new_workers(before)
             break
     _wait_for_new_workers_to_end(before)
-    assert set(stf._PASSES) <= open_before, "the abandoned pass is still registered"
+    assert set(tf_passes._PASSES) <= open_before, "the abandoned pass is still registered"
 
 
 _HELD_AT_EXIT = """

@@ -1,5 +1,5 @@
 """The TF bridge's cache: only a directory and a library this user alone can write are used, so
-another local user cannot plant the library stoker loads (stoker.tf._build_bridge).
+another local user cannot plant the library stoker loads (stoker.tf.op._build_bridge).
 
 Another user's files are made with os.chown, which needs root (as `make test` runs here).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import stoker
-import stoker.tf as stf
+from stoker.tf import op as tf_op
 
 pytestmark = pytest.mark.tf
 
@@ -48,7 +48,7 @@ def name(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The file name the bridge is built under here (per source, TensorFlow and Python version)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STOKER_CACHE", str(tmp_path_factory.mktemp("first")))
-        return stf._build_bridge().name
+        return tf_op._build_bridge().name
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_a_cache_directory_another_user_owns_is_never_used(cache: Path, planted:
     cache.mkdir(parents=True)
     lib = _plant(cache, planted, name)
     _other_users(cache, 0o777)
-    path = stf._build_bridge()
+    path = tf_op._build_bridge()
     assert path != lib and path.parent == Path(tempfile.gettempdir()) / f"stoker-tfbridge-{os.getuid()}"
     assert _is_ours_and_built(path, planted)
 
@@ -103,15 +103,15 @@ def test_a_library_in_the_cache_not_only_mine_is_built_again_not_loaded(
     cache.mkdir(parents=True, mode=0o700)
     lib = _plant(cache, planted, name, owner=owner, mode=0o775 if owner == "group-writable" else 0o755)
     with pytest.warns(RuntimeWarning, match=r"is not a file only you can write to .* not loaded but built again"):
-        path = stf._build_bridge()
+        path = tf_op._build_bridge()
     assert path == lib and _is_ours_and_built(path, planted)
-    assert stf._build_bridge() == path  # now the cached one
+    assert tf_op._build_bridge() == path  # now the cached one
 
 
 def test_my_cache_directory_made_under_a_loose_umask_is_narrowed_to_0700(cache: Path, planted: Path) -> None:
     cache.mkdir(parents=True)
     os.chmod(cache, 0o777)
-    path = stf._build_bridge()
+    path = tf_op._build_bridge()
     assert path.parent == cache and stat.S_IMODE(os.lstat(cache).st_mode) == 0o700
     assert _is_ours_and_built(path, planted)
 
@@ -120,7 +120,7 @@ def test_a_symlinked_cache_directory_is_not_used(cache: Path, planted: Path, tmp
     (tmp_path / "elsewhere").mkdir(mode=0o700)
     cache.parent.mkdir(parents=True)
     os.symlink(tmp_path / "elsewhere", cache)
-    path = stf._build_bridge()
+    path = tf_op._build_bridge()
     assert path.parent == Path(tempfile.gettempdir()) / f"stoker-tfbridge-{os.getuid()}"
     assert _is_ours_and_built(path, planted)
 

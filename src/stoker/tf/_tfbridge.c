@@ -4,17 +4,17 @@
  * tf.numpy_function's py_func machinery (function registry lookup, argument and result
  * conversion) cost more CPU per batch than this op (measured:
  * benchmarks/results/tf_compare_history.md). This op takes the GIL once, calls
- * stoker.tf._native_next(key), and wraps each returned array's memory as a tensor
+ * stoker.tf.passes.native_next(key), and wraps each returned array's memory as a tensor
  * with TF_NewTensor: no copy, and the array is kept alive (a buffer view holds it)
  * until TensorFlow drops the tensor. stoker never rewrites a buffer while an array
  * on it is alive, so a tensor never changes under its holder.
  *
- * Built at first use by stoker.tf (see _build_bridge) against the installed
+ * Built at first use by stoker.tf.op (see _build_bridge) against the installed
  * TensorFlow's C API headers, which are ABI stable; loaded with tf.load_op_library.
  * Where it cannot be built, stoker.tf falls back to tf.numpy_function.
  *
  * Op: StokerNextBatch(key: int64) -> values: Tout
- *   _native_next(key) returns a sequence of C-contiguous arrays, one per Tout entry, or
+ *   native_next(key) returns a sequence of C-contiguous arrays, one per Tout entry, or
  *   None at the end of the pass: the op then fails with OutOfRange, which ends the
  *   map stage stoker.tf runs it in (preserve_cardinality=False). A Python exception
  *   becomes the op's error, with the exception's type and message.
@@ -49,7 +49,7 @@ typedef struct {
     TF_DataType *types; /* their dtypes, from the Tout attr */
 } Kernel;
 
-static PyObject *next_fn; /* stoker.tf._native_next, looked up once under the GIL */
+static PyObject *next_fn; /* stoker.tf.passes.native_next, looked up once under the GIL */
 
 /* The GIL, for a thread TensorFlow started as well as a Python one. A thread without a
  * Python thread state gets one at its first call and keeps it (one extra Ensure that is
@@ -94,7 +94,7 @@ static void drain_views(void) {
     free(views);
 }
 
-/* For stoker.tf (through ctypes.PyDLL, which keeps the GIL): release what waits now. */
+/* For stoker.tf.op.drain (through ctypes.PyDLL, which keeps the GIL): release what waits now. */
 __attribute__((visibility("default"))) void stoker_tfbridge_drain(void) { drain_views(); }
 
 /* Queue a view for drain_views; 0, or -1 where no memory could be had. */
@@ -266,9 +266,9 @@ static void compute(void *kernel, TF_OpKernelContext *ctx) {
     drain_views();
     PyObject *result = NULL, *items = NULL;
     if (!next_fn) {
-        PyObject *module = PyImport_ImportModule("stoker.tf");
+        PyObject *module = PyImport_ImportModule("stoker.tf.passes");
         if (module) {
-            next_fn = PyObject_GetAttrString(module, "_native_next");
+            next_fn = PyObject_GetAttrString(module, "native_next");
             Py_DECREF(module);
         }
     }
@@ -282,7 +282,7 @@ static void compute(void *kernel, TF_OpKernelContext *ctx) {
         fail(ctx, TF_OUT_OF_RANGE, "end of the pass");
         goto done;
     }
-    items = PySequence_Fast(result, "_native_next must return a sequence of arrays or None");
+    items = PySequence_Fast(result, "native_next must return a sequence of arrays or None");
     if (!items) {
         fail_from_python(ctx);
         goto done;
