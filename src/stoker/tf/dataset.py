@@ -93,8 +93,8 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
 
     Iterated eagerly (`for batch in loader.to_tf()`, a custom training loop), the dataset
     gives an iterator that skips two of TensorFlow's per-element costs it does not need (see
-    `stoker.tf.iterator`). A dataset built on it (`.map`,
-    `.prefetch`) is iterated by TensorFlow's own iterator, as any other.
+    `stoker.tf.iterator`). A dataset built on it (`.map`, `.prefetch`) is iterated by
+    TensorFlow's own iterator, as any other.
 
     Consumed inside a `tf.function` (Keras' `fit`) on a host with few cores, call
     `tf.config.threading.set_inter_op_parallelism_threads(1)` before TensorFlow's first op:

@@ -22,7 +22,7 @@ try:
     from tensorflow.python.eager import context as _context
     from tensorflow.python.framework import ops as _ops
     from tensorflow.python.ops.gen_dataset_ops import iterator_get_next as _iterator_get_next
-except ImportError:  # pragma: no cover - as above
+except ImportError:  # pragma: no cover - depends on the TensorFlow installed; tests force the path
     _Unchanged = _OwnedIterator = _context = _ops = _iterator_get_next = None
 
 __all__ = ["eager_batches"]
