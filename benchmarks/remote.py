@@ -50,8 +50,8 @@ from harness import (
     write_results,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from s3server import KEY, REGION, SECRET, SeaweedFS  # the tests' server: one definition of it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.helpers.s3server import KEY, REGION, SECRET, SeaweedFS  # the tests' server: one definition of it
 
 BATCH = 256
 LOOP_INFLIGHT = 16
@@ -163,7 +163,7 @@ def main() -> int:
                     endpoints[ms] = server.endpoint
                     continue
                 proc = subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve().parent.parent / "tests" / "s3server.py"),
+                    [sys.executable, str(Path(__file__).resolve().parent.parent / "tests" / "helpers" / "s3server.py"),
                      "delay-proxy", server.endpoint.removeprefix("http://"), str(ms / 1000)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                 )  # fmt: skip

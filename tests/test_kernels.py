@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import LAB_GZ, FieldPlan, build, check_batches
 from stoker import kernels
+from tests.helpers.data import LAB_GZ, FieldPlan, build, check_batches
 
 SOURCES = ["int8", "uint8", "int16", "uint16", "float32", "float64"]
 OUTPUTS = ["int8", "uint8", "int16", "uint16", "float16", "float32", "float64"]

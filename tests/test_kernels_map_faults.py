@@ -1,7 +1,7 @@
 """A raw file cut short while stoker copies from its memory map: a CorruptDataError naming the
 file, never a SIGBUS that kills the process (stoker/_kernels.c's guard, stoker.kernels).
 
-Passes run in a child process (tests/cut_under_map.py), so a SIGBUS is seen as the child dying.
+Passes run in a child process (tests/helpers/cut_under_map.py), so a SIGBUS is seen as the child dying.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import pytest
 
 import stoker
 from stoker import kernels
+from tests.helpers import HELPERS
 
-HERE = Path(__file__).parent
 SRC = Path(stoker.__file__).parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(SRC)}
 
 
 def _child(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(HERE / "cut_under_map.py"), *args], env=ENV, capture_output=True, text=True,
+        [sys.executable, str(HELPERS / "cut_under_map.py"), *args], env=ENV, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
 

@@ -19,10 +19,11 @@ import stoker
 from stoker.cli.sample import expected_label
 from stoker.jax import shard_from_jax, to_jax
 from stoker.testing import assert_same_batches
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.jax
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 RES = 16
 PAIRS, RECORDS = 2, 64
 

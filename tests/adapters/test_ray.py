@@ -23,8 +23,9 @@ from ray.data.block import BlockAccessor
 
 import stoker
 import stoker.ray
-import test_remote as s3_helpers
-from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches
+from tests.helpers import HELPERS
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, build, check_batches
+from tests.helpers.s3 import remote_dataset, s3_options, upload
 
 pytestmark = pytest.mark.ray
 
@@ -259,20 +260,11 @@ def test_an_older_ray_is_refused_at_import_naming_the_floor() -> None:
     assert f"ImportError: stoker.ray needs ray[data]>={need}, found ray 2.40.0" in proc.stderr
 
 
-def test_ray_workers_read_s3_urls_with_the_fields_storage_options(tmp_path: Path, cluster: None) -> None:
-    server = s3_helpers.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        local = s3_helpers._local(tmp_path, [12, 30], {"image": IMG, "label": LAB_GZ, "extra": LAB_ZZ})
-        ds = s3_helpers._remote_ds(
-            local, tmp_path, s3_helpers._upload(endpoint, tmp_path), s3_helpers._s3_options(endpoint)
-        )
-        got = _numpy(stoker.ray.read(ds, records_per_task=10, with_index=True).iter_batches(batch_format="numpy"))
-        check_batches(local, got)
-    finally:
-        server.stop()
+def test_ray_workers_read_s3_urls_with_the_fields_storage_options(tmp_path: Path, cluster: None, moto_url: str) -> None:
+    local = build(tmp_path, [12, 30], {"image": IMG, "label": LAB_GZ, "extra": LAB_ZZ})
+    ds = remote_dataset(local, upload(moto_url, tmp_path), s3_options(moto_url))
+    got = _numpy(stoker.ray.read(ds, records_per_task=10, with_index=True).iter_batches(batch_format="numpy"))
+    check_batches(local, got)
 
 
 # -- a two-node cluster of its own ---------------------------------------------------------
@@ -341,7 +333,7 @@ def two_nodes() -> Iterator[TwoNodes]:
         "DIR": directory,
         "RAY": str(Path(sys.executable).with_name("ray")),
         # The nodes' workers import this stoker, as the driver does.
-        "PYTHONPATH": os.pathsep.join([str(Path(stoker.__file__).parents[1]), str(Path(__file__).parent)]),
+        "PYTHONPATH": os.pathsep.join([str(Path(stoker.__file__).parents[1]), str(HELPERS)]),
         "RAY_AUTH_MODE": "disabled",  # nothing outside the namespace can reach it
         "RAY_USAGE_STATS_ENABLED": "0",
     }
@@ -378,7 +370,7 @@ def test_two_nodes_read_every_record_exactly_once_with_its_label(tmp_path: Path,
     dataset = tmp_path / "ds.pickle"
     dataset.write_bytes(pickle.dumps(ds))
     out = tmp_path / "seen.npz"
-    driver = Path(__file__).with_name("ray_two_nodes.py")
+    driver = HELPERS / "ray_two_nodes.py"
     proc = two_nodes.run([sys.executable, str(driver), str(dataset), str(out)], timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     seen = dict(np.load(out))

@@ -21,17 +21,17 @@ import pytest
 import tensorflow as tf  # make test installs TF; a missing TF fails loudly, never skips
 
 import stoker
-from conftest import record_allocations, small_sample
-from netns import run_loopback_only
 from stoker.cli.sample import expected_label
 from stoker.engine.executor import AlignedPool
 from stoker.tf import as_tensor, native_dataset
-
-HERE = Path(__file__).resolve().parent
+from tests.helpers import HELPERS, REPO
+from tests.helpers.data import small_sample
+from tests.helpers.netns import run_loopback_only
+from tests.helpers.resources import record_allocations
 
 pytestmark = pytest.mark.tf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 @pytest.fixture(scope="module")
@@ -488,11 +488,17 @@ def test_bfloat16_fields_reach_tensorflow_with_their_bits(tmp_path: Path) -> Non
 @pytest.fixture(scope="module")
 def service_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
     """What a tf.data service of a dispatcher and 2 workers delivered for each case of
-    tests/tf_service.py, run in a loopback-only network namespace (its servers bind every interface)."""
+    tests/helpers/tf_service.py, run in a loopback-only network namespace (its servers bind every interface)."""
     directory = tmp_path_factory.mktemp("service")
     small_sample(directory / "data", pairs=3, records=64)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, str(HERE / "tf_service.py"), str(directory / "data"), str(directory / "out.json"), "16"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [
+        sys.executable,
+        str(HELPERS / "tf_service.py"),
+        str(directory / "data"),
+        str(directory / "out.json"),
+        "16",
+    ]
     log = directory / "log.txt"
     (rc,) = run_loopback_only([command], [log], timeout=300, env=env)
     assert rc == 0, f"the tf.data service run exited {rc}:\n{log.read_text()[-3000:]}"

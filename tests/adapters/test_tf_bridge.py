@@ -21,13 +21,14 @@ from tensorflow.python.ops import gen_dataset_ops
 
 import stoker
 import stoker.tf as stf
-from conftest import record_allocations, small_sample
 from stoker.cli.sample import expected_label
 from stoker.engine.executor import AlignedPool
 from stoker.tf import dataset as tf_dataset
 from stoker.tf import iterator as tf_iterator
 from stoker.tf import op as tf_op
 from stoker.tf import passes as tf_passes
+from tests.helpers.data import small_sample
+from tests.helpers.resources import record_allocations
 
 pytestmark = pytest.mark.tf
 

@@ -1,7 +1,7 @@
 """stoker.tf under tf.distribute: exactly once per epoch on every path a multi-worker job takes.
 
 The multi-worker tests run a MultiWorkerMirroredStrategy cluster of 2 worker processes on
-127.0.0.1 (tests/tf_multiworker.py) once for the module and check what each worker saw.
+127.0.0.1 (tests/helpers/tf_multiworker.py) once for the module and check what each worker saw.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import tensorflow as tf  # make test installs TF; a missing TF fails loudly, nev
 
 import stoker
 import stoker.tf as stf
-from conftest import small_sample
-from netns import run_loopback_only
+from tests.helpers import HELPERS, REPO
+from tests.helpers.data import small_sample
+from tests.helpers.netns import run_loopback_only
 
 pytestmark = pytest.mark.tf
 
-HERE = Path(__file__).resolve().parent
 RECORDS = 200  # 4 groups of 50
 WORKER_TIMEOUT = 240  # seconds: both workers start TensorFlow on a shared 2-core machine
 
@@ -52,11 +52,11 @@ def cluster(sample: stoker.Dataset, tmp_path_factory: pytest.TempPathFactory) ->
     out = tmp_path_factory.mktemp("cluster")
     data = Path(sample.files[0]["image"].path).parent
     ports = ",".join(map(str, _free_ports(2)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop("TF_CONFIG", None)
     commands, logs = [], []
     for task in range(2):
-        commands.append([sys.executable, str(HERE / "tf_multiworker.py"), "all", str(task), ports, str(data)])
+        commands.append([sys.executable, str(HELPERS / "tf_multiworker.py"), "all", str(task), ports, str(data)])
         commands[-1].append(str(out / f"w{task}.json"))
         logs.append(out / f"log{task}.txt")
     rcs = run_loopback_only(commands, logs, timeout=WORKER_TIMEOUT, env=env)

@@ -7,9 +7,9 @@ import pytest
 import tensorflow as tf
 
 import stoker
-from conftest import small_sample
 from stoker.tf import element_spec
 from stoker.transforms import Normalize, RandomCrop
+from tests.helpers.data import small_sample
 
 pytestmark = pytest.mark.tf
 

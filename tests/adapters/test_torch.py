@@ -19,15 +19,16 @@ from hypothesis import strategies as st
 
 import stoker
 import stoker.torch
-from conftest import Allocations
 from stoker.cli.sample import expected_label
 from stoker.engine.executor import AlignedPool
 from stoker.testing import assert_same_batches
 from stoker.torch import StokerIterableDataset, shard_from_distributed, to_torch, worker_shard
+from tests.helpers import REPO
+from tests.helpers.resources import Allocations
 
 pytestmark = pytest.mark.torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 RES = 16
 PAIRS, RECORDS = 2, 64
 
@@ -78,7 +79,7 @@ def test_to_torch_yields_the_numpy_batches_as_tensors(sample: stoker.Dataset, sh
 
 class RecordingPool(AlignedPool):
     """AlignedPool that remembers every array it hands out (a batch may be a view into one,
-    see conftest.Allocations)."""
+    see tests.helpers.resources.Allocations)."""
 
     addresses: ClassVar[Allocations] = Allocations()
 

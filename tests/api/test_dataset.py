@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, LAB_GZ, FieldPlan, build, read_records, write_dataset
 from stoker.spec import shape_hint
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, build, read_records, write_dataset
 
 
 def test_len_and_groups(pair_ds: stoker.Dataset) -> None:
@@ -52,7 +52,7 @@ def test_non_string_pair_key_raises(tmp_path: Path) -> None:
 
 
 def _independent(ds: stoker.Dataset) -> dict[str, np.ndarray]:
-    """Every record of every field, read without stoker (conftest.read_records), in global order."""
+    """Every record of every field, read without stoker (tests.helpers.data.read_records), in global order."""
     return {n: np.concatenate([read_records(g.paths[n], f) for g in ds.groups]) for n, f in ds.fields.items()}
 
 

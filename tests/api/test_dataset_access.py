@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 import stoker
 import stoker.engine.records
-from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, open_paths, reference
 from stoker.engine.records import RecordReader
 from stoker.plan.batches import BatchPlan, Plan, PlanConfig
 from stoker.testing import assert_resumable
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, build, check_batches, reference
+from tests.helpers.resources import open_paths
 
 LAB_MULTI = FieldPlan("out", "float32", (), kind="multi")
 LAB_ZLIB = FieldPlan("lab", "int16", (2,), kind="zlib", header=3, footer=2)

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import stoker
-from conftest import FieldPlan, consume, field_for, make_values, write_dataset
+from tests.helpers.data import FieldPlan, field_for, make_values, write_dataset
+from tests.helpers.resources import consume
 
 DTYPES = ["int8", "uint8", "bool", "int16", "uint16", "int32", "float32", "float64", "int64"]
 # kind -> compression given to the Field ("gzip-empty": a member, then an empty member)

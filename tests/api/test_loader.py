@@ -15,20 +15,8 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import (
-    IMG,
-    LAB_GZ,
-    FieldPlan,
-    build,
-    check_batches,
-    consume,
-    open_paths,
-    read_records,
-    stoker_threads,
-    tf_interleave,
-    wait_no_stoker_threads,
-    write_dataset,
-)
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, build, check_batches, read_records, tf_interleave, write_dataset
+from tests.helpers.resources import consume, open_paths, stoker_threads, wait_no_stoker_threads
 
 COUNTS = [13, 0, 7, 21, 3, 1]
 LAYOUTS = {

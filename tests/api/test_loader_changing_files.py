@@ -1,6 +1,6 @@
 """Files that change while a loader reads them: each row of the README's table (Errors, "Files that
-change while a loader reads them") as it really behaves. See also tests/test_reliability.py (files
-deleted, truncated, grown, rewritten between passes) and tests/test_map_faults.py (cut mid-copy).
+change while a loader reads them") as it really behaves. See also tests/api/test_loader_reliability.py (files
+deleted, truncated, grown, rewritten between passes) and tests/test_kernels_map_faults.py (cut mid-copy).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, LAB_GZ, FieldPlan, consume, encode, make_values, reference, write_dataset
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, encode, make_values, reference, write_dataset
+from tests.helpers.resources import consume
 
 PAIR = {"image": IMG, "label": LAB_GZ}
 

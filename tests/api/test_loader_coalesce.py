@@ -15,10 +15,11 @@ import pytest
 
 import stoker
 import stoker.loader as sl
-from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, consume, write_dataset
 from stoker.engine.executor import ALIGNMENT
 from stoker.plan.batches import BatchPlan, Gather, Run, coalesce
 from stoker.testing import assert_same_batches
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, build, check_batches, write_dataset
+from tests.helpers.resources import consume
 
 COUNTS = [130, 0, 47, 211, 9, 64]
 WIDE = FieldPlan("wide", "int16", (8, 8))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import open_paths, stoker_threads
 from stoker.cli.sample import expected_label
+from tests.helpers.resources import open_paths, stoker_threads
 
 
 def _records(n: int, record: int, base: int) -> np.ndarray:

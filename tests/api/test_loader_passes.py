@@ -12,13 +12,13 @@ import pytest
 
 import stoker
 from stoker.testing import assert_resumable, assert_same_batches
-from test_resume import collect, ids_of, write_dataset
+from tests.helpers.indexed import collect, ids_of, write_dataset
 
 COUNTS = [37, 0, 50, 13, 63]  # 163 records (prime: every shard count trims), one empty group
 TOTAL = sum(COUNTS)
 SHUFFLES: list[Any] = ["global", "files"]
 # A state the previous release saved (epochs=2, batch 5, seed 7, 13 batches in) from a dataset
-# written by test_resume.write_dataset(dir, [17, 0, 23, 9]): it must still load and resume.
+# written by tests.helpers.indexed.write_dataset(dir, [17, 0, 23, 9]): it must still load and resume.
 OLD_STATES = {
     "global": {
         "version": 1, "epoch": 1, "position": 15, "seed": 7, "batch_size": 5, "shard": [0, 1],

@@ -35,21 +35,19 @@ import pytest
 import stoker
 import stoker.engine.assembler
 import stoker.loader
-from conftest import (
+from tests.helpers import REPO
+from tests.helpers.data import (
     IMG,
     LAB_GZ,
     FieldPlan,
     build,
-    consume,
     encode,
     make_values,
-    mapped_paths,
     reference,
-    stoker_threads,
     tf_interleave,
-    wait_no_stoker_threads,
     write_dataset,
 )
+from tests.helpers.resources import consume, mapped_paths, stoker_threads, wait_no_stoker_threads
 
 PAIR = {"image": IMG, "label": LAB_GZ}
 
@@ -1205,9 +1203,8 @@ _ERROR_LINE = re.compile(r"^\s*((?:SpecError|PairingError|CorruptDataError|ReadE
 
 def _quoted_messages() -> list[str]:
     """The `Type: message` lines quoted in the README's and docs/'s ```text blocks."""
-    root = Path(__file__).resolve().parents[1]
     quoted = []
-    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         for block in re.findall(r"```text\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL):
             quoted += _ERROR_LINE.findall(block)
     return quoted

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gzip
-import itertools
 import json
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,50 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker
-from stoker.cli.sample import expected_label
 from stoker.testing import assert_resumable, assert_same_batches
+from tests.helpers.indexed import collect, ids_of, open_dataset, write_dataset
 
-R = 4  # frames of R x R x 1 int8: 16 bytes, the first 4 hold the global record index
 COUNTS = [17, 0, 23, 9]  # 49 records, one empty group
 MODES: list[Any] = [False, "files", "global"]
-
-
-def write_dataset(directory: Path, counts: Sequence[int], *, r: int = R) -> stoker.Dataset:
-    """Group g: ``img_g.bin`` (int8 frames, bytes 0..3 = uint32 LE global index), ``out_g.bin.gz`` (float32 index)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    base = 0
-    for g, n in enumerate(counts):
-        idx = np.arange(base, base + n, dtype="<u4")
-        img = np.empty((n, r * r), dtype=np.uint8)
-        img[:, 4:] = (idx[:, None] * 7 + np.arange(r * r - 4)) % 251
-        img[:, :4] = idx.view(np.uint8).reshape(n, 4)
-        (directory / f"img_{g:04d}.bin").write_bytes(img.tobytes())
-        with gzip.open(directory / f"out_{g:04d}.bin.gz", "wb", compresslevel=1) as f:
-            f.write(idx.astype("<f4").tobytes())
-        base += n
-    return open_dataset(directory, r=r)
-
-
-def open_dataset(directory: Path, *, r: int = R) -> stoker.Dataset:
-    return stoker.Dataset(
-        image=stoker.Field(str(directory / "img_*.bin"), "int8", (r, r, 1)),
-        label=stoker.Field(str(directory / "out_*.bin.gz"), "float32"),
-    )
-
-
-def collect(loader: stoker.Loader, limit: int | None = None) -> list[dict[str, np.ndarray]]:
-    with loader:
-        return [dict(b) for b in itertools.islice(loader, limit)]
-
-
-def ids_of(batches: Sequence[dict[str, np.ndarray]]) -> np.ndarray:
-    """Global record indices, in delivery order, after checking every image met its own label."""
-    out = []
-    for b in batches:
-        want = expected_label(b["image"])
-        np.testing.assert_array_equal(b["label"], want)
-        out.append(want.astype(np.int64))
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 def seed_for(shuffle: object) -> int | None:

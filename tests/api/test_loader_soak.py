@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, LAB_GZ, FieldPlan, build, mapped_paths, open_paths, reference, stoker_threads
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, build, reference
+from tests.helpers.resources import mapped_paths, open_paths, stoker_threads
 
 EPOCHS = 20
 

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import vm_flags
 from stoker.cli import dataset_from_fields, main
 from stoker.cli.bench import (
     CEILING_LOOPS,
@@ -27,6 +26,8 @@ from stoker.cli.bench import (
 )
 from stoker.cli.sample import expected_label, write_sample
 from stoker.engine.stats import LoaderStats
+from tests.helpers import REPO
+from tests.helpers.resources import vm_flags
 
 
 @pytest.fixture
@@ -213,7 +214,7 @@ def test_bench_on_a_compressed_widest_field_measures_the_inflate_ceiling(
 
 
 def _compare() -> Any:
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import compare
 
     return compare

@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import stoker_threads, vm_flags, wait_no_stoker_threads
 from stoker import kernels
 from stoker.engine import executor as engine
 from stoker.engine.executor import ALIGNMENT, AlignedPool, OrderedMap, ThreadExecutor
+from tests.helpers.resources import stoker_threads, vm_flags, wait_no_stoker_threads
 
 
 def _jitter(x: int) -> int:

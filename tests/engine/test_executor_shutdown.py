@@ -1,7 +1,7 @@
 """Closing a loader has a deadline (stoker.engine.executor.SHUTDOWN_SECONDS): a Ctrl-C reaches the caller
 within seconds even while a worker is stuck, and a FIFO put where a file was never blocks a worker.
 
-The loaders run in a child process (tests/stuck_work.py) that this test interrupts with SIGINT,
+The loaders run in a child process (tests/helpers/stuck_work.py) that this test interrupts with SIGINT,
 as a terminal's Ctrl-C would; every wait here is bounded.
 """
 
@@ -19,9 +19,9 @@ import pytest
 
 import stoker
 from stoker.engine.executor import SHUTDOWN_SECONDS
+from tests.helpers import HELPERS
 
-HERE = Path(__file__).parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(stoker.__file__).parents[1]), str(HERE)])}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(stoker.__file__).parents[1]), str(HELPERS)])}
 # What a Ctrl-C may take to reach the caller: the deadline, the consumer's poll (0.5 s) and a
 # loaded machine's slack.
 WITHIN = SHUTDOWN_SECONDS + 3.0
@@ -30,7 +30,7 @@ WITHIN = SHUTDOWN_SECONDS + 3.0
 def _interrupt(tmp_path: Path, how: str, workers: str, presses: int) -> tuple[float, str, str]:
     """(seconds from the first SIGINT to the child saying it caught it, its stdout, its stderr)."""
     child = subprocess.Popen(
-        [sys.executable, str(HERE / "stuck_work.py"), "interrupt", str(tmp_path / "data"), how, workers],
+        [sys.executable, str(HELPERS / "stuck_work.py"), "interrupt", str(tmp_path / "data"), how, workers],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -76,7 +76,7 @@ def test_ctrl_c_reaches_the_caller_within_seconds_while_a_worker_process_is_stuc
 @pytest.mark.parametrize("kind", ["raw", "gzip"])
 def test_a_fifo_put_where_a_file_was_fails_its_batch_instead_of_blocking_the_worker(tmp_path: Path, kind: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(HERE / "stuck_work.py"), "fifo", str(tmp_path / "data"), kind], env=ENV,
+        [sys.executable, str(HELPERS / "stuck_work.py"), "fifo", str(tmp_path / "data"), kind], env=ENV,
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

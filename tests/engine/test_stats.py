@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import LAB_GZ, FieldPlan, build, check_batches
 from stoker import kernels
 from stoker.doctor import verdict
 from stoker.engine.autotune import ThreadTuner
@@ -23,6 +22,7 @@ from stoker.io.files import open_local
 from stoker.io.readahead import Readahead, drop_behind_for
 from stoker.machine import physical_memory
 from stoker.testing import assert_same_batches
+from tests.helpers.data import LAB_GZ, FieldPlan, build, check_batches
 
 WIDE_GZ = FieldPlan("wide", "int16", (64, 64), kind="gzip")
 WIDE_RAW = FieldPlan("wide", "int16", (64, 64))

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import LAB_GZ, FieldPlan, build, consume
 from stoker.testing import assert_resumable, assert_same_batches
 from stoker.transforms import Cast, Normalize, RandomCrop, RandomFlip, batch_rng
+from tests.helpers.data import LAB_GZ, FieldPlan, build
+from tests.helpers.resources import consume
 
 FRAME = FieldPlan("img", "int8", (6, 5, 2))
 COUNTS = [13, 0, 7, 21, 3]  # 44 records, one empty group

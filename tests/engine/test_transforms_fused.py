@@ -15,11 +15,11 @@ import pytest
 
 import stoker
 import stoker.engine.fusion as fusion
-from conftest import LAB_GZ, FieldPlan, build
 from stoker.engine.fusion import Stage
 from stoker.plan.batches import BatchPlan
 from stoker.testing import assert_same_batches
 from stoker.transforms import Cast, Normalize, RandomCrop, RandomFlip, batch_rng
+from tests.helpers.data import LAB_GZ, FieldPlan, build
 
 SEED = 5
 

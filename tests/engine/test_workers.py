@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import LAB_GZ, FieldPlan, build, consume
 from stoker.engine.workers import WorkerError
 from stoker.testing import assert_same_batches
 from stoker.transforms import Normalize, RandomCrop, RandomFlip
+from tests.helpers.data import LAB_GZ, FieldPlan, build
+from tests.helpers.resources import consume
 
 FRAME = FieldPlan("img", "int8", (6, 5, 2))
 COUNTS = [13, 0, 7, 21, 3]

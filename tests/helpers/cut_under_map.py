@@ -1,4 +1,4 @@
-"""Raw files cut short while stoker reads them through memory maps (run by tests/test_map_faults.py).
+"""Raw files cut short while stoker reads them through memory maps (run by tests/test_kernels_map_faults.py).
 
 Run in a child process, so that a SIGBUS shows as the child dying, not as the test run dying:
 

@@ -1,4 +1,4 @@
-"""Loaders whose work gets stuck (run by tests/test_shutdown.py in a child process).
+"""Loaders whose work gets stuck (run by tests/engine/test_executor_shutdown.py in a child process).
 
 - ``interrupt DIR HOW WORKERS``: iterates a loader whose transform never returns (HOW: ``sleep``
   in Python, or ``read`` blocked in a system call on a pipe nobody writes to), printing

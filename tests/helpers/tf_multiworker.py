@@ -1,4 +1,4 @@
-"""One worker of a MultiWorkerMirroredStrategy cluster on 127.0.0.1, run by tests/test_tf_distribute.py.
+"""One worker of a MultiWorkerMirroredStrategy cluster on 127.0.0.1, run by tests/adapters/test_tf_distribute.py.
 
 Usage: python tf_multiworker.py SCENARIO TASK PORTS DATA OUT
 

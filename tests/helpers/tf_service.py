@@ -1,6 +1,6 @@
 """A tf.data service (a dispatcher and 2 workers on 127.0.0.1) reading stoker.tf.native_dataset.
 
-Run by tests/test_tf.py inside a loopback-only network namespace (its gRPC servers bind every
+Run by tests/adapters/test_tf.py inside a loopback-only network namespace (its gRPC servers bind every
 interface): ``python tf_service.py SAMPLE_DIR OUT.json``. For each case it writes the labels the
 service delivered and the labels their images stand for, for the test to compare.
 """

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, LAB_GZ, FieldPlan, build, check_batches, consume, write_dataset
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, build, check_batches, write_dataset
+from tests.helpers.resources import consume
 
 
 def _raw(path: Path, n: int, record: int = 4) -> Path:

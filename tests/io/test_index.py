@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import IMG, FieldPlan, build, check_batches, reference, resign
 from stoker.cli import main
 from stoker.engine import assembler as batch
 from stoker.io import index as index_module
 from stoker.io import inflate, seekpoints
 from stoker.io.index import INDEX_NAME, INDEX_VERSION
+from tests.helpers.data import IMG, FieldPlan, build, check_batches, reference, resign
 
 Made = list[tuple[str, tuple[int, int]]]  # (path, start) of each Inflater constructed
 IMG_GZ = FieldPlan("img", "int8", (6, 6, 1), kind="gzip")

@@ -27,10 +27,11 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import stoker
-from conftest import FieldPlan, consume, field_for, reference, resign, write_dataset
 from stoker.engine import assembler as batch
 from stoker.engine import records
 from stoker.io.index import INDEX_NAME
+from tests.helpers.data import FieldPlan, field_for, reference, resign, write_dataset
+from tests.helpers.resources import consume
 
 PLANS = {
     "x": FieldPlan("img", "int32", (64,), kind="multi", header=3, footer=5),

@@ -28,12 +28,13 @@ import numpy as np
 import pytest
 
 import stoker
-from conftest import FieldPlan, consume, field_for, reference, resign, write_dataset
 from stoker.cli import main
 from stoker.engine import assembler as batch
 from stoker.engine import records
 from stoker.io import index, seekpoints
 from stoker.io.index import ENV_INDEX_DIR, INDEX_NAME
+from tests.helpers.data import FieldPlan, field_for, reference, resign, write_dataset
+from tests.helpers.resources import consume
 
 SPACING = 16 * 1024
 IMG = FieldPlan("img", "int32", (64,), kind="gzip", header=3, footer=5)  # 256-byte records

@@ -25,12 +25,13 @@ import boto3
 import fsspec
 import numpy as np
 import pytest
-from moto.server import ThreadedMotoServer
 
 import stoker
-from conftest import IMG, LAB_GZ, FieldPlan, check_batches, consume, field_for, write_dataset
 from stoker.engine import assembler as batch
 from stoker.io import fetch, remote
+from tests.helpers.data import IMG, LAB_GZ, FieldPlan, check_batches, field_for, write_dataset
+from tests.helpers.resources import consume
+from tests.helpers.s3 import remote_dataset, s3_options, upload
 
 pytestmark = pytest.mark.remote
 
@@ -39,63 +40,12 @@ WIDE = FieldPlan("img", "uint8", (64, 64), header=7)
 BIG_GZ = FieldPlan("big", "float32", (32, 32), kind="gzip", footer=5)
 
 
-# -- a real S3 API on localhost ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-def _s3_options(endpoint: str) -> dict[str, Any]:
-    """moto's: any credentials. Nothing here turns s3fs's or botocore's retries off: stoker does."""
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "endpoint_url": endpoint,
-        "use_listings_cache": False,
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
-
-
-_buckets = iter(range(1_000_000))
-
-
-def _upload(moto: str, local: Path) -> str:
-    """Every file under ``local`` into a new bucket (straight to moto); returns ``s3://bucket``."""
-    bucket = f"stoker-moto-{next(_buckets)}"
-    client = boto3.client(
-        "s3", endpoint_url=moto, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
-    )
-    client.create_bucket(Bucket=bucket)
-    for p in sorted(local.iterdir()):
-        client.put_object(Bucket=bucket, Key=f"data/{p.name}", Body=p.read_bytes())
-    return f"s3://{bucket}"
-
-
 def _put(seaweed: Any, bucket: str, local: Path) -> str:
     """Every file under ``local`` into ``bucket`` on SeaweedFS; returns ``s3://bucket``."""
     client = seaweed.boto3()
     for p in sorted(local.iterdir()):
         client.put_object(Bucket=bucket, Key=f"data/{p.name}", Body=p.read_bytes())
     return f"s3://{bucket}"
-
-
-def _remote_ds(local_ds: stoker.Dataset, tmp: Path, base: str, options: Mapping[str, Any]) -> stoker.Dataset:
-    """The same fields as ``local_ds``, their files named by URLs under ``base``."""
-    fields = {}
-    for name, f in local_ds.fields.items():
-        pattern = f.files if isinstance(f.files, str) else f.files[0]
-        url = base + "/data/" + Path(pattern).name
-        fields[name] = stoker.Field(
-            url, f.dtype, f.shape, header_bytes=f.header_bytes, footer_bytes=f.footer_bytes,
-            compression=f.compression, byte_order=f.byte_order, storage_options=options,
-        )  # fmt: skip
-    return stoker.Dataset(fields)
 
 
 @contextlib.contextmanager
@@ -107,7 +57,7 @@ def _in_memory(local_ds: stoker.Dataset, tmp: Path) -> Iterator[tuple[stoker.Dat
     for p in tmp.iterdir():
         mem.pipe(f"{base}/data/{p.name}", p.read_bytes())
     try:
-        yield _remote_ds(local_ds, tmp, base, {}), base
+        yield remote_dataset(local_ds, base, {}), base
     finally:
         mem.rm(base, recursive=True)
 
@@ -370,7 +320,7 @@ def test_s3_every_record_once_and_correct_in_every_mode(
 ) -> None:
     plans = {"image": WIDE, "label": LAB_GZ, "big": BIG_GZ}
     local = _local(tmp_path, [13, 40, 0, 7], plans)
-    ds = _remote_ds(local, tmp_path, _put(seaweed, s3_bucket, tmp_path), seaweed.options())
+    ds = remote_dataset(local, _put(seaweed, s3_bucket, tmp_path), seaweed.options())
     assert ds.groups[1].paths["label"].startswith("s3://") and ds.groups[1].records == 40
     check_batches(local, _batches(ds, threads=4))
     check_batches(local, _batches(ds, cast={"image": "float32"}, epochs=2), cast={"image": "float32"}, epochs=2)
@@ -398,9 +348,9 @@ def test_s3_connections_cut_mid_body_lose_and_duplicate_nothing(
     endpoint, faults = proxy
     plans = {"image": WIDE, "label": LAB_GZ, "extra": LAB_ZZ, "big": BIG_GZ}
     local = _local(tmp_path, [23, 5, 30], plans)
-    base = _upload(endpoint, tmp_path)  # uploads pass through untouched
+    base = upload(endpoint, tmp_path)  # uploads pass through untouched
     faults.cut_first = True
-    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    ds = remote_dataset(local, base, s3_options(endpoint))
     # "big" (~29 KiB of gzip a file, 4 KiB parts) is inflated as a stream, part after part.
     with monkeypatch.context() as m:
         m.setattr(batch, "VERIFY_WHOLE_BYTES", 1024)
@@ -413,9 +363,9 @@ def test_s3_connections_cut_mid_body_lose_and_duplicate_nothing(
 def test_s3_busy_answers_are_retried(tmp_path: Path, proxy: tuple[str, Faults]) -> None:
     endpoint, faults = proxy
     local = _local(tmp_path, [6, 9], {"image": IMG, "label": LAB_GZ})
-    base = _upload(endpoint, tmp_path)
+    base = upload(endpoint, tmp_path)
     faults.busy_first = 2
-    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    ds = remote_dataset(local, base, s3_options(endpoint))
     check_batches(local, _batches(ds))
     assert faults.busy >= 12
 
@@ -425,8 +375,8 @@ def test_cut_connections_without_retries_are_a_read_error_naming_url_and_offset(
 ) -> None:
     endpoint, faults = proxy
     local = _local(tmp_path, [6, 9], {"image": IMG})
-    base = _upload(endpoint, tmp_path)
-    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    base = upload(endpoint, tmp_path)
+    ds = remote_dataset(local, base, s3_options(endpoint))
     faults.cut_first = True
     monkeypatch.setattr(remote, "RETRY", remote.Retry(attempts=1))
     got, err = consume(ds.loader(4, threads=1, with_index=True, block_length=2))
@@ -442,8 +392,8 @@ def test_exhausted_retries_say_how_many_attempts(
 ) -> None:
     endpoint, faults = proxy
     local = _local(tmp_path, [6], {"label": LAB_GZ})
-    base = _upload(endpoint, tmp_path)
-    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    base = upload(endpoint, tmp_path)
+    ds = remote_dataset(local, base, s3_options(endpoint))
     faults.busy_first = 3
     faults.seen.clear()
     monkeypatch.setattr(remote, "RETRY", remote.Retry(attempts=2, initial_s=0.01))
@@ -455,17 +405,17 @@ def test_exhausted_retries_say_how_many_attempts(
 def test_access_denied_is_a_read_error_naming_the_url(tmp_path: Path, proxy: tuple[str, Faults]) -> None:
     endpoint, faults = proxy
     local = _local(tmp_path, [6, 9], {"image": IMG, "label": LAB_GZ})
-    base = _upload(endpoint, tmp_path)
+    base = upload(endpoint, tmp_path)
     faults.deny = "out_0001"
     with pytest.raises(stoker.ReadError, match=r"'label'.*out_0001.bin.gz.*access denied") as e:
-        _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+        remote_dataset(local, base, s3_options(endpoint))
     assert e.value.path == f"{base}/data/out_0001.bin.gz"
 
 
 def test_object_deleted_after_the_dataset_was_built_is_a_read_error_naming_it(tmp_path: Path, moto_url: str) -> None:
     local = _local(tmp_path, [6, 9], {"image": IMG, "label": LAB_GZ})
-    base = _upload(moto_url, tmp_path)
-    ds = _remote_ds(local, tmp_path, base, _s3_options(moto_url))
+    base = upload(moto_url, tmp_path)
+    ds = remote_dataset(local, base, s3_options(moto_url))
     boto3.client(
         "s3",
         endpoint_url=moto_url,
@@ -482,8 +432,8 @@ def test_object_deleted_after_the_dataset_was_built_is_a_read_error_naming_it(tm
 
 def test_s3_glob_matching_nothing_and_missing_object_are_spec_errors(tmp_path: Path, moto_url: str) -> None:
     local = _local(tmp_path, [3], {"image": IMG})
-    base = _upload(moto_url, tmp_path)
-    opts = _s3_options(moto_url)
+    base = upload(moto_url, tmp_path)
+    opts = s3_options(moto_url)
     with pytest.raises(stoker.SpecError, match=f"glob '{base}/data/nope_\\*.bin' matched no file"):
         stoker.Dataset(x=stoker.Field(f"{base}/data/nope_*.bin", "int8", storage_options=opts))
     with pytest.raises(stoker.SpecError, match=f"file '{base}/data/img_9.bin' does not exist") as e:
@@ -535,7 +485,7 @@ def test_one_worker_keeps_num_parallel_reads_gets_in_flight_and_no_more(
     endpoint, faults = seaweed_proxy
     plans = {"image": WIDE, "label": LAB_GZ}
     local = _local(tmp_path, [40, 31, 25], plans)  # ~4 KiB a record: a part (4 KiB) per record
-    ds = _remote_ds(local, tmp_path, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
+    ds = remote_dataset(local, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
     faults.delay_s = 0.03
     for reads in (5, 1):
         faults.most_in_flight = 0
@@ -549,7 +499,7 @@ def test_a_compressed_stream_keeps_its_next_parts_in_flight(
 ) -> None:  # fmt: skip
     endpoint, faults = seaweed_proxy
     local = _local(tmp_path, [30], {"big": BIG_GZ})  # ~29 KiB of gzip: 8 parts of 4 KiB
-    ds = _remote_ds(local, tmp_path, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
+    ds = remote_dataset(local, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
     monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 1024)  # inflated in turns, not decoded whole
     faults.delay_s = 0.03
     check_batches(local, _batches(ds, threads=1, batch_size=4))
@@ -561,7 +511,7 @@ def test_close_does_not_wait_for_gets_in_flight(
 ) -> None:
     endpoint, faults = seaweed_proxy
     local = _local(tmp_path, [20, 20], {"image": WIDE, "label": LAB_GZ})
-    ds = _remote_ds(local, tmp_path, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
+    ds = remote_dataset(local, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
     faults.hold = threading.Event()  # every object GET from now on waits until released
     loader = ds.loader(8, threads=2)
     consumer = threading.Thread(target=lambda: list(loader), name="test-consumer", daemon=True)
@@ -609,8 +559,8 @@ def test_one_retry_layer_makes_exactly_the_policys_attempts(
     s3fs's and botocore's own retries (5 each, nested) are off on stoker's filesystems."""
     endpoint, faults = proxy
     local = _local(tmp_path, [6], {"image": IMG})
-    base = _upload(endpoint, tmp_path)
-    ds = _remote_ds(local, tmp_path, base, _s3_options(endpoint))
+    base = upload(endpoint, tmp_path)
+    ds = remote_dataset(local, base, s3_options(endpoint))
     faults.seen.clear()
     faults.busy_first = 100
     monkeypatch.setattr(remote, "RETRY", remote.Retry(attempts=3, initial_s=0.01))

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from isal import isal_zlib
 
 import stoker
-from conftest import FieldPlan, build, consume, encode, field_for, make_values, reference, resign, write_dataset
 from stoker.cli import main
 from stoker.engine import assembler as batch
 from stoker.engine import records
@@ -26,6 +25,8 @@ from stoker.io import index, inflate, seekpoints
 from stoker.io.files import FileInfo
 from stoker.io.index import INDEX_NAME
 from stoker.io.seekpoints import SeekPoint
+from tests.helpers.data import FieldPlan, build, encode, field_for, make_values, reference, resign, write_dataset
+from tests.helpers.resources import consume
 
 SPACING = 16 * 1024
 IMG = FieldPlan("img", "int32", (64,), kind="gzip", header=3, footer=5)  # 256-byte records, many deflate blocks

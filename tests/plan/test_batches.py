@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker
-from conftest import FieldPlan, build, check_batches, tf_interleave
 from stoker.plan.batches import Plan, PlanConfig, default_block_length, default_cycle_length, interleave
+from tests.helpers.data import FieldPlan, build, check_batches, tf_interleave
 
 counts_st = st.lists(st.integers(0, 12), min_size=1, max_size=7)
 geometry = st.tuples(counts_st, st.integers(1, 5), st.integers(1, 5), st.integers(1, 9), st.booleans())

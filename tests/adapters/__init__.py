@@ -1,0 +1,1 @@
+"""Tests of the framework adapters: stoker.tf, stoker.torch, stoker.jax, stoker.ray, stoker.keras."""

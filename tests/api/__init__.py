@@ -1,0 +1,1 @@
+"""Tests of the public API objects: stoker.Dataset (dataset.py) and stoker.Loader (loader.py)."""
