@@ -1,6 +1,6 @@
 """The cost of reading maps safely: this tree against another checkout (``--base``, its ``src``
 with the kernels built), for the SIGBUS guard around the kernels' reads of memory maps and the
-copy out of the map that records numpy casts now take (README, Errors).
+copy out of the map that records numpy casts now take (docs/reliability.md).
 
 Two parts, contenders alternated within each round:
 

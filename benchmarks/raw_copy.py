@@ -1,7 +1,7 @@
 """Copying raw records with a cast: from a memory map (stoker's path) or through pread (no SIGBUS).
 
 A raw file truncated between stoker's size check and its copy from the memory map raises SIGBUS
-there, which stoker's kernels now catch (a guard around their reads; README, Errors). Reading
+there, which stoker's kernels now catch (a guard around their reads; docs/reliability.md). Reading
 through ``os.preadv`` into a small staging buffer, then casting, was the alternative considered:
 it turns the cut into a short read. This measures what it would cost: int8 -> float32 batches of
 256 W1 records (16 KiB each) from warm files, one thread, contenders alternated within each round;

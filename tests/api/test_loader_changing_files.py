@@ -1,4 +1,4 @@
-"""Files that change while a loader reads them: each row of the README's table (Errors, "Files that
+"""Files that change while a loader reads them: each row of docs/reliability.md's table ("Files that
 change while a loader reads them") as it really behaves. See also tests/api/test_loader_reliability.py (files
 deleted, truncated, grown, rewritten between passes) and tests/test_kernels_map_faults.py (cut mid-copy).
 """
@@ -128,12 +128,12 @@ _TRITON = "import sys\nfor name in sys.argv[1:]:\n    __import__(name)\nprint('i
     [
         (["tensorflow", "triton"], True),  # what torch's optimizers import: they import triton
         (["torch", "tensorflow", "triton"], True),  # importing torch first is not enough
-        (["triton", "tensorflow", "torch.optim"], False),  # the README's workaround
+        (["triton", "tensorflow", "torch.optim"], False),  # the workaround docs/reliability.md gives
         (["torch._dynamo", "tensorflow", "triton"], False),
     ],
 )
 def test_importing_tensorflow_before_triton_crashes_and_triton_first_does_not(order: list[str], crashes: bool) -> None:
-    """Not stoker's bug (TensorFlow 2.21 with triton 3.7), but the README's Errors section names it
+    """Not stoker's bug (TensorFlow 2.21 with triton 3.7), but docs/reliability.md names it
     and its workaround; this keeps that text true."""
     done = subprocess.run([sys.executable, "-c", _TRITON, *order], capture_output=True, text=True, timeout=300)
     if crashes:

@@ -1,7 +1,7 @@
 """Reliability: every bad input a clear StokerError, files changing under the reader, faults in workers.
 
 Each error test checks the message names the file (and field, record, offset where they apply).
-The outcomes for files that change while a loader reads them are the ones the README's "Errors"
+The outcomes for files that change while a loader reads them are the ones docs/reliability.md's
 section promises; these tests are what holds it to them.
 """
 

@@ -100,7 +100,7 @@ def to_tf(loader: Loader, *, element_spec: Mapping[str, tf.TensorSpec] | None = 
     `tf.config.threading.set_inter_op_parallelism_threads(1)` before TensorFlow's first op:
     the graph's ops then stay on one thread instead of hopping between spinning pool threads
     that take CPU from the loader's workers (measured: benchmarks/results/tf_compare_history.md;
-    README, From tf.data).
+    docs/guides/keras-tfdata.md, "Few cores").
 
     Args:
         element_spec: the spec of each element, for a `transform=` that cannot run on a
