@@ -72,7 +72,7 @@ from .io.files import Catalog
 from .kernels import cast_into
 from .plan.batches import BatchPlan, Run
 from .plan.order import permute_groups
-from .spec import resolve_dtype
+from .spec import positive, resolve_dtype
 
 if TYPE_CHECKING:
     import ray.data
@@ -223,14 +223,6 @@ def iter_batches(source: Any, *, batch_size: int = 256, cast: Any = None, **iter
         yield batch if cast is None else cast_batch(batch, cast)
 
 
-def _positive(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{name}={value!r} must be a positive integer or None")
-    return value
-
-
 class _Unit(NamedTuple):
     """A group as the tasks see it: its records, and where a task boundary may cut it."""
 
@@ -295,9 +287,9 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
         with_index: bool = False,
     ) -> None:
         super().__init__()
-        align = _positive("batch_size", batch_size) or 1
-        per_task = _positive("records_per_task", records_per_task)
-        per_block = _positive("records_per_block", records_per_block)
+        align = positive("batch_size", batch_size) or 1
+        per_task = positive("records_per_task", records_per_task)
+        per_block = positive("records_per_block", records_per_block)
         for name, value in (("records_per_task", per_task), ("records_per_block", per_block)):
             if value is not None and value % align:
                 raise SpecError(

@@ -15,7 +15,9 @@ import numpy as np
 
 from .errors import SpecError
 
-__all__ = ["Compression", "Field", "is_float", "parse_bytes", "resolve_cast", "resolve_dtype", "shape_hint"]
+__all__ = [
+    "Compression", "Field", "is_float", "parse_bytes", "positive", "resolve_cast", "resolve_dtype", "shape_hint",
+]  # fmt: skip
 
 Compression = Literal["auto", "gzip", "zlib"] | None
 _COMPRESSIONS = ("auto", "gzip", "zlib", None)
@@ -28,6 +30,16 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
     "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
 }  # fmt: skip
+
+
+def positive(name: str, value: object, *, allow_none: bool = True) -> int | None:
+    """`value` as an int if it is a positive integer (not a bool), None where None is allowed;
+    else a SpecError naming the argument `name`: the one check of every count a user passes."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise SpecError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+    return int(value)
 
 
 def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:

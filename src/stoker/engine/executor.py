@@ -169,28 +169,44 @@ class AlignedPool:
 
 
 class Executor(Protocol):
-    """Maps `fn` over `tasks` with at most `window` results ahead of the consumer."""
+    """Maps `fn` over `tasks` with at most `window` results ahead of the consumer.
+
+    `threads`: the workers that run `fn` at once; where `resizable`, the loader's autotune
+    sets it between passes and adds or retires workers of a running map (OrderedMap's
+    `add_worker` / `retire_worker`).
+    """
+
+    threads: int
+    resizable: bool
 
     def map_ordered(
-        self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False
-    ) -> OrderedMap[R]:
+        self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False,
+        stop: StopFlag | None = None,
+    ) -> OrderedMap[R]:  # fmt: skip
         """`defer_wake`: `fn` gives the GIL up in a kernel early in each task, or calls
         `flush_wake` before it blocks; the consumer's wake-up for a result then leaves
-        with the worker's next kernel call (see `OrderedMap`). An executor may ignore it."""
+        with the worker's next kernel call (see `OrderedMap`). An executor may ignore it.
+        `stop`: the flag the map sets when it closes (a new one if None), so work built
+        before the map (the assembler's waits on stream turns) watches it."""
         ...
 
 
 class ThreadExecutor:
     """Worker threads that pull tasks in order and hand results back in order."""
 
+    resizable = True  # autotune climbs the worker count
+
     def __init__(self, threads: int, *, name: str = "stoker-worker") -> None:
         self.threads = threads
         self.name = name
 
     def map_ordered(
-        self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False
-    ) -> OrderedMap[R]:
-        return OrderedMap(fn, tasks, threads=self.threads, window=window, name=self.name, defer_wake=defer_wake)
+        self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False,
+        stop: StopFlag | None = None,
+    ) -> OrderedMap[R]:  # fmt: skip
+        return OrderedMap(
+            fn, tasks, threads=self.threads, window=window, name=self.name, defer_wake=defer_wake, stop=stop
+        )
 
 
 class StopFlag:
@@ -307,7 +323,9 @@ class _State(Generic[T, R]):
     OrderedMap is gone, and the last one out runs the cleanups (closing files).
     """
 
-    def __init__(self, fn: Callable[[T], R], tasks: Iterator[T], window: int, name: str, defer_wake: bool) -> None:
+    def __init__(
+        self, fn: Callable[[T], R], tasks: Iterator[T], window: int, name: str, defer_wake: bool, stop: StopFlag
+    ) -> None:
         self.fn = fn
         self.defer_wake = defer_wake
         self.tasks = tasks
@@ -322,7 +340,7 @@ class _State(Generic[T, R]):
         self.dispatched = 0
         self.delivered = 0
         self.exhausted = False
-        self.stop = StopFlag()
+        self.stop = stop
         self.owner: Callable[[], object] = lambda: True  # the OrderedMap, weakly (set by it)
         self.threads: list[threading.Thread] = []  # every worker ever started; shutdown joins them all
         self.running = 0  # workers registered and not yet exited
@@ -570,10 +588,12 @@ class OrderedMap(Generic[R]):
         window: int,
         name: str,
         defer_wake: bool = False,
+        stop: StopFlag | None = None,
     ) -> None:
         if threads < 1 or window < 1:
             raise ValueError(f"{threads=} and {window=} must be positive")
-        self._state: _State[T, R] = _State(fn, iter(tasks), window, name, defer_wake)
+        flag = StopFlag() if stop is None else stop
+        self._state: _State[T, R] = _State(fn, iter(tasks), window, name, defer_wake, flag)
         self._state.owner = weakref.ref(self)
         self._threads = threads
         self._name = name

@@ -421,9 +421,10 @@ class _ProcessMap(OrderedMap[R]):
     """An OrderedMap whose close (or garbage collection) also stops the worker processes."""
 
     def __init__(
-        self, fn: Callable[[T], R], tasks: Iterable[T], *, threads: int, window: int, name: str, pool: _Pool
-    ) -> None:
-        super().__init__(fn, tasks, threads=threads, window=window, name=name)
+        self, fn: Callable[[T], R], tasks: Iterable[T], *, threads: int, window: int, name: str, pool: _Pool,
+        stop: StopFlag | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(fn, tasks, threads=threads, window=window, name=name, stop=stop)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _shutdown, self._state, pool)  # type: ignore[call-arg, arg-type]
 
@@ -435,11 +436,14 @@ class ProcessExecutor:
     writing into a `SharedPool`) and yields `(transformed batch, plan)` in task order.
     """
 
+    resizable = False  # the processes are started with the map, one per worker, for its whole life
+
     def __init__(self, processes: int, stage: Stage, catalog: Catalog, *, context: str = "spawn") -> None:
         require_linux()
         if processes < 1:
             raise SpecError(f"{processes=} must be a positive integer")
         self.processes = processes
+        self.threads = processes  # the Executor protocol's worker count
         self.stage = stage
         self.catalog = catalog
         self.context = context
@@ -454,8 +458,9 @@ class ProcessExecutor:
             ) from e
 
     def map_ordered(
-        self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False
-    ) -> OrderedMap[R]:
+        self, fn: Callable[[T], R], tasks: Iterable[T], *, window: int, defer_wake: bool = False,
+        stop: StopFlag | None = None,
+    ) -> OrderedMap[R]:  # fmt: skip
         """`defer_wake` is ignored: a result's wake-up leaves at once, since the next task
         may first wait on a worker process."""
         from .fusion import note_records
@@ -477,7 +482,9 @@ class ProcessExecutor:
                 raise
 
         # One more thread than workers: a batch is being read while every worker transforms.
-        return _ProcessMap(work, tasks, threads=self.processes + 1, window=window, name="stoker-worker-p", pool=pool)
+        return _ProcessMap(
+            work, tasks, threads=self.processes + 1, window=window, name="stoker-worker-p", pool=pool, stop=stop
+        )
 
 
 def _picklable(obj: object) -> bool:

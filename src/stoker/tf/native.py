@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from ..errors import SpecError
 from ..plan.batches import default_block_length, default_cycle_length
-from ..spec import resolve_cast
+from ..spec import positive, resolve_cast
 
 if TYPE_CHECKING:
     from ..dataset import Dataset
@@ -30,14 +30,6 @@ _DECODE_RAW = {
     np.dtype(t) for t in ("bool", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16")
 }
 _TF_COMPRESSION = {None: "", "gzip": "GZIP", "zlib": "ZLIB"}
-
-
-def _check_positive(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise SpecError(f"{name}={value!r} must be a positive integer or None")
-    return int(value)
 
 
 def _decode(strings: tf.Tensor, stored: np.dtype, shape: tuple[int, ...], out: np.dtype, rows: int = -1) -> tf.Tensor:
@@ -157,7 +149,7 @@ def native_dataset(
         raise SpecError(f"{batch_size=} must be a positive integer")
     if not isinstance(drop_remainder, bool):
         raise SpecError(f"drop_remainder={drop_remainder!r} must be True or False")
-    passes = _check_positive("epochs", epochs)
+    passes = positive("epochs", epochs)
     if shuffle is None:
         shuffle = False
     if shuffle not in (False, "files"):
@@ -172,10 +164,8 @@ def native_dataset(
         )
     fields = ds.fields
     _check_tf_opens(ds)
-    cycle = _check_positive("cycle_length", cycle_length) or default_cycle_length(ds.num_groups)
-    block = _check_positive("block_length", block_length) or default_block_length(
-        max(f.record_bytes for f in fields.values())
-    )
+    cycle = positive("cycle_length", cycle_length) or default_cycle_length(ds.num_groups)
+    block = positive("block_length", block_length) or default_block_length(max(f.record_bytes for f in fields.values()))
     out_dtypes = resolve_cast(fields, cast)
     counts = [ds.records_in(g) for g in range(ds.num_groups)]  # raises PairingError
     # Per field, statically: a field with any compressed file streams its records (tf.data
