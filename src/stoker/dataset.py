@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .engine.assembler import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, fill_padding
+from .engine.assembler import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Parts, Task, fill_padding
 from .engine.records import STREAM_SPLIT, RecordReader
 from .errors import RecordIndexError, SpecError
 from .io.files import Catalog, FileInfo, Group
@@ -22,7 +22,6 @@ from .spec import Field, resolve_cast
 
 if TYPE_CHECKING:
     from .engine.executor import Allocator
-    from .io.fetch import Fetcher
     from .loader import Loader
     from .plan.batches import BatchPlan
 
@@ -286,11 +285,12 @@ class Dataset:
         return None
 
     def _assembler(
-        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool,
-        fetcher: Fetcher | None = None,
+        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *, batch_size: int,
+        with_index: bool, fused: Any = None,
     ) -> Assembler:  # fmt: skip
+        """The assembler of a pass over this dataset, over `parts` (see stoker.engine.assembler.build_parts)."""
         return Assembler(
-            self._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher
+            self._catalog, out_dtypes, allocator, parts, batch_size=batch_size, with_index=with_index, fused=fused
         )
 
     # Used by adapters and the CLI; public enough to document, not part of the contract.
@@ -458,11 +458,11 @@ class Subset(Dataset):
         return h.hexdigest()[:16]
 
     def _assembler(
-        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int, with_index: bool,
-        fetcher: Fetcher | None = None,
+        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *, batch_size: int,
+        with_index: bool, fused: Any = None,
     ) -> Assembler:  # fmt: skip
         kind = _GroupsAssembler if all(r is None for r in self._catalog.records) else _RecordsAssembler
-        return kind(self, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher)
+        return kind(self, out_dtypes, allocator, parts, batch_size=batch_size, with_index=with_index, fused=fused)
 
     def __repr__(self) -> str:
         return f"Subset of {self.root!r}: {self.num_groups} groups"
@@ -472,11 +472,11 @@ class _GroupsAssembler(Assembler):
     """Whole groups: the streaming assembler, with `__group__` named in the root dataset."""
 
     def __init__(
-        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
-        with_index: bool, fetcher: Fetcher | None = None,
+        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *,
+        batch_size: int, with_index: bool, fused: Any = None,
     ) -> None:  # fmt: skip
         super().__init__(
-            view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher
+            view._catalog, out_dtypes, allocator, parts, batch_size=batch_size, with_index=with_index, fused=fused
         )
         self._groups = view._catalog.groups
 
@@ -492,11 +492,11 @@ class _RecordsAssembler(Assembler):
     """Some records of groups: every planned batch read by random access (no stream turns)."""
 
     def __init__(
-        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, *, batch_size: int,
-        with_index: bool, fetcher: Fetcher | None = None,
+        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *,
+        batch_size: int, with_index: bool, fused: Any = None,
     ) -> None:  # fmt: skip
         super().__init__(
-            view._catalog, out_dtypes, allocator, batch_size=batch_size, with_index=with_index, fetcher=fetcher
+            view._catalog, out_dtypes, allocator, parts, batch_size=batch_size, with_index=with_index, fused=fused
         )
         self._view = view
         self._reader = RecordReader(view.root._catalog)  # its cache lives as long as this pass

@@ -9,7 +9,7 @@ stage takes the time.
 
 from __future__ import annotations
 
-from .engine.assembler import KEPT_DECODED_BYTES
+from .engine.decoded import KEPT_DECODED_BYTES
 from .engine.executor import MAX_PER_WAKE
 from .engine.stats import LoaderStats
 from .io.inflate import BACKEND

@@ -10,34 +10,28 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .engine.assembler import (
-    GROUP_KEY,
-    INDEX_KEY,
-    KEPT_DECODED_BYTES,
-    VALID_KEY,
-    Assembler,
-    KeptDecoded,
-    Task,
-    loader_kept_maps,
-    pass_open_files,
-    raise_open_files,
-)
+from .engine.assembler import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Task, build_parts
 from .engine.autotune import SPARE, ThreadTuner, available_cores, default_prefetch, wanted_prefetch
+from .engine.decoded import KEPT_DECODED_BYTES, KeptDecoded
+from .engine.descriptors import pass_open_files, raise_open_files
 from .engine.executor import (
     ALIGNMENT,
     AlignedPool,
     Allocator,
     Executor,
     OrderedMap,
+    StopFlag,
     Stopped,
     ThreadExecutor,
     run_finalizer,
 )
 from .engine.fusion import Stage
+from .engine.maps import loader_kept_maps
 from .engine.stats import Counters, LoaderStats
 from .errors import SpecError, StateError, SupersededError
 from .io.fetch import Fetcher, parallel_reads
@@ -56,7 +50,7 @@ from .plan.batches import (
     pass_end,
 )
 from .plan.order import even_length, fingerprint, shard_length, validate_shard
-from .spec import parse_bytes, resolve_cast
+from .spec import parse_bytes, positive, resolve_cast
 
 if TYPE_CHECKING:
     from .dataset import Dataset
@@ -87,12 +81,89 @@ def default_threads() -> int:
     return available_cores()
 
 
-def _positive(name: str, value: object, *, allow_none: bool = True) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise SpecError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
-    return int(value)
+def _flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(f"{name}={value!r} must be True or False")
+
+
+def _seed_ok(seed: object) -> bool:
+    return not isinstance(seed, bool) and isinstance(seed, int | np.integer) and bool(seed >= 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """A Loader's arguments, checked once when built: every count a positive integer, every flag
+    a bool, the choices among those offered and consistent with each other. What depends on the
+    dataset (cast, the memory budget against a batch) the Loader checks when it sizes itself.
+
+    `None` stands for "stoker chooses" (see Loader); counts are plain ints after the checks.
+    """
+
+    batch_size: int
+    epochs: int | None = 1
+    drop_remainder: bool = False
+    cycle_length: int | None = None
+    block_length: int | None = None
+    threads: int | None = None
+    prefetch: int | None = None
+    memory_budget: int | str | None = None
+    with_index: bool = False
+    shuffle: Shuffle | None = False
+    seed: int | None = None
+    window: int = DEFAULT_WINDOW
+    reshuffle_each_iteration: bool = True
+    shard: tuple[int, int] = (0, 1)
+    even: bool = True
+    pad_last: bool = False
+    workers: str = "thread"
+    num_parallel_reads: int | None = None
+    transform: Any = None
+    executor: Executor | None = None
+
+    def __post_init__(self) -> None:
+        # In the order Loader checked its arguments before this class: with two wrong, the same error.
+        put = functools.partial(object.__setattr__, self)
+        put("batch_size", positive("batch_size", self.batch_size, allow_none=False))
+        put("epochs", positive("epochs", self.epochs))
+        _flag("drop_remainder", self.drop_remainder)
+        _flag("with_index", self.with_index)
+        _flag("pad_last", self.pad_last)
+        if self.pad_last and self.drop_remainder:
+            raise SpecError("pad_last=True pads the last batch and drop_remainder=True drops it; choose one")
+        put("cycle_length", positive("cycle_length", self.cycle_length))
+        put("block_length", positive("block_length", self.block_length))
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)
+        put("threads", positive("threads", self.threads))
+        if self.workers not in ("thread", "process"):
+            raise SpecError(f"workers={self.workers!r} must be 'thread' or 'process'")
+        if self.transform is None:
+            if self.workers == "process":
+                raise SpecError("workers='process' runs transform= functions in worker processes; none was given")
+        else:
+            if self.workers == "process" and self.executor is not None:
+                raise SpecError("workers='process' brings its own executor; pass executor= or workers=, not both")
+            if self.seed is not None and not _seed_ok(self.seed):
+                raise SpecError(
+                    f"seed={self.seed!r} must be a non-negative integer or None (transforms then use seed 0)"
+                )
+            validate_shard(self.shard)
+        put("prefetch", positive("prefetch", self.prefetch))
+        shuffle = False if self.shuffle is None else self.shuffle
+        if shuffle not in (False, "global", "files"):
+            raise SpecError(f"shuffle={shuffle!r} must be False, 'global' or 'files'")
+        put("shuffle", shuffle)
+        if shuffle and not _seed_ok(self.seed):
+            raise SpecError(
+                f"shuffle={shuffle!r} needs seed= a non-negative integer (got seed={self.seed!r}); stoker never "
+                "seeds from the clock, so the same seed gives the same order on any machine"
+            )
+        put("seed", int(self.seed) if self.seed is not None else None)
+        put("window", positive("window", self.window, allow_none=False))
+        _flag("reshuffle_each_iteration", self.reshuffle_each_iteration)
+        put("shard", validate_shard(self.shard))
+        _flag("even", self.even)
+        put("num_parallel_reads", positive("num_parallel_reads", self.num_parallel_reads))
 
 
 class Loader:
@@ -139,41 +210,45 @@ class Loader:
         num_parallel_reads: int | None = None,
     ) -> None:
         self.dataset = dataset
-        self.batch_size = _positive("batch_size", batch_size, allow_none=False) or 1
-        self.epochs = _positive("epochs", epochs)
-        if not isinstance(drop_remainder, bool):
-            raise SpecError(f"drop_remainder={drop_remainder!r} must be True or False")
-        if not isinstance(with_index, bool):
-            raise SpecError(f"with_index={with_index!r} must be True or False")
-        self.drop_remainder = drop_remainder
-        self.with_index = with_index
-        if not isinstance(pad_last, bool):
-            raise SpecError(f"pad_last={pad_last!r} must be True or False")
-        if pad_last and drop_remainder:
-            raise SpecError("pad_last=True pads the last batch and drop_remainder=True drops it; choose one")
-        self.pad_last = pad_last
+        self.config = config = LoaderConfig(
+            batch_size=batch_size, epochs=epochs, drop_remainder=drop_remainder, cycle_length=cycle_length,
+            block_length=block_length, threads=threads, prefetch=prefetch, memory_budget=memory_budget,
+            with_index=with_index, shuffle=shuffle, seed=seed, window=window,
+            reshuffle_each_iteration=reshuffle_each_iteration, shard=shard, even=even, pad_last=pad_last,
+            workers=workers, num_parallel_reads=num_parallel_reads, transform=transform, executor=executor,
+        )  # fmt: skip
+        self.batch_size: int = config.batch_size
+        self.epochs = config.epochs
+        self.drop_remainder = config.drop_remainder
+        self.with_index = config.with_index
+        self.pad_last = config.pad_last
+        self.workers = config.workers
+        self.shuffle: Shuffle = config.shuffle or False
+        self.seed = config.seed
+        self.window: int = config.window
+        self.reshuffle_each_iteration = config.reshuffle_each_iteration
+        self.shard = config.shard
+        self.even = config.even
         fields = dataset.fields
-        self.cycle_length = _positive("cycle_length", cycle_length) or default_cycle_length(dataset.num_groups)
-        self.block_length = _positive("block_length", block_length) or default_block_length(
-            max(f.record_bytes for f in fields.values())
-        )
+        self.cycle_length = config.cycle_length or default_cycle_length(dataset.num_groups)
+        self.block_length = config.block_length or default_block_length(max(f.record_bytes for f in fields.values()))
         self.dtypes = resolve_cast(fields, cast)
         self.shapes = {n: f.shape for n, f in fields.items()}
-        if with_index:
+        if config.with_index:
             self.dtypes[GROUP_KEY] = self.dtypes[INDEX_KEY] = np.dtype(np.int64)
             self.shapes[GROUP_KEY] = self.shapes[INDEX_KEY] = ()
-        if pad_last:
+        if config.pad_last:
             self.dtypes[VALID_KEY] = np.dtype(bool)
             self.shapes[VALID_KEY] = ()
-        if memory_budget is None:  # scales with the machine: see stoker.machine.default_memory_budget
-            memory_budget = default_memory_budget()
+        # None scales with the machine: see stoker.machine.default_memory_budget.
+        memory_budget = default_memory_budget() if config.memory_budget is None else config.memory_budget
         self.memory_budget = parse_bytes(memory_budget)
         self._remote = any(is_remote(i.path) for infos in dataset.files for i in infos.values())
-        self.threads = _positive("threads", threads) or default_threads()
-        self._stage = self._transform_stage(transform, seed, shard, workers, executor)
+        self.threads = config.threads or default_threads()
+        self._stage = self._transform_stage(config)
         # threads=None: measured on the first pass (stoker.autotune), from 1 per core up to 2.
-        self._tune_threads = threads is None and executor is None and workers != "process"
-        self._tune_prefetch = prefetch is None
+        self._tune_threads = config.threads is None and executor is None and workers != "process"
+        self._tune_prefetch = config.prefetch is None
         self._max_threads = 2 * default_threads() if self._tune_threads else self.threads
         self.batch_bytes = sum(
             self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize for n in self.dtypes
@@ -191,15 +266,15 @@ class Loader:
         # in flight: halving `fits` alone left it one short where the budget binds, and the
         # pool then made a fresh buffer for some batches.
         self._fits = max(0, self.memory_budget - min(KEPT_DECODED_BYTES, self.memory_budget // 8)) // self.batch_bytes
-        if prefetch is None:
+        if config.prefetch is None:
             # See stoker.autotune.default_prefetch (measured there), in batches assembled
             # together (see COALESCE_BYTES). Autotuned threads: reserved for the most workers
             # it may reach.
-            self._parts = self._coalesced(pad_last, executor)
+            self._parts = self._coalesced(config.pad_last, executor)
             unit = self._parts * self.batch_bytes
             self.prefetch = self._parts * default_prefetch(self._max_threads, unit, self._fits // self._parts)
         else:
-            self.prefetch = _positive("prefetch", prefetch) or 1
+            self.prefetch = config.prefetch
             if self.prefetch > fits:
                 raise SpecError(
                     f"prefetch={prefetch} batches of {self.batch_bytes} bytes exceed memory_budget={memory_budget!r} "
@@ -213,34 +288,15 @@ class Loader:
 
             assert self._stage is not None
             self._executor = ProcessExecutor(self.threads, self._stage, dataset._catalog)
-        if shuffle is None:
-            shuffle = False
-        if shuffle not in (False, "global", "files"):
-            raise SpecError(f"shuffle={shuffle!r} must be False, 'global' or 'files'")
-        if shuffle and (isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0):
-            raise SpecError(
-                f"shuffle={shuffle!r} needs seed= a non-negative integer (got seed={seed!r}); stoker never "
-                "seeds from the clock, so the same seed gives the same order on any machine"
-            )
-        self.shuffle: Shuffle = shuffle
-        self.seed = int(seed) if seed is not None else None
-        self.window = _positive("window", window, allow_none=False) or 1
-        if not isinstance(reshuffle_each_iteration, bool):
-            raise SpecError(f"reshuffle_each_iteration={reshuffle_each_iteration!r} must be True or False")
-        self.reshuffle_each_iteration = reshuffle_each_iteration
-        self.shard = validate_shard(shard)
-        if not isinstance(even, bool):
-            raise SpecError(f"even={even!r} must be True or False")
-        self.even = even
         self._seek_fields: frozenset[str] = frozenset()  # see _check_resident
-        if shuffle == "global":
+        if self.shuffle == "global":
             self._check_resident(fields)
         self._plan = Plan(
             dataset.num_groups,
             dataset._catalog.count,
             PlanConfig(
-                self.batch_size, drop_remainder, self.cycle_length, self.block_length,
-                shuffle, self.seed, self.window, self.shard, even, pad_last,
+                self.batch_size, self.drop_remainder, self.cycle_length, self.block_length,
+                self.shuffle, self.seed, self.window, self.shard, self.even, self.pad_last,
             ),
         )  # fmt: skip
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
@@ -267,14 +323,13 @@ class Loader:
         self._kept_maps = loader_kept_maps()
         self._open_files: str | None = None  # what a global shuffle did about open files (_keep_files_open)
         # Compressed files decoded whole (labels), kept from one epoch and pass to the next
-        # (stoker.batch.KeptDecoded), within an eighth of what the batches in flight leave of
-        # the memory budget; the buffer pool keeps the rest (see _Pass).
+        # (stoker.engine.decoded.KeptDecoded), within an eighth of what the batches in flight leave of
+        # the memory budget; the buffer pool keeps the rest (see _start_pass).
         self._kept_decoded = KeptDecoded(max(0, min(KEPT_DECODED_BYTES, self._spare_bytes // 8)))
         # Ranged GETs of files behind URLs kept in flight (stoker.fetch), whatever `threads`; their
         # bytes come out of half of what prefetch leaves of the budget.
-        reads = _positive("num_parallel_reads", num_parallel_reads)
         room = self._spare_bytes // 2 if self._remote else 1 << 62
-        self.num_parallel_reads, self._part_bytes = parallel_reads(reads, room)
+        self.num_parallel_reads, self._part_bytes = parallel_reads(config.num_parallel_reads, room)
         self._fetch_bytes = self.num_parallel_reads * self._part_bytes if self._remote else 0
         self._pool: Allocator | None = None  # the batch buffers, kept between passes (see _pass_pool)
         self._pool_factory: Callable[[int], Allocator] | None = None
@@ -284,26 +339,15 @@ class Loader:
         if state is not None:
             self.load_state_dict(state)
 
-    def _transform_stage(
-        self, transform: Any, seed: object, shard: object, workers: str, executor: Executor | None
-    ) -> Stage | None:
+    def _transform_stage(self, config: LoaderConfig) -> Stage | None:
         """The transforms bound to seed and shard; what batches look like after them (see transforms)."""
-        if workers not in ("thread", "process"):
-            raise SpecError(f"workers={workers!r} must be 'thread' or 'process'")
-        self.workers = workers
         self._assembly_dtypes = dict(self.dtypes)
-        if transform is None:
-            if workers == "process":
-                raise SpecError("workers='process' runs transform= functions in worker processes; none was given")
+        if config.transform is None:
             return None
-        if workers == "process" and executor is not None:
-            raise SpecError("workers='process' brings its own executor; pass executor= or workers=, not both")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0):
-            raise SpecError(f"seed={seed!r} must be a non-negative integer or None (transforms then use seed 0)")
         stage = Stage(
-            transform,
-            seed=None if seed is None else int(seed),
-            shard=validate_shard(shard),
+            config.transform,
+            seed=config.seed,
+            shard=config.shard,
             records={n: (self.shapes[n], self.dtypes[n]) for n in self.dtypes},
             stored={n: f.native_dtype for n, f in self.dataset.fields.items()},
         )
@@ -491,12 +535,77 @@ class Loader:
         for p in list(self._passes):
             p.supersede()
         start = self._next_start()
-        p = _Pass(self, start, pass_end(start[0], self.epochs, reshuffle=self.reshuffle_each_iteration))
+        p = self._start_pass(start, pass_end(start[0], self.epochs, reshuffle=self.reshuffle_each_iteration))
         self._resume = None  # a loaded state applies to the next pass only
         self._first_epoch = start[0]
         self._delivered = start
         self._passes.add(p)
         return p
+
+    def _start_pass(self, start: tuple[int, int], stop: int | None) -> _Pass:
+        """A pass over epochs `start[0] .. stop - 1` (None: forever) from position `start[1]`:
+        its assembler's parts, the assembler, the planned tasks and the executor's map, built
+        here and handed to the pass."""
+        pooled = self._spare_bytes - self._kept_decoded.limit - self._fetch_bytes
+        pool, own_pool = self._pass_pool(pooled)
+        ds = self.dataset
+        self._keep_files_open()  # before the assembler's open-file table reads the descriptor limit
+        stop_flag = StopFlag()  # one stop event: a worker waiting for its turn on a stream wakes when the map closes
+        parts = build_parts(
+            ds._catalog, {n: self._assembly_dtypes[n] for n in ds.fields},
+            fetcher=Fetcher(self.num_parallel_reads, ahead_bytes=self._fetch_bytes, part_bytes=self._part_bytes),
+            counters=self._counters,
+            readahead=Readahead(drop_behind=self.drop_behind, gathers=self.shuffle == "global"),
+            stop=stop_flag, seek_fields=self._seek_fields, kept_maps=self._kept_maps, kept_decoded=self._kept_decoded,
+        )  # fmt: skip
+        assembler = ds._assembler(
+            {n: self._assembly_dtypes[n] for n in ds.fields}, pool, parts, batch_size=self.batch_size,
+            with_index=self.with_index, fused=self._stage,  # built-in transforms run as records are read
+        )  # fmt: skip
+        plans: Iterator[BatchPlan] = self._plan.batches(stop, first_epoch=start[0], start=start[1])
+        # Batches assembled together (see COALESCE_BYTES): the engine, its look-ahead and
+        # autotune count these units; the pass hands their parts out one by one.
+        units = self._parts
+        if units > 1:
+            plans = _units(plans, units, assembler.redoable)
+        if self.workers == "thread":  # worker processes read for themselves
+            plans = assembler.fetching_ahead(plans)
+        tasks: Iterator[Task] = map(assembler.prepare, plans)
+        if parts.readahead.gathers_ahead:
+            per_task = self.batch_size * units * sum(f.record_bytes for f in ds.fields.values())
+            tasks = _advising_ahead(tasks, max(1, AHEAD_BYTES // per_task))
+        work: Callable[[Task], Any] = assembler
+        if units > 1:
+            work = functools.partial(_assemble_parts, assembler)
+        if self._stage is not None and self.workers == "thread":
+            work = self._stage.bind(assembler, pool.array, ds._catalog)
+        tuner: ThreadTuner | None = None
+        window = self.prefetch // units
+        if self._tune_threads and not self.tuning:
+            # A pass that ended before the climb did (a pass per epoch of a small dataset) hands
+            # it on: this pass goes on from the worker count it stood at, with a fresh start-up
+            # window, since a new climb each pass would start from a trial count and, at the
+            # maximum, stop there unmeasured.
+            if self._climb is None:
+                self._climb = ThreadTuner(start=self.threads, max_threads=self._max_threads,
+                                          tune_prefetch=self._tune_prefetch, fits=self._fits // units,
+                                          batch_bytes=self.batch_bytes * units)  # fmt: skip
+            else:
+                self._climb.new_pass()
+                if self._executor.resizable:  # the count the climb stands at
+                    self._executor.threads = self._climb.threads
+            tuner = self._climb
+            window = tuner.prefetch_for(self.threads) if self._tune_prefetch else window
+        # The assembler's first step that may give the GIL up or block is a copy kernel, or it
+        # flushes the wake-up before (stoker.engine.flush_wake): deferred wake-ups apply.
+        batches = self._executor.map_ordered(work, tasks, window=window, defer_wake=True, stop=stop_flag)
+        batches.add_cleanup(assembler.close)
+        if own_pool:
+            batches.add_cleanup(pool.clear)
+        return _Pass(
+            batches, assembler, pool if own_pool else None, units=units, counters=self._counters, tuner=tuner,
+            report=_Report(self), pool_of=pool,
+        )  # fmt: skip
 
     def _next_start(self) -> tuple[int, int]:
         """`(epoch, position)` the next pass starts from: a loaded state's, else the pass after the last."""
@@ -810,83 +919,70 @@ def _advising_ahead(tasks: Iterator[Task], depth: int) -> Iterator[Task]:
         raise error
 
 
+class _Report:
+    """What a pass tells its loader: where its user stands, and what autotune measured. Held
+    weakly, so a pass (`iter(ds.loader(...))` keeps only the pass) does not keep its loader."""
+
+    __slots__ = ("_loader",)
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = weakref.ref(loader)
+
+    def alive(self) -> bool:
+        return self._loader() is not None
+
+    def delivered(self, where: tuple[int, int]) -> None:
+        loader = self._loader()
+        if loader is not None:
+            loader._delivered = where
+
+    def ended(self) -> None:
+        """The plan's end: the loader stands at the start of the next pass."""
+        loader = self._loader()
+        if loader is not None:
+            loader._delivered = loader._next_start()
+
+    def tuned(self, tuner: ThreadTuner, units: int) -> None:
+        """Autotune stands at `tuner`'s worker count; once it is done, later passes start there."""
+        loader = self._loader()
+        if loader is None:
+            return
+        loader.threads = tuner.threads
+        if tuner.done:
+            loader._climb = None
+            loader.tuning = tuner.summary()
+            if loader._executor.resizable:
+                loader._executor.threads = tuner.threads
+            if loader._tune_prefetch:
+                loader.prefetch = tuner.prefetch_for(tuner.threads) * units
+
+
 class _Pass:
     """One pass over the loader's epochs: the iterator `iter(loader)` returns.
 
-    It plans epochs `start[0] .. stop - 1` (None: forever), from position `start[1]` of the first.
+    It hands out the results of the executor's map (`batches`, built with `assembler` by
+    `Loader._start_pass`), the parts of coalesced units one by one, and tells its loader where
+    its user stands through `report`. `pool`: the pass's own buffers, cleared with it (None: the
+    loader's); `pool_of`: the buffers it draws from, whichever (autotune watches their count).
     """
 
-    def __init__(self, loader: Loader, start: tuple[int, int], stop: int | None) -> None:
+    def __init__(
+        self, batches: OrderedMap[Any], assembler: Assembler, pool: Allocator | None, *, units: int,
+        counters: Counters, tuner: ThreadTuner | None, report: _Report, pool_of: Allocator,
+    ) -> None:  # fmt: skip
         self._closed = False  # by close(), its end or an error: a later next() is StopIteration
         self._superseded = False  # ended by a newer pass: a later next() raises SupersededError
-        pooled = loader._spare_bytes - loader._kept_decoded.limit - loader._fetch_bytes
-        self._pool, own_pool = loader._pass_pool(pooled)
-        ds = loader.dataset
-        loader._keep_files_open()  # before the assembler reads the descriptor limit
-        self._assembler = ds._assembler(
-            {n: loader._assembly_dtypes[n] for n in ds.fields},
-            self._pool,
-            batch_size=loader.batch_size,
-            with_index=loader.with_index,
-            fetcher=Fetcher(loader.num_parallel_reads, ahead_bytes=loader._fetch_bytes, part_bytes=loader._part_bytes),
-        )
-        self._assembler.seek_fields = loader._seek_fields
-        self._assembler.counters = self._counters = loader._counters
-        self._assembler.readahead = Readahead(drop_behind=loader.drop_behind, gathers=loader.shuffle == "global")
-        self._assembler.share_kept(loader._kept_maps, loader._kept_decoded)
-        self._assembler.fused = loader._stage  # built-in transforms run as records are read
+        self._batches = batches
+        self._assembler = assembler
+        self._pool = pool_of
+        self._parts = units
+        self._counters = counters
+        self._tuner = tuner
+        self._report = report
         self._last: float | None = None  # when __next__ last returned a batch
-        plans: Iterator[BatchPlan] = loader._plan.batches(stop, first_epoch=start[0], start=start[1])
-        # Batches assembled together (see COALESCE_BYTES): the engine, its look-ahead and
-        # autotune count these units; __next__ hands their parts out one by one.
-        parts = self._parts = loader._parts
         self._ready: collections.deque[tuple[Batch, BatchPlan]] = collections.deque()
         self._failed: BaseException | None = None  # raised once the parts before it are out
-        if parts > 1:
-            plans = _units(plans, parts, self._assembler.redoable)
-        if loader.workers == "thread":  # worker processes read for themselves
-            plans = self._assembler.fetching_ahead(plans)
-        tasks: Iterator[Task] = map(self._assembler.prepare, plans)
-        if self._assembler.readahead.gathers_ahead:
-            per_task = loader.batch_size * parts * sum(f.record_bytes for f in ds.fields.values())
-            tasks = _advising_ahead(tasks, max(1, AHEAD_BYTES // per_task))
-        self._loader = weakref.ref(loader)
-        work: Callable[[Task], Any] = self._assembler
-        if parts > 1:
-            work = functools.partial(_assemble_parts, self._assembler)
-        if loader._stage is not None and loader.workers == "thread":
-            work = loader._stage.bind(self._assembler, self._pool.array, ds._catalog)
-        self._tuner: ThreadTuner | None = None
-        window = loader.prefetch // parts
-        if loader._tune_threads and not loader.tuning:
-            # A pass that ended before the climb did (a pass per epoch of a small dataset) hands
-            # it on: this pass goes on from the worker count it stood at, with a fresh start-up
-            # window, since a new climb each pass would start from a trial count and, at the
-            # maximum, stop there unmeasured.
-            if loader._climb is None:
-                loader._climb = ThreadTuner(start=loader.threads, max_threads=loader._max_threads,
-                                            tune_prefetch=loader._tune_prefetch, fits=loader._fits // parts,
-                                            batch_bytes=loader.batch_bytes * parts)  # fmt: skip
-            else:
-                loader._climb.new_pass()
-                if isinstance(loader._executor, ThreadExecutor):  # the count the climb stands at
-                    loader._executor.threads = loader._climb.threads
-            self._tuner = loader._climb
-            window = self._tuner.prefetch_for(loader.threads) if loader._tune_prefetch else window
-        if isinstance(loader._executor, ThreadExecutor):
-            # The assembler's first step that may give the GIL up or block is a copy kernel,
-            # or it flushes the wake-up before (stoker.engine.flush_wake): deferred wake-ups apply.
-            self._batches = loader._executor.map_ordered(work, tasks, window=window, defer_wake=True)
-        else:
-            self._batches = loader._executor.map_ordered(work, tasks, window=window)
-        # One stop event: a worker waiting for its turn on a stream wakes when the map closes.
-        self._assembler.stop = self._batches.stop
-        self._batches.add_cleanup(self._assembler.close)
-        if own_pool:
-            self._batches.add_cleanup(self._pool.clear)
-        self._finalizer = weakref.finalize(
-            self, _shutdown, self._batches, self._assembler, self._pool if own_pool else None
-        )
+        self._finalizer = weakref.finalize(self, _shutdown, batches, assembler, pool)
 
     def __iter__(self) -> _Pass:
         return self
@@ -913,9 +1009,8 @@ class _Pass:
                 try:
                     result = next(self._batches)
                 except StopIteration:
-                    loader = self._loader()
-                    if not self._closed and loader is not None:  # the plan's end: stand at the next pass
-                        loader._delivered = loader._next_start()
+                    if not self._closed:  # the plan's end: stand at the next pass
+                        self._report.ended()
                     raise
                 if isinstance(result, _Parts):
                     unit_rows = result.rows
@@ -930,29 +1025,24 @@ class _Pass:
                     unit_rows = plan.rows
             got = time.perf_counter()
             self._counters.delivered(batch, plan.rows, asked, got, self._last)
-            loader = self._loader()
-            if self._tuner is not None and loader is not None and unit_rows:
-                self._tune(loader, asked, got, unit_rows)
+            if self._tuner is not None and unit_rows:
+                self._tune(asked, got, unit_rows)
             self._last = got
-            if loader is not None:
-                loader._delivered = (plan.epoch, plan.position)
+            self._report.delivered((plan.epoch, plan.position))
         except BaseException:
             self.close()
             raise
         return batch
 
-    def _tune(self, loader: Loader, asked: float, got: float, rows: int) -> None:
+    def _tune(self, asked: float, got: float, rows: int) -> None:
         tuner = self._tuner
         assert tuner is not None
+        if not self._report.alive():  # nobody to tell what it measured
+            return
         tuner.observe(self._batches, asked, got, self._last, rows, getattr(self._pool, "allocated", 0))
-        loader.threads = tuner.threads
+        self._report.tuned(tuner, self._parts)
         if tuner.done:  # later passes start with the measured values
-            self._tuner = loader._climb = None
-            loader.tuning = tuner.summary()
-            if isinstance(loader._executor, ThreadExecutor):
-                loader._executor.threads = tuner.threads
-            if loader._tune_prefetch:
-                loader.prefetch = tuner.prefetch_for(tuner.threads) * self._parts
+            self._tuner = None
 
     def supersede(self) -> None:
         """End this pass for a newer one; a pass still open then says so at its next `next()`."""

@@ -55,17 +55,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .dataset import Dataset, Subset
-from .engine.assembler import (
-    GROUP_KEY,
-    INDEX_KEY,
-    KEPT_DECODED_BYTES,
-    VERIFY_WHOLE_BYTES,
-    Assembler,
-    KeptDecoded,
-    KeptMaps,
-    loader_kept_maps,
-)
+from .engine.assembler import GROUP_KEY, INDEX_KEY, Assembler, build_parts
+from .engine.decoded import KEPT_DECODED_BYTES, VERIFY_WHOLE_BYTES, KeptDecoded
 from .engine.executor import AlignedPool
+from .engine.maps import KeptMaps, loader_kept_maps
 from .engine.records import RecordReader
 from .errors import SpecError
 from .io.files import Catalog
@@ -503,8 +496,9 @@ class _ReadTask:
         from ray.data.block import BlockAccessor
 
         pool = _worker_pool()  # a block's arrays are reused only once Ray has dropped every view of them
-        assembler = Assembler(self.catalog, self.dtypes, pool, batch_size=self.per_block)
-        assembler.share_kept(*_worker_kept())
+        maps, decoded = _worker_kept()
+        parts = build_parts(self.catalog, self.dtypes, kept_maps=maps, kept_decoded=decoded)
+        assembler = Assembler(self.catalog, self.dtypes, pool, parts, batch_size=self.per_block)
         reader: RecordReader | None = None
         try:
             for i, block in enumerate(self._blocks()):

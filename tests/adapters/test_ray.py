@@ -30,7 +30,7 @@ from tests.helpers.s3 import remote_dataset, s3_options, upload
 pytestmark = pytest.mark.ray
 
 LAB_ZZ = FieldPlan("lab", "int16", (2,), kind="zlib", header=3)
-# Decompresses to ~10 MiB, over stoker.engine.assembler.VERIFY_WHOLE_BYTES: streamed, never decoded whole.
+# Decompresses to ~10 MiB, over stoker.engine.decoded.VERIFY_WHOLE_BYTES: streamed, never decoded whole.
 BIG_GZ = FieldPlan("big", "int16", (2048,), kind="gzip")
 
 

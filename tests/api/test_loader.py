@@ -150,7 +150,7 @@ def _raw_bf16(tmp_path: Path, groups: np.ndarray, index: np.ndarray) -> list[np.
 def test_reads_go_into_the_batch_s_own_memory_never_into_a_copy() -> None:
     import ml_dtypes
 
-    from stoker.engine.assembler import _bytes_of
+    from stoker.engine.buffers import bytes_of as _bytes_of
 
     batch = np.zeros((4, 3), ml_dtypes.bfloat16)  # a dtype numpy exports no buffer for
     _bytes_of(batch[1:3])[:2] = b"\x80\x3f"  # bfloat16 1.0, written through the view

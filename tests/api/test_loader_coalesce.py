@@ -165,10 +165,10 @@ def test_batches_reading_a_compressed_stream_in_turns_are_made_one_at_a_time(
 ) -> None:
     # Files too large to decode whole are read front to back in turns: such a batch cannot be
     # assembled again after a failure, so it goes alone; the rest are still assembled together.
-    import stoker.engine.assembler
+    import stoker.engine.decoded
 
     ds = build(tmp_path, COUNTS, {"image": IMG, "label": LAB_GZ})
-    monkeypatch.setattr(stoker.engine.assembler, "VERIFY_WHOLE_BYTES", 4 * 60)  # groups of 60 records or fewer: whole
+    monkeypatch.setattr(stoker.engine.decoded, "VERIFY_WHOLE_BYTES", 4 * 60)  # groups of 60 records or fewer: whole
     made: list[int] = []
     real = sl.coalesce
 

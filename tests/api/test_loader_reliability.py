@@ -33,7 +33,10 @@ import numpy as np
 import pytest
 
 import stoker
-import stoker.engine.assembler
+import stoker.engine.decoded
+import stoker.engine.descriptors
+import stoker.engine.maps
+import stoker.engine.openfiles
 import stoker.loader
 from tests.helpers import REPO
 from tests.helpers.data import (
@@ -452,7 +455,7 @@ def test_kept_maps_are_bounded_and_the_first_kept_stay(tmp_path: Path, monkeypat
     """Beyond the limit the map given back last is closed, not the oldest: epochs visit the
     files in the same order, so keeping the first maps finds them again on every epoch (closing
     the oldest would close each map just before its next visit)."""
-    monkeypatch.setattr(stoker.engine.assembler, "_max_kept_maps", lambda: 1)  # as under a low mapping limit
+    monkeypatch.setattr(stoker.engine.descriptors, "max_kept_maps", lambda: 1)  # as under a low mapping limit
     write_dataset(tmp_path, [40, 40, 40], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
@@ -487,10 +490,10 @@ def test_kept_maps_are_bounded_by_the_mapping_limit_not_the_descriptor_limit() -
     at most 16384)."""
     script = (
         "import resource, stoker.kernels\n"
-        "from stoker.engine import assembler\n"
+        "from stoker.engine import descriptors\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
         "assert not stoker.kernels.maps_hold_descriptors()\n"
-        "print(assembler._max_open_files(), assembler.pass_open_files(), assembler._max_kept_maps())\n"
+        "print(descriptors.max_open_files(), descriptors.pass_open_files(), descriptors.max_kept_maps())\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     with open("/proc/sys/vm/max_map_count") as f:
@@ -504,15 +507,15 @@ def test_kept_maps_are_bounded_by_the_mapping_limit_not_the_descriptor_limit() -
 # most times one image file was opened, and whether every record came once, intact.
 _OPEN_FILES_SCRIPT = """
 import collections, json, resource, sys
-import numpy as np, stoker, stoker.engine.assembler
+import numpy as np, stoker, stoker.engine.openfiles
 root, soft, hard, shuffle = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 opens = collections.Counter()
-real_open = stoker.engine.assembler.open_local
+real_open = stoker.engine.openfiles.open_local
 def counted(name, path):
     opens[path] += 1
     return real_open(name, path)
-stoker.engine.assembler.open_local = counted
+stoker.engine.openfiles.open_local = counted
 ds = stoker.Dataset(image=stoker.Field(root + "/img_*.bin", "int8", (6, 6, 1)),
                     label=stoker.Field(root + "/out_*.bin.gz", "float32"))
 kw = dict(shuffle="global", seed=3) if shuffle == "global" else {}
@@ -588,14 +591,14 @@ def test_a_global_shuffles_epochs_share_each_files_map_while_both_read_it(
     write_dataset(tmp_path, [40, 40], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
-    real_map_file = stoker.engine.assembler.map_file
+    real_map_file = stoker.engine.openfiles.map_file
     made: list[str] = []
 
     def map_file(fd: int, size: int) -> Any:
         made.append(os.readlink(f"/proc/self/fd/{fd}"))
         return real_map_file(fd, size)
 
-    monkeypatch.setattr(stoker.engine.assembler, "map_file", map_file)
+    monkeypatch.setattr(stoker.engine.openfiles, "map_file", map_file)
     fds = _fd_count()
     loader = ds.loader(4, epochs=8, shuffle="global", seed=3, cast="float32", threads=2, prefetch=4, with_index=True)
     with loader:
@@ -622,14 +625,14 @@ def test_kept_maps_lend_one_map_per_unchanged_file_and_close_each_once_nobody_ho
         fd = os.open(path, os.O_RDONLY)
         try:
             st = os.fstat(fd)
-            return map_file(fd, st.st_size), stoker.engine.assembler._identity_of(st, st.st_size)
+            return map_file(fd, st.st_size), stoker.engine.maps.identity_of(st, st.st_size)
         finally:
             os.close(fd)
 
     def maps() -> int:  # of the file at ``path`` now, or of the one it replaced ("(deleted)")
         return len(mapped_paths(path))
 
-    kept = stoker.engine.assembler.KeptMaps(limit=1)
+    kept = stoker.engine.maps.KeptMaps(limit=1)
     old, ident = mapped()
     assert kept.take(str(path), ident) is None
     assert kept.lend(str(path), ident, old) is old
@@ -966,7 +969,7 @@ def test_a_later_batch_failing_first_neither_hangs_nor_drops_an_earlier_one(
     # Batches 2 and 3 both read group 0's labels. Batch 3 fails on its image while batch 2 is
     # still reading its own: batch 2 must still be delivered, then batch 3's error.
     if streamed:  # files above this size are read in turns by ticket; make these labels one
-        monkeypatch.setattr(stoker.engine.assembler, "VERIFY_WHOLE_BYTES", 0)
+        monkeypatch.setattr(stoker.engine.decoded, "VERIFY_WHOLE_BYTES", 0)
     write_dataset(tmp_path, [30, 30], PAIR)
     ds = _pair_ds(tmp_path)
     ref = reference(ds)

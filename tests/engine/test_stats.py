@@ -311,7 +311,7 @@ def test_global_shuffle_larger_than_ram_asks_for_records_ahead_and_changes_none(
     for each batch's records before they are copied, maps its files MADV_RANDOM, and keeps every
     file open for the epoch: 80 files, more than the 64 that used to be, each opened once per
     epoch instead of again and again as batches drew from all of them. The records are the same."""
-    import stoker.engine.assembler
+    import stoker.engine.openfiles
 
     ds = build(tmp_path, [7 + g % 5 for g in range(80)], {"wide": WIDE_RAW, "label": LAB_GZ})
     opened: list[str] = []
@@ -320,7 +320,7 @@ def test_global_shuffle_larger_than_ram_asks_for_records_ahead_and_changes_none(
         opened.append(path)
         return open_local(name, path)
 
-    monkeypatch.setattr(stoker.engine.assembler, "open_local", counting)
+    monkeypatch.setattr(stoker.engine.openfiles, "open_local", counting)
     # One worker: two opening a file at once keep one and close the other (a second open).
     loader = ds.loader(16, cast=cast, with_index=True, epochs=2, shuffle="global", seed=2, threads=1)
     loader.drop_behind = True  # as for a dataset larger than half the RAM
@@ -332,7 +332,7 @@ def test_global_shuffle_larger_than_ram_asks_for_records_ahead_and_changes_none(
         assert maps and all(maps.values()), maps
         batches += list(it)
         check_batches(ds, batches, cast={"wide": cast} if cast else None, epochs=2)
-        assert it._assembler.readahead.advised > 0  # type: ignore[attr-defined]
+        assert it._assembler.parts.readahead.advised > 0  # type: ignore[attr-defined]
         assert "each record a few batches ahead" in loader.stats().tuning["readahead"]
     assert len(opened) <= 2 * len(images), len(opened)
     plain = ds.loader(16, cast=cast, with_index=True, epochs=2, shuffle="global", seed=2)
@@ -371,16 +371,16 @@ def test_advising_ahead_asks_for_every_batch_once_and_in_time(tmp_path: Path) ->
 
 
 def _count_inflaters(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    import stoker.engine.assembler
+    import stoker.engine.inflating
 
     opened: list[str] = []
 
-    class Counting(stoker.engine.assembler.Inflater):
+    class Counting(stoker.engine.inflating.Inflater):
         def __init__(self, path: str, *args: object, **kw: object) -> None:
             opened.append(path)
             super().__init__(path, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(stoker.engine.assembler, "Inflater", Counting)
+    monkeypatch.setattr(stoker.engine.inflating, "Inflater", Counting)
     return opened
 
 
@@ -389,7 +389,7 @@ def test_a_small_gzip_file_is_inflated_once_for_all_epochs_and_passes(
 ) -> None:
     # Files under VERIFY_WHOLE_BYTES are decoded and checked whole; the end check must not
     # decompress them a second time (it did: stats showed the second pass as "assemble"), and
-    # later epochs and passes find them decoded (stoker.engine.assembler.KeptDecoded).
+    # later epochs and passes find them decoded (stoker.engine.decoded.KeptDecoded).
     ds = build(tmp_path, [300, 200, 100], {"wide": WIDE_GZ, "label": LAB_GZ})
     opened = _count_inflaters(monkeypatch)
     with ds.loader(64, with_index=True, epochs=2) as loader:

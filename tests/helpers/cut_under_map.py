@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 
 import stoker
-import stoker.engine.assembler
 import stoker.engine.executor
 import stoker.engine.fusion
+import stoker.engine.gather
+import stoker.engine.rawreads
 import stoker.engine.records
 import stoker.transforms
 from stoker import kernels
@@ -72,7 +73,7 @@ def cut_after_check(victims: list[str], armed: threading.Event) -> None:
             victims.append(path)
             os.truncate(path, 0)
 
-    size, sizes = stoker.engine.assembler.file_size, stoker.engine.assembler.file_sizes
+    size, sizes = stoker.engine.rawreads.file_size, stoker.engine.rawreads.file_sizes
 
     def file_size(fd: int) -> int:
         now = size(fd)
@@ -91,8 +92,9 @@ def cut_after_check(victims: list[str], armed: threading.Event) -> None:
         cut(m.fd)
         return m
 
-    stoker.engine.assembler.file_size = file_size  # type: ignore[assignment]
-    stoker.engine.assembler.file_sizes = file_sizes  # type: ignore[assignment]
+    stoker.engine.rawreads.file_size = file_size  # type: ignore[assignment]
+    stoker.engine.rawreads.file_sizes = file_sizes  # type: ignore[assignment]
+    stoker.engine.gather.file_sizes = file_sizes  # type: ignore[assignment]
     stoker.engine.records.RecordReader._acquire = acquired  # type: ignore[method-assign]
 
 

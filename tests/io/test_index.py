@@ -14,7 +14,7 @@ import pytest
 
 import stoker
 from stoker.cli import main
-from stoker.engine import assembler as batch
+from stoker.engine import decoded
 from stoker.io import index as index_module
 from stoker.io import inflate, seekpoints
 from stoker.io.index import INDEX_NAME, INDEX_VERSION
@@ -261,7 +261,7 @@ def test_member_starts_are_seek_points_for_random_access(tmp_path: Path, inflate
 def test_resume_inside_a_large_compressed_file_starts_at_a_member(
     tmp_path: Path, inflaters: Made, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
+    monkeypatch.setattr(decoded, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
     build(tmp_path, [300, 30], {"label": LAB_MULTI})
     fields = {"label": stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32")}
     stoker.write_index(stoker.Dataset(fields, index="ignore"))

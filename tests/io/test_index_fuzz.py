@@ -27,8 +27,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import stoker
-from stoker.engine import assembler as batch
-from stoker.engine import records
+from stoker.engine import decoded, records
 from stoker.io.index import INDEX_NAME
 from tests.helpers.data import FieldPlan, field_for, reference, resign, write_dataset
 from tests.helpers.resources import consume
@@ -56,7 +55,7 @@ class Pristine:
         assert all(len(ds._catalog.seek_points[(g, n)]) >= 3 for g in range(len(COUNTS)) for n in PLANS)
         self.ref = reference(ds)
         self.flat = {n: np.concatenate([r[n] for r in self.ref]) for n in PLANS}
-        with mock.patch.object(batch, "VERIFY_WHOLE_BYTES", 0):  # streamed: resume starts at a seek point
+        with mock.patch.object(decoded, "VERIFY_WHOLE_BYTES", 0):  # streamed: resume starts at a seek point
             loader = ds.loader(100, with_index=True, cycle_length=1)
             it = iter(loader)
             self.head = [next(it) for _ in range(RESUME_AFTER)]
@@ -277,7 +276,7 @@ def _read_everything_or_fail_loudly(pristine: Pristine, root: Path, data: st.Dat
         "global shuffle", lambda: _loader_rows(ds.loader(64, with_index=True, **GLOBAL)),  # type: ignore[arg-type]
         lambda got: right_rows(got, every=True),
     )  # fmt: skip
-    with mock.patch.object(batch, "VERIFY_WHOLE_BYTES", 0):  # streamed, as large files are
+    with mock.patch.object(decoded, "VERIFY_WHOLE_BYTES", 0):  # streamed, as large files are
         _expect(
             "shard start", lambda: _loader_rows(ds.loader(64, with_index=True, shard=(1, 3), cycle_length=1)),
             lambda got: right_rows(got, every=False),

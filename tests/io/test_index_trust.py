@@ -29,8 +29,7 @@ import pytest
 
 import stoker
 from stoker.cli import main
-from stoker.engine import assembler as batch
-from stoker.engine import records
+from stoker.engine import decoded, records
 from stoker.io import index, seekpoints
 from stoker.io.index import ENV_INDEX_DIR, INDEX_NAME
 from tests.helpers.data import FieldPlan, field_for, reference, resign, write_dataset
@@ -404,7 +403,7 @@ def test_a_count_the_index_gets_wrong_is_a_stale_index_error_naming_it_on_every_
     assert isinstance(err, stoker.StaleIndexError) and err.path == str(path), repr(err)
     # a stream from the file's start (files decoded whole, and streamed as large files are)
     for whole in (True, False):
-        with mock.patch.object(batch, "VERIFY_WHOLE_BYTES", 1 << 40 if whole else 0):
+        with mock.patch.object(decoded, "VERIFY_WHOLE_BYTES", 1 << 40 if whole else 0):
             batches, err = consume(ds.loader(100, with_index=True, cycle_length=1), timeout=60)
         assert isinstance(err, stoker.StaleIndexError), repr(err)
         assert err.path == str(path) and re.search(says, str(err)) and "gzip trailer" not in str(err)

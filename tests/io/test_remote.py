@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 import stoker
-from stoker.engine import assembler as batch
+from stoker.engine import decoded
+from stoker.engine.ahead import looking_ahead
 from stoker.io import fetch, remote
 from tests.helpers.data import IMG, LAB_GZ, FieldPlan, check_batches, field_for, write_dataset
 from tests.helpers.resources import consume
@@ -327,7 +328,7 @@ def test_s3_every_record_once_and_correct_in_every_mode(
     check_batches(local, _batches(ds, shuffle="global", seed=1))
     check_batches(local, _batches(ds, shuffle="files", seed=2, shard=(1, 2), even=False), complete=False)
     with monkeypatch.context() as m:  # "big" inflated as a stream read in turns, part after part
-        m.setattr(batch, "VERIFY_WHOLE_BYTES", 1024)
+        m.setattr(decoded, "VERIFY_WHOLE_BYTES", 1024)
         check_batches(local, _batches(ds, threads=3, num_parallel_reads=3))
     check_batches(local, _batches(ds, num_parallel_reads=1, threads=1, block_length=5))
 
@@ -353,7 +354,7 @@ def test_s3_connections_cut_mid_body_lose_and_duplicate_nothing(
     ds = remote_dataset(local, base, s3_options(endpoint))
     # "big" (~29 KiB of gzip a file, 4 KiB parts) is inflated as a stream, part after part.
     with monkeypatch.context() as m:
-        m.setattr(batch, "VERIFY_WHOLE_BYTES", 1024)
+        m.setattr(decoded, "VERIFY_WHOLE_BYTES", 1024)
         seq = check_batches(local, _batches(ds, threads=3))
     assert len(seq) == len(set(seq)) == 58
     check_batches(local, _batches(ds, shuffle="global", seed=7))
@@ -500,7 +501,7 @@ def test_a_compressed_stream_keeps_its_next_parts_in_flight(
     endpoint, faults = seaweed_proxy
     local = _local(tmp_path, [30], {"big": BIG_GZ})  # ~29 KiB of gzip: 8 parts of 4 KiB
     ds = remote_dataset(local, _put(seaweed, s3_bucket, tmp_path), seaweed.options(endpoint))
-    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 1024)  # inflated in turns, not decoded whole
+    monkeypatch.setattr(decoded, "VERIFY_WHOLE_BYTES", 1024)  # inflated in turns, not decoded whole
     faults.delay_s = 0.03
     check_batches(local, _batches(ds, threads=1, batch_size=4))
     assert faults.most_in_flight == 1 + fetch.STREAM_AHEAD
@@ -583,7 +584,7 @@ def test_the_look_ahead_hands_plans_on_in_order_and_a_planning_error_after_them(
         room["left"] -= 1
 
     got: list[int] = []
-    ahead = batch._looking_ahead(plans(), want, lambda: room["left"] > 0)  # type: ignore[arg-type]
+    ahead = looking_ahead(plans(), want, lambda: room["left"] > 0)  # type: ignore[arg-type]
     with pytest.raises(stoker.SpecError, match="sixth"):
         for plan in ahead:
             got.append(plan)

@@ -18,8 +18,7 @@ from isal import isal_zlib
 
 import stoker
 from stoker.cli import main
-from stoker.engine import assembler as batch
-from stoker.engine import records
+from stoker.engine import decoded, records
 from stoker.engine.records import RecordReader
 from stoker.io import index, inflate, seekpoints
 from stoker.io.files import FileInfo
@@ -172,7 +171,7 @@ def test_random_access_inflates_from_the_nearest_point_not_the_member_start(tmp_
 def test_resume_and_shards_start_inside_a_single_member(
     tmp_path: Path, opened: Opened, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
+    monkeypatch.setattr(decoded, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
     ds = indexed(tmp_path, {"x": IMG, "y": LAB})
     full = list(ds.loader(100, with_index=True, cycle_length=1))
     loader = ds.loader(100, with_index=True, cycle_length=1)
@@ -370,7 +369,7 @@ def test_global_shuffle_beyond_the_memory_budget_reads_through_seek_points(tmp_p
 def test_sharded_streams_jump_ahead_to_seek_points(
     tmp_path: Path, opened: Opened, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
+    monkeypatch.setattr(decoded, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
     ds = indexed(tmp_path, {"x": IMG})
     ref = reference(ds)
     opened.made.clear()
@@ -420,7 +419,7 @@ def test_a_seek_point_that_lies_is_a_stale_index_error_naming_the_index_on_every
     raise naming the index (the issue saw ds[750] give record 749's image with label 750)."""
     plan, edit = LIES[lie]
     ds = indexed(tmp_path, {"x": plan, "y": LAB})
-    monkeypatch.setattr(batch, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
+    monkeypatch.setattr(decoded, "VERIFY_WHOLE_BYTES", 0)  # stream files as if they were large
     monkeypatch.setattr(records, "DEFAULT_CACHE_BYTES", 0)  # random access from points, nothing held
     loader = ds.loader(100, with_index=True, cycle_length=1)
     it = iter(loader)

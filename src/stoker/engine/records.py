@@ -37,14 +37,16 @@ import numpy as np
 
 from ..errors import CorruptDataError
 from ..io import remote
+from ..io.faults import cut_short, resized, short_stream
 from ..io.files import Catalog, FileInfo, open_local
 from ..io.index import count_disagrees
 from ..io.inflate import Inflater
-from ..io.reads import seek_read, short_stream
+from ..io.reads import seek_read
 from ..io.remote import is_remote
 from ..io.seekpoints import SeekPoint
-from ..kernels import MapFault, copy_records, gather_records, gathers, guard_maps, map_address
-from .assembler import pass_open_files
+from ..kernels import MapFault, copy_records, gather_records, gathers, guard_maps
+from .descriptors import pass_open_files
+from .openfiles import OpenFile
 
 if TYPE_CHECKING:
     from ..spec import Field
@@ -65,27 +67,7 @@ MAX_MAPPED = 64
 STREAM_SPLIT = 3
 
 
-class _Mapped:
-    """One raw file kept open and mapped; `refs` counts reads using it right now."""
-
-    __slots__ = ("_address", "fd", "map", "refs")
-
-    def __init__(self, fd: int, mapped: mmap.mmap) -> None:
-        self.fd, self.map, self.refs = fd, mapped, 0
-        self._address = 0
-
-    def address(self) -> int:
-        """Where the map's first byte lies in memory (the map is open)."""
-        if not self._address:
-            self._address = map_address(self.map)
-        return self._address
-
-    def close(self) -> None:
-        self.map.close()
-        os.close(self.fd)
-
-
-def _close_all(maps: OrderedDict[str, _Mapped]) -> None:
+def _close_all(maps: OrderedDict[str, OpenFile]) -> None:
     for m in maps.values():
         m.close()
     maps.clear()
@@ -105,7 +87,7 @@ class RecordReader:
         self._cached = 0
         self._lock = threading.Lock()
         self._decoding: dict[tuple[int, str], threading.Lock] = {}
-        self._maps: OrderedDict[str, _Mapped] = OrderedDict()
+        self._maps: OrderedDict[str, OpenFile] = OrderedDict()
         self._max_mapped = max(MAX_MAPPED, pass_open_files())
         self._finalizer = weakref.finalize(self, _close_all, self._maps)
 
@@ -121,7 +103,7 @@ class RecordReader:
         for m in idle:
             m.close()
 
-    def _acquire(self, name: str, spec: Field, info: FileInfo, local: np.ndarray) -> _Mapped:
+    def _acquire(self, name: str, spec: Field, info: FileInfo, local: np.ndarray) -> OpenFile:
         with self._lock:
             m = self._maps.get(info.path)
             if m is not None:
@@ -133,7 +115,7 @@ class RecordReader:
                 self._check_size(name, spec, info, fd, local)
                 guard_maps()
                 try:
-                    m = _Mapped(fd, mmap.mmap(fd, info.size, access=mmap.ACCESS_READ))
+                    m = OpenFile(fd, info.size, mmap.mmap(fd, info.size, access=mmap.ACCESS_READ))
                 except ValueError:  # cut since the check: "mmap length is greater than file size"
                     self._check_size(name, spec, info, fd, local)
                     raise
@@ -167,14 +149,9 @@ class RecordReader:
         # On every read: a file cut short under a map would kill the process (SIGBUS).
         size = os.fstat(fd).st_size
         if size != info.size:
-            last = int(local.max())
-            raise CorruptDataError(
-                f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
-                f"was built (record {last} asked for, byte offset {spec.header_bytes + last * spec.record_bytes})",
-                field=name, path=info.path, index=last, offset=spec.header_bytes + last * spec.record_bytes,
-            )  # fmt: skip
+            raise resized(name, spec, info, size, int(local.max()))
 
-    def _release(self, info: FileInfo, m: _Mapped) -> None:
+    def _release(self, info: FileInfo, m: OpenFile) -> None:
         with self._lock:
             m.refs -= 1
             orphan = m.refs == 0 and self._maps.get(info.path) is not m
@@ -200,7 +177,7 @@ class RecordReader:
         # files in every batch, and a copy per file and field was most of its time.
         fields = self.catalog.fields
         direct = {n: gathers(out[n], spec.dtype) for n, spec in fields.items()}
-        held: list[tuple[FileInfo, _Mapped]] = []
+        held: list[tuple[FileInfo, OpenFile]] = []
         needs: list[tuple[str, int]] = []  # per held file: its field, and the bytes its records reach
         gathered: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {n: ([], []) for n in fields}
         try:
@@ -260,13 +237,13 @@ class RecordReader:
             self._release(info, m)
 
     @staticmethod
-    def _check_after(name: str, spec: Field, info: FileInfo, m: _Mapped, need: int) -> None:
+    def _check_after(name: str, spec: Field, info: FileInfo, m: OpenFile, need: int) -> None:
         """A CorruptDataError if `info`'s file, read through `m` up to byte `need`, is shorter now."""
         size = os.fstat(m.fd).st_size
         if size < need:
-            raise _cut_short(name, spec, info, size, size)
+            raise cut_short(name, spec, info, size, size)
 
-    def _fault(self, name: str, spec: Field, held: Sequence[tuple[FileInfo, _Mapped]], e: OSError) -> CorruptDataError:
+    def _fault(self, name: str, spec: Field, held: Sequence[tuple[FileInfo, OpenFile]], e: OSError) -> CorruptDataError:
         """The error for a MapFault reading `held`'s maps: the file whose map holds the fault's
         address (else the first now shorter than it was) was cut short."""
         at = getattr(e, "address", 0)
@@ -275,7 +252,7 @@ class RecordReader:
             next(((i, m) for i, m in held if os.fstat(m.fd).st_size < i.size), held[0]),
         )
         size = os.fstat(m.fd).st_size
-        return _cut_short(name, spec, info, size, at - m.address() if 0 <= at - m.address() < info.size else size)
+        return cut_short(name, spec, info, size, at - m.address() if 0 <= at - m.address() < info.size else size)
 
     def _compressed(
         self, name: str, spec: Field, info: FileInfo, g: int, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
@@ -340,13 +317,3 @@ class RecordReader:
 
 
 _FILE_START = (SeekPoint(0, 0),)
-
-
-def _cut_short(name: str, spec: Field, info: FileInfo, size: int, offset: int) -> CorruptDataError:
-    """The error for a read of `info`'s file failing at byte `offset`: the file is `size` bytes now."""
-    index = max(0, (offset - spec.header_bytes) // spec.record_bytes)
-    return CorruptDataError(
-        f"field {name!r}: {info.path!r} is {size} bytes now but was {info.size} bytes when the Dataset "
-        f"was built (reading record {index}, byte offset {offset}, failed)",
-        field=name, path=info.path, index=index, offset=offset,
-    )  # fmt: skip

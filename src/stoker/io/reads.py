@@ -6,13 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import CorruptDataError
 from ..spec import Field
+from .faults import short_stream
 from .files import FileInfo
 from .inflate import Inflater
 from .seekpoints import SeekPoint
 
-__all__ = ["seek_read", "short_stream"]
+__all__ = ["seek_read"]
 
 
 def seek_read(
@@ -52,12 +52,3 @@ def seek_read(
         if inf is not None:
             inf.close()
     return got[inverse]
-
-
-def short_stream(name: str, spec: Field, info: FileInfo, n: int, produced: int) -> CorruptDataError:
-    index = max(0, (produced - spec.header_bytes) // spec.record_bytes)
-    return CorruptDataError(
-        f"field {name!r}: {info.compression} stream {info.path!r} ends at decompressed offset {produced}, "
-        f"inside record {index} of {n}",
-        field=name, path=info.path, index=index, offset=produced,
-    )  # fmt: skip
