@@ -54,9 +54,10 @@ class KeptDecoded:
         self.limit = limit
         self.held = 0
         self._lock = threading.Lock()
-        self._kept: OrderedDict[tuple[str, str], tuple[Identity, np.ndarray]] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, str], tuple[Identity | None, np.ndarray]] = OrderedDict()
 
-    def get(self, name: str, path: str, ident: Identity) -> np.ndarray | None:
+    def get(self, name: str, path: str, ident: Identity | None) -> np.ndarray | None:
+        """The records kept of `path` for field `name` if they were kept of this `ident` (None: any)."""
         with self._lock:
             kept = self._kept.get((name, path))
             if kept is None:
@@ -68,7 +69,8 @@ class KeptDecoded:
             self._kept.move_to_end((name, path))
             return kept[1]
 
-    def put(self, name: str, path: str, ident: Identity, records: np.ndarray) -> None:
+    def put(self, name: str, path: str, ident: Identity | None, records: np.ndarray) -> None:
+        """Keep `records`, decoded from `path` as it was at `ident`, unless they exceed the limit alone."""
         if records.nbytes > self.limit:
             return
         with self._lock:

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import CorruptDataError
 from ..io import remote
-from ..io.faults import cut_short, resized, short_stream
+from ..io.faults import cut_short, no_end, resized, short_stream
 from ..io.files import Catalog, FileInfo, open_local
 from ..io.index import count_disagrees
 from ..io.inflate import Inflater
@@ -45,6 +45,7 @@ from ..io.reads import seek_read
 from ..io.remote import is_remote
 from ..io.seekpoints import SeekPoint
 from ..kernels import MapFault, copy_records, gather_records, gathers, guard_maps
+from .decoded import KeptDecoded
 from .descriptors import pass_open_files
 from .openfiles import OpenFile
 
@@ -83,8 +84,8 @@ class RecordReader:
     def __init__(self, catalog: Catalog, *, cache_bytes: int | None = None) -> None:
         self.catalog = catalog
         self.cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
-        self._cache: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
-        self._cached = 0
+        # Files decoded whole (each at most cache_bytes), least recently used dropped first.
+        self._decoded_files = KeptDecoded(self.cache_bytes)
         self._lock = threading.Lock()
         self._decoding: dict[tuple[int, str], threading.Lock] = {}
         self._maps: OrderedDict[str, OpenFile] = OrderedDict()
@@ -98,8 +99,7 @@ class RecordReader:
             idle = [m for p, m in self._maps.items() if not m.refs]
             self._maps.clear()
             self._maps.update(busy)  # in use by another thread: closed when released
-            self._cache.clear()
-            self._cached = 0
+            self._decoded_files.clear()
         for m in idle:
             m.close()
 
@@ -265,23 +265,16 @@ class RecordReader:
 
     def _decoded(self, name: str, spec: Field, info: FileInfo, g: int, n: int) -> np.ndarray:
         key = (g, name)
+        arr = self._decoded_files.get(name, info.path, None)
+        if arr is not None:
+            return arr
         with self._lock:
-            arr = self._cache.get(key)
-            if arr is not None:
-                self._cache.move_to_end(key)
-                return arr
             lock = self._decoding.setdefault(key, threading.Lock())
         with lock:
-            with self._lock:
-                arr = self._cache.get(key)
+            arr = self._decoded_files.get(name, info.path, None)
             if arr is None:
                 arr = self._decode_whole(name, spec, info, g, n)
-                with self._lock:
-                    self._cache[key] = arr
-                    self._cached += arr.nbytes
-                    while self._cached > self.cache_bytes and len(self._cache) > 1:
-                        _, old = self._cache.popitem(last=False)
-                        self._cached -= old.nbytes
+                self._decoded_files.put(name, info.path, None, arr)
         return arr
 
     def _decode_whole(self, name: str, spec: Field, info: FileInfo, g: int, n: int) -> np.ndarray:
@@ -301,11 +294,7 @@ class RecordReader:
                 lie = count_disagrees(index_file, info, name, g, n, found, record=n, offset=inf.produced)
                 if lie is not None:
                     raise lie
-                raise CorruptDataError(
-                    f"field {name!r}: {info.path!r} does not end after its {n} records and footer_bytes="
-                    f"{spec.footer_bytes} (decompressed offset {inf.produced})",
-                    field=name, path=info.path, index=n, offset=inf.produced,
-                )  # fmt: skip
+                raise no_end(name, spec, info, n, inf.produced)
         return buf.view(spec.dtype).reshape(n, *spec.shape)
 
     def _seek_read(

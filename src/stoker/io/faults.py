@@ -11,11 +11,13 @@ from ..spec import Field
 from .files import FileInfo
 
 __all__ = [
-    "cut_since_built",
     "cut_short",
+    "cut_since_built",
+    "footer_short",
     "gather_truncated",
     "header_short",
     "map_fault",
+    "no_end",
     "read_failed",
     "reading_note",
     "resized",
@@ -23,7 +25,6 @@ __all__ = [
     "seek_beyond_end",
     "short_stream",
     "stream_short",
-    "footer_short",
     "truncated",
 ]
 
@@ -152,6 +153,15 @@ def footer_short(name: str, spec: Field, info: FileInfo, pos: int, produced: int
         f"field {name!r}: {info.path!r} ends at decompressed offset {produced}, inside "
         f"footer_bytes={spec.footer_bytes} that follow record {pos - 1}",
         field=name, path=info.path, index=pos, offset=produced,
+    )  # fmt: skip
+
+
+def no_end(name: str, spec: Field, info: FileInfo, n: int, produced: int) -> CorruptDataError:
+    """A stream decoded whole that does not end after its `n` records and footer (at `produced`)."""
+    return CorruptDataError(
+        f"field {name!r}: {info.path!r} does not end after its {n} records and footer_bytes="
+        f"{spec.footer_bytes} (decompressed offset {produced})",
+        field=name, path=info.path, index=n, offset=produced,
     )  # fmt: skip
 
 
