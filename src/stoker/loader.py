@@ -250,36 +250,7 @@ class Loader:
         self._tune_threads = config.threads is None and executor is None and workers != "process"
         self._tune_prefetch = config.prefetch is None
         self._max_threads = 2 * default_threads() if self._tune_threads else self.threads
-        self.batch_bytes = sum(
-            self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize for n in self.dtypes
-        )
-        if self.batch_bytes > self.memory_budget:
-            raise SpecError(
-                f"memory_budget={memory_budget!r} ({self.memory_budget} bytes) holds less than one batch "
-                f"({self.batch_bytes} bytes for batch_size={self.batch_size}); raise memory_budget or lower batch_size"
-            )
-        fits = self.memory_budget // self.batch_bytes
-        self._parts = 1  # batches assembled together (see COALESCE_BYTES); set below
-        # What the default prefetch takes half of: the batches the budget holds beside the
-        # decoded files the loader keeps (at most KEPT_DECODED_BYTES, an eighth of what
-        # prefetch leaves; see _kept_decoded), so the pool can recycle as many batches as are
-        # in flight: halving `fits` alone left it one short where the budget binds, and the
-        # pool then made a fresh buffer for some batches.
-        self._fits = max(0, self.memory_budget - min(KEPT_DECODED_BYTES, self.memory_budget // 8)) // self.batch_bytes
-        if config.prefetch is None:
-            # See stoker.autotune.default_prefetch (measured there), in batches assembled
-            # together (see COALESCE_BYTES). Autotuned threads: reserved for the most workers
-            # it may reach.
-            self._parts = self._coalesced(config.pad_last, executor)
-            unit = self._parts * self.batch_bytes
-            self.prefetch = self._parts * default_prefetch(self._max_threads, unit, self._fits // self._parts)
-        else:
-            self.prefetch = config.prefetch
-            if self.prefetch > fits:
-                raise SpecError(
-                    f"prefetch={prefetch} batches of {self.batch_bytes} bytes exceed memory_budget={memory_budget!r} "
-                    f"({self.memory_budget} bytes); at most {fits} fit"
-                )
+        self._size(config, memory_budget)
         self.tuning = ""  # what autotune measured and chose, once it has
         self._climb: ThreadTuner | None = None  # autotune's climb, until done (it spans passes)
         self._executor: Executor = executor or ThreadExecutor(self.threads)
@@ -316,6 +287,50 @@ class Loader:
         # Larger than half the RAM: drop pages behind the reader (stoker.readahead); output unchanged.
         raw_bytes = sum(i.size for infos in dataset.files for i in infos.values() if i.compression is None)
         self.drop_behind = drop_behind_for(raw_bytes)
+        self._keep_between_passes(config)
+        self._pool: Allocator | None = None  # the batch buffers, kept between passes (see _pass_pool)
+        self._pool_factory: Callable[[int], Allocator] | None = None
+        # No finalizer closes the maps when the loader goes: a pass still running holds them
+        # through its assembler (`iter(ds.loader(...))` keeps only the pass), and each map is
+        # unmapped when its last holder goes (a FileMap unmaps when freed).
+        if state is not None:
+            self.load_state_dict(state)
+
+    def _size(self, config: LoaderConfig, memory_budget: object) -> None:
+        """A batch's bytes, the batches assembled together, and the prefetch the budget holds."""
+        self.batch_bytes = sum(
+            self.batch_size * math.prod(self.shapes[n]) * self.dtypes[n].itemsize for n in self.dtypes
+        )
+        if self.batch_bytes > self.memory_budget:
+            raise SpecError(
+                f"memory_budget={memory_budget!r} ({self.memory_budget} bytes) holds less than one batch "
+                f"({self.batch_bytes} bytes for batch_size={self.batch_size}); raise memory_budget or lower batch_size"
+            )
+        fits = self.memory_budget // self.batch_bytes
+        self._parts = 1  # batches assembled together (see COALESCE_BYTES); set below
+        # What the default prefetch takes half of: the batches the budget holds beside the
+        # decoded files the loader keeps (at most KEPT_DECODED_BYTES, an eighth of what
+        # prefetch leaves; see _kept_decoded), so the pool can recycle as many batches as are
+        # in flight: halving `fits` alone left it one short where the budget binds, and the
+        # pool then made a fresh buffer for some batches.
+        self._fits = max(0, self.memory_budget - min(KEPT_DECODED_BYTES, self.memory_budget // 8)) // self.batch_bytes
+        if config.prefetch is None:
+            # See stoker.autotune.default_prefetch (measured there), in batches assembled
+            # together (see COALESCE_BYTES). Autotuned threads: reserved for the most workers
+            # it may reach.
+            self._parts = self._coalesced(config.pad_last, config.executor)
+            unit = self._parts * self.batch_bytes
+            self.prefetch = self._parts * default_prefetch(self._max_threads, unit, self._fits // self._parts)
+        else:
+            self.prefetch = config.prefetch
+            if self.prefetch > fits:
+                raise SpecError(
+                    f"prefetch={config.prefetch} batches of {self.batch_bytes} bytes exceed "
+                    f"memory_budget={memory_budget!r} ({self.memory_budget} bytes); at most {fits} fit"
+                )
+
+    def _keep_between_passes(self, config: LoaderConfig) -> None:
+        """What the loader keeps for its passes: maps, decoded files, the remote reads' room."""
         # Memory maps of files read, kept from one pass to the next (a pass per epoch is how
         # PyTorch loops and Keras' fit iterate), holding no file open; unmapped by close() or
         # once the loader and its passes are gone, so a later pass does not map and fault
@@ -331,13 +346,6 @@ class Loader:
         room = self._spare_bytes // 2 if self._remote else 1 << 62
         self.num_parallel_reads, self._part_bytes = parallel_reads(config.num_parallel_reads, room)
         self._fetch_bytes = self.num_parallel_reads * self._part_bytes if self._remote else 0
-        self._pool: Allocator | None = None  # the batch buffers, kept between passes (see _pass_pool)
-        self._pool_factory: Callable[[int], Allocator] | None = None
-        # No finalizer closes the maps when the loader goes: a pass still running holds them
-        # through its assembler (`iter(ds.loader(...))` keeps only the pass), and each map is
-        # unmapped when its last holder goes (a FileMap unmaps when freed).
-        if state is not None:
-            self.load_state_dict(state)
 
     def _transform_stage(self, config: LoaderConfig) -> Stage | None:
         """The transforms bound to seed and shard; what batches look like after them (see transforms)."""

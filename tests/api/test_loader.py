@@ -678,3 +678,71 @@ def test_a_thread_climb_not_finished_in_a_pass_goes_on_in_the_next(tmp_path: Pat
     assert loader._executor.threads == climb.threads  # type: ignore[attr-defined]
     loader.close()
     assert wait_no_stoker_threads() == []
+
+
+def test_loader_config_checks_its_arguments_once_and_is_frozen(tmp_path: Path) -> None:
+    """LoaderConfig holds the checks Loader made of its arguments: the same errors, counts as
+    plain ints, and no field changed after it is built."""
+    import dataclasses
+
+    from stoker.loader import LoaderConfig
+
+    config = LoaderConfig(batch_size=np.int64(4), epochs=None, shuffle=None, seed=np.int64(3), shard=[1, 2])
+    assert (config.batch_size, config.epochs, config.shuffle, config.seed, config.shard) == (4, None, False, 3, (1, 2))
+    assert type(config.batch_size) is int and type(config.seed) is int
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.batch_size = 8  # type: ignore[misc]
+    for kw, message in [
+        ({"batch_size": 0}, "batch_size=0 must be a positive integer"),
+        ({"batch_size": 2, "threads": True}, "threads=True must be a positive integer or None"),
+        ({"batch_size": 2, "pad_last": True, "drop_remainder": True}, "choose one"),
+        ({"batch_size": 2, "shuffle": "files"}, "needs seed= a non-negative integer"),
+        ({"batch_size": 2, "workers": "fork"}, "workers='fork' must be 'thread' or 'process'"),
+        ({"batch_size": 2, "workers": "process"}, "none was given"),
+        ({"batch_size": 2, "even": 1}, "even=1 must be True or False"),
+        ({"batch_size": 2, "memory_budget": "lots"}, "memory_budget"),
+        ({"batch_size": 2, "num_parallel_reads": -1}, "num_parallel_reads=-1 must be a positive integer or None"),
+    ]:
+        with pytest.raises(stoker.SpecError, match=message):
+            LoaderConfig(**kw)  # type: ignore[arg-type]
+    ds = build(tmp_path, [5, 3], {"image": IMG})
+    with ds.loader(2, window=3, threads=1) as loader:
+        assert loader.config == LoaderConfig(batch_size=2, window=3, threads=1)
+        with pytest.raises(stoker.SpecError, match="window=0 must be a positive integer"):
+            ds.loader(2, window=0)
+
+
+def test_an_executor_of_ones_own_runs_the_passes_through_the_protocol_alone(tmp_path: Path) -> None:
+    """A custom Executor (not a ThreadExecutor) says what the loader needs: `threads`, whether
+    autotune may resize it, and it sets the stop flag the loader gives when its map closes."""
+    from stoker.engine.executor import StopFlag, ThreadExecutor
+
+    class Recording:
+        resizable = False
+
+        def __init__(self) -> None:
+            self.threads = 2
+            self.stops: list[StopFlag | None] = []
+
+        def map_ordered(self, fn: Any, tasks: Any, *, window: int, defer_wake: bool = False, stop: Any = None) -> Any:
+            self.stops.append(stop)
+            return ThreadExecutor(self.threads, name="stoker-worker").map_ordered(
+                fn, tasks, window=window, defer_wake=defer_wake, stop=stop
+            )
+
+    ds = build(tmp_path, [13, 7, 21], {"image": IMG, "label": LAB_GZ})
+    executor = Recording()
+    from stoker.loader import Loader
+
+    with Loader(ds, 4, executor=executor, with_index=True) as loader:
+        check_batches(ds, list(loader), epochs=1)
+        it = iter(loader)
+        next(it)
+        assert executor.threads == 2 and len(executor.stops) == 2
+        assert executor.stops[0] is not None and executor.stops[0].is_set()  # the first pass closed its map
+        assert executor.stops[1] is not None and not executor.stops[1].is_set()
+        # One flag: a worker waiting for its turn on a stream wakes when the map closes.
+        assert it._batches.stop is executor.stops[1] and it._assembler.stop is executor.stops[1]  # type: ignore[attr-defined]
+        it.close()  # type: ignore[attr-defined]
+        assert executor.stops[1].is_set()
+    assert wait_no_stoker_threads() == []
