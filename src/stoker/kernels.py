@@ -179,7 +179,7 @@ def map_file(fd: int, size: int) -> Any:
 
     Where the kernels are built this is their `FileMap`, which keeps no file descriptor: a
     loader keeps such maps between its passes without holding files open (see
-    `stoker.batch.KeptMaps`). Otherwise `mmap.mmap`, which keeps a duplicate of `fd` until
+    `stoker.engine.maps.KeptMaps`). Otherwise `mmap.mmap`, which keeps a duplicate of `fd` until
     it is closed. Both give the buffer protocol, `close()` and `madvise()`.
     """
     if _kernels is not None:

@@ -671,7 +671,7 @@ class Loader:
 
     def _keep_files_open(self) -> None:
         """A global shuffle reads from most of the dataset's raw files in every batch: raise the
-        soft descriptor limit so a pass keeps them all open (stoker.batch.raise_open_files),
+        soft descriptor limit so a pass keeps them all open (stoker.engine.descriptors.raise_open_files),
         once per loader; what was done, or why not, shows in stats' `tuning`."""
         if self.shuffle != "global" or self._open_files is not None:
             return

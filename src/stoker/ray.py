@@ -332,7 +332,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
         """Where group `g` may be cut between tasks, in records (evenly, in whole batches).
 
         Raw files: anywhere (a grain of 1). A compressed file decoded whole by any reader of
-        it (at most stoker.batch.VERIFY_WHOLE_BYTES) is decoded by each task that reads a range
+        it (at most stoker.engine.decoded.VERIFY_WHOLE_BYTES) is decoded by each task that reads a range
         of it: as many cuts as keep that decoding within _REDECODE_BYTES (or 8 times the file).
         A larger one is read from the persistent index's seek points: as many cuts as it has
         points, and none without an index (a range would inflate the stream from its start).

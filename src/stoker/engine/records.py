@@ -60,7 +60,7 @@ __all__ = ["DEFAULT_CACHE_BYTES", "STREAM_SPLIT", "RecordReader"]
 DEFAULT_CACHE_BYTES = 256 << 20
 # Raw files a reader keeps mapped between reads (each costs a descriptor and address space,
 # no memory), at least; as many as a loader's pass keeps open where the descriptor limit allows
-# (stoker.batch.pass_open_files), least recently used ones closed beyond. A record subset's
+# (stoker.engine.descriptors.pass_open_files), least recently used ones closed beyond. A record subset's
 # global shuffle reads from most of its files in every batch, and with too few kept it maps
 # them again batch after batch (measured: benchmarks/results/access_history.md).
 MAX_MAPPED = 64
