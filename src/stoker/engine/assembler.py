@@ -141,7 +141,7 @@ class Assembler:
     """Turns planned batches into dicts of arrays: `prepare` (the dispatcher, in plan order),
     the call (workers), `close`. The files and streams are its parts' (see `Parts`).
 
-    `fused`: the loader's transform stage (stoker.transforms.Stage), if any: fields it can run
+    `fused`: the loader's transform stage (stoker.engine.fusion.Stage), if any: fields it can run
     record by record are transformed as they are read from the file's memory map, so their
     stored records never land in a buffer of their own.
     """
