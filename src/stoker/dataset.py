@@ -41,7 +41,7 @@ class Dataset:
         pair_key: a regex whose first group (or whole match) taken from each basename must be
             equal across a group's files; default: the numbers in the basenames must agree
             where both carry numbers. `""` disables the check.
-        index: the persistent index (`stoker.index`): "auto" uses it where it matches
+        index: the persistent index (`stoker.io.index`): "auto" uses it where it matches
             the files and raises StaleIndexError where it does not; "rebuild" rewrites stale,
             missing or malformed entries; "ignore" never reads it.
         index_dir: where the index lives: None (default) means `$STOKER_INDEX_DIR` if set,
@@ -225,7 +225,7 @@ class Dataset:
             num_parallel_reads=num_parallel_reads,
         )
 
-    # -- random access and subsets (see stoker.access) --------------------------------
+    # -- random access and subsets (see stoker.dataset) --------------------------------
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         """Record `i` (negative counts from the end) as `{field: array of shape}`.
 
@@ -265,11 +265,11 @@ class Dataset:
         return read_records(self, indices, cast=cast)
 
     def select(self, *, groups: Any = None, records: Any = None) -> Subset:
-        """A Dataset of some groups and/or records of this one; see `stoker.access.select`."""
+        """A Dataset of some groups and/or records of this one; see `Dataset.select`."""
         return select(self, groups=groups, records=records)
 
     def split(self, fractions: Mapping[str, float], *, seed: int, by: str = "group") -> dict[str, Subset]:
-        """Disjoint, complete, deterministic subsets; see `stoker.access.split`.
+        """Disjoint, complete, deterministic subsets; see `Dataset.split`.
 
         A part that would hold nothing (`{"train": 0.9, "val": 0.1}` over 2 groups) is a
         SpecError naming it: split by record, or give it a larger fraction.

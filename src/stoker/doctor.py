@@ -1,6 +1,6 @@
 """One line that names what limits a pipeline, and the setting that would move it.
 
-The verdict reads a `stoker.stats.LoaderStats` (from `loader.stats()` or a
+The verdict reads a `stoker.engine.stats.LoaderStats` (from `loader.stats()` or a
 `stoker bench` child) and, when known, how close the loader came to the machine's
 ceiling on the same files. Checks run from the outside in: first whether the consumer is
 the limit (then nothing in stoker is), then whether the machine is, then which worker
@@ -51,7 +51,7 @@ AT_CEILING = 0.9
 IO_BOUND_CPU = 0.5
 # Batch buffers made anew for more than this share of the buffers delivered (after at least
 # CHURN_MIN_BATCHES batches): the pool has too little room to recycle them. A fresh buffer's
-# first touch costs far more than its batch (see stoker.autotune.ThreadTuner.observe).
+# first touch costs far more than its batch (see stoker.engine.autotune.ThreadTuner.observe).
 CHURN_SHARE = 0.1
 CHURN_MIN_BATCHES = 50
 # Below CPU_SATURATED of the process's cores, workers' busy time off a CPU tells why (the
@@ -279,7 +279,7 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
     k = max(1, stats.coalesced)
     assemblies = -(-stats.batches // k)
     # Beyond the first fill: a buffer for each assembly in flight, a wake-up's worth the consumer
-    # takes at once, and the one it holds (stoker.engine.MAX_PER_WAKE), per field.
+    # takes at once, and the one it holds (stoker.engine.executor.MAX_PER_WAKE), per field.
     anew = stats.buffers_made - (prefetch // k + MAX_PER_WAKE + 2) * fields
     if assemblies >= CHURN_MIN_BATCHES and anew > CHURN_SHARE * assemblies * fields:
         # The pool keeps what the consumer drops, within what prefetch leaves of the budget.

@@ -246,7 +246,7 @@ class Loader:
         self._remote = any(is_remote(i.path) for infos in dataset.files for i in infos.values())
         self.threads = config.threads or default_threads()
         self._stage = self._transform_stage(config)
-        # threads=None: measured on the first pass (stoker.autotune), from 1 per core up to 2.
+        # threads=None: measured on the first pass (stoker.engine.autotune), from 1 per core up to 2.
         self._tune_threads = config.threads is None and executor is None and workers != "process"
         self._tune_prefetch = config.prefetch is None
         self._max_threads = 2 * default_threads() if self._tune_threads else self.threads
@@ -284,7 +284,7 @@ class Loader:
         self._first_epoch: int | None = None  # the first epoch of the last pass started
         self._delivered: tuple[int, int] = (0, 0)
         self._counters = Counters()
-        # Larger than half the RAM: drop pages behind the reader (stoker.readahead); output unchanged.
+        # Larger than half the RAM: drop pages behind the reader (stoker.io.readahead); output unchanged.
         raw_bytes = sum(i.size for infos in dataset.files for i in infos.values() if i.compression is None)
         self.drop_behind = drop_behind_for(raw_bytes)
         self._keep_between_passes(config)
@@ -315,7 +315,7 @@ class Loader:
         # pool then made a fresh buffer for some batches.
         self._fits = max(0, self.memory_budget - min(KEPT_DECODED_BYTES, self.memory_budget // 8)) // self.batch_bytes
         if config.prefetch is None:
-            # See stoker.autotune.default_prefetch (measured there), in batches assembled
+            # See stoker.engine.autotune.default_prefetch (measured there), in batches assembled
             # together (see COALESCE_BYTES). Autotuned threads: reserved for the most workers
             # it may reach.
             self._parts = self._coalesced(config.pad_last, config.executor)
@@ -341,7 +341,7 @@ class Loader:
         # (stoker.engine.decoded.KeptDecoded), within an eighth of what the batches in flight leave of
         # the memory budget; the buffer pool keeps the rest (see _start_pass).
         self._kept_decoded = KeptDecoded(max(0, min(KEPT_DECODED_BYTES, self._spare_bytes // 8)))
-        # Ranged GETs of files behind URLs kept in flight (stoker.fetch), whatever `threads`; their
+        # Ranged GETs of files behind URLs kept in flight (stoker.io.fetch), whatever `threads`; their
         # bytes come out of half of what prefetch leaves of the budget.
         room = self._spare_bytes // 2 if self._remote else 1 << 62
         self.num_parallel_reads, self._part_bytes = parallel_reads(config.num_parallel_reads, room)
@@ -691,7 +691,7 @@ class Loader:
             self._open_files = ""
 
     def _readahead_said(self) -> str:
-        """What stoker.readahead does for this loader, in a few words (stats' `tuning`)."""
+        """What stoker.io.readahead does for this loader, in a few words (stats' `tuning`)."""
         if self.shuffle != "global":
             return "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else "")
         if self.drop_behind:
@@ -800,7 +800,7 @@ def _is_digests(value: object) -> bool:
 
 
 def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator | None) -> None:
-    # Idempotent, and safe to run again after a Ctrl-C cut it short (see stoker.engine._State):
+    # Idempotent, and safe to run again after a Ctrl-C cut it short (see stoker.engine.executor._State):
     # the stop flag first, then the join; the files are also closed by the last worker out.
     # `pool`: the pass's own, cleared with it (None: the loader's, kept for its next pass).
     assembler.stop.set()

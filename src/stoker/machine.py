@@ -7,7 +7,7 @@ cgroup settings: `os.sched_getaffinity` still lists every core of the host and `
 all of its RAM. A loader sized by those on a 64-core node with a 4-CPU limit would start 64
 workers that the quota throttles in turn, report "CPU 6% of 64 cores" to a user who asked
 why their CPUs look idle, and take a 100 GiB dataset for one that fits in the page cache of an
-8 GiB container (no drop-behind: stoker.readahead). So both are bounded by the limits of the
+8 GiB container (no drop-behind: stoker.io.readahead). So both are bounded by the limits of the
 process's cgroup and of every cgroup above it, cgroup v2 (`cpu.max`, `memory.max`) or v1
 (`cpu.cfs_quota_us`/`cpu.cfs_period_us`, `memory.limit_in_bytes`).
 """
@@ -85,7 +85,7 @@ def default_memory_budget(memory: int | None = None) -> int:
     worker needs a batch to fill. tf.data's autotune lets its buffers take half of the RAM;
     stoker takes a quarter, leaving the rest to the page cache that holds the files it reads
     and to the framework's own host memory. It is a bound, not an allocation: the default
-    prefetch stays at a few batches more than the workers (stoker.autotune.wanted_prefetch),
+    prefetch stays at a few batches more than the workers (stoker.engine.autotune.wanted_prefetch),
     so only large batches come near it.
     """
     memory = physical_memory() if memory is None else memory

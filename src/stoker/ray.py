@@ -1,7 +1,7 @@
 """Ray Data adapter: a stoker Dataset as a `ray.data.Dataset`, read by a custom Datasource.
 
 Each read task carries only its own groups: their file infos, settled counts and seek points
-(`stoker.files.Catalog.part`), never the whole catalog, so what Ray ships per task does
+(`stoker.io.files.Catalog.part`), never the whole catalog, so what Ray ships per task does
 not grow with the dataset. A task reads a range of the dataset's records with stoker's own
 reader (raw fields by ranged reads, compressed fields by streaming inflate from the start or
 from an index seek point, local paths or fsspec URLs) and yields columnar blocks. A block holds
@@ -14,7 +14,7 @@ Tasks and blocks:
   `override_num_blocks=`, or what Ray derives from the cluster), or into tasks of
   `records_per_task` records. Small groups share a task; large groups are cut into record
   ranges where cutting is free: raw files anywhere, compressed files at the persistent
-  index's seek points (`stoker.index`; without an index a compressed group is read
+  index's seek points (`stoker.io.index`; without an index a compressed group is read
   whole by one task, since a range of it would inflate the stream from its start).
 - Tasks and blocks are whole multiples of `batch_size` records (the hint), so Ray's
   `iter_batches(batch_size=batch_size)` slices batches out of blocks without copying; only

@@ -137,7 +137,7 @@ class Field:
     Args:
         files: a glob pattern, a list of patterns, or a list of paths. A glob's matches are
             sorted by code point; an explicit list keeps its order. A name that is an existing
-            file is that file, whatever characters it holds (see stoker.files.expand_files).
+            file is that file, whatever characters it holds (see stoker.io.files.expand_files).
         dtype: the stored element type (`"int8"`, `"float32"`, ...; `"bfloat16"` is
             ml_dtypes' type, stored little-endian).
         shape: the shape of one record; `()` for a scalar per record.
@@ -149,7 +149,7 @@ class Field:
             (default): the order the dtype states (`">u2"` is big-endian), else little.
             A byte_order that contradicts the dtype's stated order is a SpecError.
         storage_options: keyword arguments for the fsspec filesystem of URL files
-            (`s3://...`; e.g. `{"endpoint_url": ..., "anon": True}`); see stoker.remote.
+            (`s3://...`; e.g. `{"endpoint_url": ..., "anon": True}`); see stoker.io.remote.
 
     Example:
         >>> Field("data/img_*.bin", "int8", (128, 128, 1)).record_bytes

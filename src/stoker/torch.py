@@ -93,7 +93,7 @@ def worker_shard(shard: tuple[int, int], worker: int, num_workers: int) -> tuple
 
 
 class PinnedPool(AlignedPool):
-    """The engine's `stoker.engine.AlignedPool` over CUDA pinned (page-locked) host memory.
+    """The engine's `stoker.engine.executor.AlignedPool` over CUDA pinned (page-locked) host memory.
 
     Same pool, same contract: a buffer goes back to the free list only once every array
     (and tensor) on it is gone; at most `max_pooled_bytes` are kept. Only where the

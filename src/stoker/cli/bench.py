@@ -1,6 +1,6 @@
 """Measure stoker against the machine's own ceiling on the same files, in the same run.
 
-Each contender runs in a fresh child process (`python -m stoker.bench CONTENDER JSON`)
+Each contender runs in a fresh child process (`python -m stoker.cli.bench CONTENDER JSON`)
 so one cannot warm or starve the other through shared state; rounds alternate the
 contenders because this kind of machine drifts by tens of percent within a minute.
 
@@ -113,7 +113,7 @@ class _Tally:
 
 def output_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A ceiling loop's reused buffer: memory as stoker's own batches get (page aligned, advised
-    to use transparent huge pages from 2 MiB, stoker.engine.HUGE_PAGE_MIN_BYTES), since a
+    to use transparent huge pages from 2 MiB, stoker.engine.executor.HUGE_PAGE_MIN_BYTES), since a
     ceiling on plain malloc'd memory reads too low (measured: benchmarks/results/w1_history.md)."""
     return AlignedPool(0).array(shape, dtype)
 

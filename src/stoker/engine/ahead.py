@@ -66,7 +66,7 @@ class FetchAhead:
 
     def __call__(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
         """`plans`, the byte ranges they read from remote files asked of the fetcher ahead of
-        the workers (stoker.fetch), as far as its room reaches; unchanged without remote files."""
+        the workers (stoker.io.fetch), as far as its room reaches; unchanged without remote files."""
         if not self._remote:
             return plans
         return looking_ahead(plans, self._want, self.fetcher.room)

@@ -111,7 +111,7 @@ def build_parts(
     """The parts of a pass's Assembler over `catalog`, sharing what the loader gives.
 
     Args:
-        fetcher: ranged GETs of remote files (stoker.fetch); a default one if None.
+        fetcher: ranged GETs of remote files (stoker.io.fetch); a default one if None.
         counters: where reads and waits are counted (the loader's, for its stats).
         readahead: page-cache advice (the loader sets drop-behind for datasets larger than RAM/2).
         stop: the flag the executor's map sets when it closes: waits on stream turns watch it.

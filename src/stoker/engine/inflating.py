@@ -71,7 +71,7 @@ class StreamReads:
             cursor.inflater.close()
         assert info.compression is not None
         source = None
-        if is_remote(info.path):  # its parts asked for ahead (stoker.fetch)
+        if is_remote(info.path):  # its parts asked for ahead (stoker.io.fetch)
             source = self.fetcher.stream(
                 info.path, spec.storage_options, seek[1].compressed if seek else 0, size=info.size, field=name,
                 check=self._check_stop,

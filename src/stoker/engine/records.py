@@ -10,7 +10,7 @@ Compressed fields, bounded: a file whose records decode to at most `cache_bytes`
 to its end (CRC, length), and kept in a least-recently-used cache of at most
 `cache_bytes`. A larger file is never held: each read decodes from the nearest seek point
 before the wanted records (deflate block boundaries every ~1 MiB and gzip member starts,
-from the persistent index, see `stoker.index`; else the file's start) only as far as the
+from the persistent index, see `stoker.io.index`; else the file's start) only as far as the
 last wanted record. Records read that way pass the deflate decoder's checks but not the
 member's CRC, which covers the whole member (the index's own pass checked it).
 
@@ -215,7 +215,7 @@ class RecordReader:
     def _raw(
         self, name: str, spec: Field, info: FileInfo, local: np.ndarray, dst: np.ndarray, rows: np.ndarray
     ) -> None:
-        if is_remote(info.path):  # a URL: coalesced ranged reads (stoker.remote), no memory map
+        if is_remote(info.path):  # a URL: coalesced ranged reads (stoker.io.remote), no memory map
             wanted, inverse = np.unique(local, return_inverse=True)
             raw = remote.read_records(
                 info.path, spec.storage_options, spec.header_bytes, spec.record_bytes, wanted,

@@ -10,7 +10,7 @@ bytes of its range when it reaches it, waiting if they have not arrived; a range
 for ahead (a batch assembled again after an error, a stream that jumped) is fetched then,
 before anything queued ahead. A compressed stream keeps its next parts asked for while it inflates.
 
-Requests go through stoker.remote (one retry layer): a part arrives whole, or its error, which
+Requests go through stoker.io.remote (one retry layer): a part arrives whole, or its error, which
 names the field, URL and byte offset, is raised in the worker that takes it. Every range is
 taken by the read it was asked for, or by an identical one (the same bytes of the same file),
 so what a batch holds never depends on timing.
@@ -146,7 +146,7 @@ class Fetcher:
                      index: np.ndarray, *, size: int, field: str | None,
                      check: Callable[[], None]) -> np.ndarray:  # fmt: skip
         """Records `index` (sorted, distinct) of the file as `(len(index), record_bytes)` uint8,
-        from the ranges of `stoker.remote.pieces` (asked ahead, or fetched now)."""
+        from the ranges of `stoker.io.remote.pieces` (asked ahead, or fetched now)."""
         ranges = remote.pieces(index, record_bytes, base, self.part_bytes)
         if ranges and ranges[-1][1] > size:
             raise remote.too_short(url, size, index, ranges[-1][1], field=field)

@@ -211,7 +211,7 @@ def _check_zlib_header(head: bytes) -> bool:
 def _inspect(
     name: str, spec: Field, path: str, index: IndexLookup | None = None, probe: Probe | None = None
 ) -> FileInfo:
-    if probe is not None:  # a remote file, stat'ed and its head/tail fetched in bulk by stoker.remote
+    if probe is not None:  # a remote file, stat'ed and its head/tail fetched in bulk by stoker.io.remote
         trailer = int.from_bytes(probe.tail, "little") if len(probe.tail) == 4 else None
         return _classify(name, spec, path, probe.size, probe.mtime_ns, probe.head, lambda: trailer)
     st = _stat(name, path)
@@ -339,7 +339,7 @@ class Catalog:
         index_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.fields = dict(fields)
-        # Where the persistent index lives (None: beside the data); see stoker.index.
+        # Where the persistent index lives (None: beside the data); see stoker.io.index.
         self.index_dir = resolve_index_dir(index_dir)
         lookup = IndexLookup(index, self.index_dir)
         paths = {name: expand_files(name, spec) for name, spec in self.fields.items()}
@@ -373,7 +373,7 @@ class Catalog:
         ]
         self._counts: list[int | None] = [None] * self.num_groups
         self._lock = threading.Lock()
-        # From a persistent index that matches the file (see stoker.index): exact counts of
+        # From a persistent index that matches the file (see stoker.io.index): exact counts of
         # compressed files and their seek points (compressed, decompressed offsets).
         self._exact: dict[tuple[int, str], int] = {}
         self.seek_points: dict[tuple[int, str], tuple[SeekPoint, ...]] = {}

@@ -65,14 +65,14 @@ class Inflater:
         source: Any = None,
     ) -> None:
         # `source`: where a URL's compressed bytes come from (`pread(n, offset)`, `close()`;
-        # a loader's read-ahead, stoker.fetch), else a RemoteReader of its own.
+        # a loader's read-ahead, stoker.io.fetch), else a RemoteReader of its own.
         # `start`: (compressed, decompressed) offset of a gzip member start or of the
         # stream start, or a SeekPoint at a deflate block boundary (stoker.seekpoints),
         # from which decoding may begin (a persistent index's seek point).
         self.path = path
         self.kind = kind
         self.field = field
-        # A URL is read through stoker.remote (ranged, retried); a path through its descriptor.
+        # A URL is read through stoker.io.remote (ranged, retried); a path through its descriptor.
         if source is None and is_remote(path):
             source = RemoteReader(path, storage_options, field=field)
         self._remote = source

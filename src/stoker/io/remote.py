@@ -5,7 +5,7 @@ memory-map paths for them and call this module only for a path that carries a pr
 (`is_remote`). Every request (listing, stat, ranged GET) is a coroutine run on the
 filesystem's event loop (fsspec's I/O thread; a filesystem without async methods has its calls
 run in that loop's executor), so requests overlap without a thread of stoker's per request.
-A loader's pass keeps its ranged GETs in flight ahead of its workers through stoker.fetch.
+A loader's pass keeps its ranged GETs in flight ahead of its workers through stoker.io.fetch.
 
 One retry layer: a request that fails on a transient error (dropped connection, timeout, 5xx,
 429, short body) is made again after an exponential backoff (`RETRY`); a permanent error
@@ -401,7 +401,7 @@ def read_records(
 
 class RemoteReader:
     """Sequential reads of one remote file for the inflater, a part at a time (no loader's
-    read-ahead: random access and index building; a loader's streams use stoker.fetch)."""
+    read-ahead: random access and index building; a loader's streams use stoker.io.fetch)."""
 
     def __init__(
         self, url: str, options: Mapping[str, Any] | None, *, size: int | None = None, field: str | None = None

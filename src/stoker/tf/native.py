@@ -55,7 +55,7 @@ def _counted(
     `checked` (name -> record bytes) holds other blocks than the group's count says.
 
     A compressed stream's record count comes from its trailer where that agrees with the
-    other fields (stoker.files); the loader confirms it at the stream's end (CorruptDataError).
+    other fields (stoker.io.files); the loader confirms it at the stream's end (CorruptDataError).
     tf.data's zip would stop at the shortest field instead, dropping the rest of the group
     without a word. So each field ends in an empty block, a block that no record makes: the
     zipped group is then `blocks + 1` elements long, and each checked field's block must be
