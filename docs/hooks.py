@@ -1,7 +1,9 @@
-"""mkdocs hook: the command-line reference, rendered from the parser the `stoker` command runs.
+"""mkdocs hooks: the command-line reference, rendered from the parser the `stoker` command runs,
+and the benchmark chart taken from where benchmarks/compare.py writes it.
 
 docs/reference/cli.md holds the marker below; at build time it becomes each subcommand's `--help`,
-so the page can never drift from the code.
+so the page can never drift from the code. The chart is added to the site's files from
+benchmarks/results/, so the page shows the latest run without a copy to keep in step.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "<!-- stoker-cli-help -->"
-SRC = Path(__file__).resolve().parents[1] / "src"
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+CHARTS = {"assets/compare.png": REPO / "benchmarks" / "results" / "compare.png"}
 
 
 def _help(parser: argparse.ArgumentParser) -> str:
@@ -41,3 +45,11 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     if MARKER in markdown:
         return markdown.replace(MARKER, cli_reference())
     return markdown
+
+
+def on_files(files: Any, config: Any, **_: Any) -> Any:
+    from mkdocs.structure.files import File
+
+    for uri, path in CHARTS.items():
+        files.append(File.generated(config, uri, abs_src_path=str(path)))
+    return files
