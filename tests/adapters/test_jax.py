@@ -20,6 +20,7 @@ from stoker.cli.sample import expected_label
 from stoker.jax import shard_from_jax, to_jax
 from stoker.testing import assert_same_batches
 from tests.helpers import REPO
+from tests.helpers.data import sample_images, small_sample
 
 pytestmark = pytest.mark.jax
 
@@ -30,16 +31,7 @@ PAIRS, RECORDS = 2, 64
 
 @pytest.fixture
 def sample(tmp_path: Path) -> stoker.Dataset:
-    stoker.write_sample(tmp_path, pairs=PAIRS, records=RECORDS, inrez=RES)
-    return stoker.Dataset(
-        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (RES, RES, 1)),
-        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
-    )
-
-
-def file_images(ds: stoker.Dataset) -> np.ndarray:
-    paths = [infos["image"].path for infos in ds.files]
-    return np.concatenate([np.fromfile(p, np.int8) for p in paths]).reshape(-1, RES, RES, 1)
+    return small_sample(tmp_path, pairs=PAIRS, records=RECORDS, inrez=RES)
 
 
 def as_numpy(batches: list[dict[str, jax.Array]]) -> list[dict[str, np.ndarray]]:
@@ -173,7 +165,7 @@ def test_held_jax_arrays_never_change_while_the_loader_goes_on(sample: stoker.Da
             if len(held) < 12:
                 held.append(b)
                 snapshots.append({k: np.array(v, copy=True) for k, v in b.items()})
-    images = file_images(sample)
+    images = sample_images(sample)
     for b, s in zip(held, snapshots, strict=True):
         got = {k: np.asarray(v) for k, v in b.items()}
         assert all(np.array_equal(got[k], s[k]) for k in got)

@@ -24,6 +24,7 @@ from stoker.engine.executor import AlignedPool
 from stoker.testing import assert_same_batches
 from stoker.torch import StokerIterableDataset, shard_from_distributed, to_torch, worker_shard
 from tests.helpers import REPO
+from tests.helpers.data import sample_images, small_sample
 from tests.helpers.resources import Allocations
 
 pytestmark = pytest.mark.torch
@@ -35,22 +36,12 @@ PAIRS, RECORDS = 2, 64
 
 @pytest.fixture
 def sample(tmp_path: Path) -> stoker.Dataset:
-    stoker.write_sample(tmp_path, pairs=PAIRS, records=RECORDS, inrez=RES)
-    return stoker.Dataset(
-        image=stoker.Field(str(tmp_path / "img_*.bin"), "int8", (RES, RES, 1)),
-        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
-    )
-
-
-def file_images(ds: stoker.Dataset) -> np.ndarray:
-    """Every image record, read straight from the files, indexed by global record index."""
-    paths = [infos["image"].path for infos in ds.files]
-    return np.concatenate([np.fromfile(p, np.int8) for p in paths]).reshape(-1, RES, RES, 1)
+    return small_sample(tmp_path, pairs=PAIRS, records=RECORDS, inrez=RES)
 
 
 def check_against_files(ds: stoker.Dataset, batches: list[dict[str, torch.Tensor]]) -> list[int]:
     """Each record equals the files' record named by its label; returns the labels in order."""
-    images = file_images(ds)
+    images = sample_images(ds)
     seen: list[int] = []
     for b in batches:
         labels = b["label"].numpy().astype(np.int64)

@@ -236,6 +236,12 @@ def tf_interleave(counts: Sequence[int], cycle: int, block: int) -> list[tuple[i
     return out
 
 
+def sample_images(ds: stoker.Dataset) -> np.ndarray:
+    """Every image record of a `small_sample`, read straight from its files, indexed by global record index."""
+    shape = ds.fields["image"].shape
+    return np.concatenate([np.fromfile(infos["image"].path, np.int8) for infos in ds.files]).reshape(-1, *shape)
+
+
 def small_sample(directory: Path, *, pairs: int, records: int, inrez: int = 16) -> stoker.Dataset:
     """``stoker.write_sample`` into ``directory`` and the Dataset over it (int8 images, gzip labels)."""
     stoker.write_sample(directory, pairs=pairs, records=records, inrez=inrez)
