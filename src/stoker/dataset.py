@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .engine.assembler import GROUP_KEY, INDEX_KEY, VALID_KEY, Assembler, Parts, Task, fill_padding
+from .engine.assembler import GROUP_KEY, INDEX_KEY, Assembler, Parts, Task
 from .engine.records import STREAM_SPLIT, RecordReader
 from .errors import RecordIndexError, SpecError
 from .io.files import Catalog, FileInfo, Group
@@ -514,12 +514,7 @@ class _RecordsAssembler(Assembler):
     def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
         plan = task.plan
         out = {n: self.allocator.array((plan.rows, *f.shape), self.out_dtypes[n]) for n, f in self.fields.items()}
-        if self.with_index:
-            out[GROUP_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
-            out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
-        if plan.valid is not None:
-            out[VALID_KEY] = self.allocator.array((plan.rows,), np.dtype(bool))
-            fill_padding(out, plan.valid)
+        self.add_index_arrays(plan, out)
         if plan.gather is not None:
             groups, local = plan.gather.groups, plan.gather.index
         else:

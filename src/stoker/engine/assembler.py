@@ -193,6 +193,15 @@ class Assembler:
         return task
 
     # -- work (runs in worker threads) --------------------------------------------------
+    def add_index_arrays(self, plan: BatchPlan, out: dict[str, np.ndarray]) -> None:
+        """`__group__` and `__index__` (with_index) and `__valid__` (padded batches) into `out`."""
+        if self.with_index:
+            out[GROUP_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
+            out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
+        if plan.valid is not None:
+            out[VALID_KEY] = self.allocator.array((plan.rows,), np.dtype(bool))
+            fill_padding(out, plan.valid)
+
     def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
         plan = task.plan
         began = time.perf_counter()
@@ -208,12 +217,7 @@ class Assembler:
         for name, spec in self.fields.items():
             shape, dtype = fused.get(name, (spec.shape, self.out_dtypes[name]))
             out[name] = self.allocator.array((plan.rows, *shape), dtype)
-        if self.with_index:
-            out[GROUP_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
-            out[INDEX_KEY] = self.allocator.array((plan.rows,), np.dtype(np.int64))
-        if plan.valid is not None:
-            out[VALID_KEY] = self.allocator.array((plan.rows,), np.dtype(bool))
-            fill_padding(out, plan.valid)
+        self.add_index_arrays(plan, out)
         if plan.gather is not None:
             groups, index = self.parts.gather(plan, out)
             if self.with_index:
