@@ -228,6 +228,11 @@ class StopFlag:
     def is_set(self) -> bool:
         return self._set
 
+    def check(self) -> None:
+        """Raise Stopped once set (for waits that look at the flag between their steps)."""
+        if self._set:
+            raise Stopped
+
 
 # How often a worker waiting for room in the window looks at the stop flag and its OrderedMap:
 # the bound on how long a worker outlives a close() that a Ctrl-C cut short.

@@ -21,7 +21,7 @@ from ..kernels import cast_into
 from ..plan.batches import Run
 from ..spec import Field
 from .buffers import Staging, bytes_of
-from .executor import StopFlag, Stopped
+from .executor import StopFlag
 from .stats import Counters
 
 __all__ = ["Cursor", "StreamReads"]
@@ -58,11 +58,6 @@ class StreamReads:
         self.stop = stop
         self.staging = staging
 
-    def _check_stop(self) -> None:
-        """Raise Stopped once the pass is closing (checked by waits on remote bytes)."""
-        if self.stop.is_set():
-            raise Stopped
-
     def open(
         self, name: str, spec: Field, info: FileInfo, cursor: Cursor, seek: tuple[int, SeekPoint] | None = None
     ) -> Inflater:
@@ -74,7 +69,7 @@ class StreamReads:
         if is_remote(info.path):  # its parts asked for ahead (stoker.io.fetch)
             source = self.fetcher.stream(
                 info.path, spec.storage_options, seek[1].compressed if seek else 0, size=info.size, field=name,
-                check=self._check_stop,
+                check=self.stop.check,
             )  # fmt: skip
         inf = Inflater(
             info.path,

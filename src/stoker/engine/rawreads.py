@@ -20,7 +20,7 @@ from ..kernels import MapFault, cast_into, cast_mapped, copy_records, file_size,
 from ..plan.batches import Run
 from ..spec import Field
 from .buffers import Staging, bytes_of
-from .executor import StopFlag, Stopped, flush_wake
+from .executor import StopFlag, flush_wake
 from .openfiles import OpenFile, OpenFiles
 from .stats import Counters
 
@@ -53,11 +53,6 @@ class RawReader:
         self.counters = counters
         self.stop = stop
         self.staging = staging
-
-    def check_stop(self) -> None:
-        """Raise Stopped once the pass is closing (checked by waits on remote bytes)."""
-        if self.stop.is_set():
-            raise Stopped
 
     def read(
         self, epoch: int, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray,
@@ -234,7 +229,7 @@ class RawReader:
         t = time.perf_counter()
         try:
             got = self.fetcher.read_into(
-                info.path, spec.storage_options, offset, view, size=info.size, field=name, check=self.check_stop
+                info.path, spec.storage_options, offset, view, size=info.size, field=name, check=self.stop.check
             )
         except ReadError as e:
             e.index = (e.offset - spec.header_bytes) // rb if e.offset is not None else run.start
@@ -259,6 +254,6 @@ class RawReader:
             local,
             size=info.size,
             field=name,
-            check=self.check_stop,
+            check=self.stop.check,
         )
         return raw.view(spec.dtype).reshape(len(local), *spec.shape)

@@ -124,8 +124,7 @@ class StreamTurns:
         t = time.perf_counter()
         with stream.cond:
             while stream.serving != ticket:
-                if self.stop.is_set():
-                    raise Stopped
+                self.stop.check()
                 stream.cond.wait(0.1)
         self.counters.add("turn", name, time.perf_counter() - t)
         try:
