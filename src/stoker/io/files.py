@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import CorruptDataError, PairingError, ReadError, SpecError
 from ..machine import open_regular
 from ..spec import Field, shape_hint
-from .index import IndexLookup, apply_index, resolve_index_dir
+from .index import IndexLookup, apply_index, record_count, resolve_index_dir
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
 from .remote import Probe, is_remote
 from .seekpoints import SeekPoint
@@ -513,12 +513,4 @@ class Catalog:
         spec = self.fields[name]
         assert info.compression is not None
         total = decompressed_size(info.path, info.compression, field=name, storage_options=spec.storage_options)
-        body = total - spec.header_bytes - spec.footer_bytes
-        if body < 0 or body % spec.record_bytes:
-            raise CorruptDataError(
-                f"field {name!r}: {info.path!r} decompresses to {total} bytes, which is not header_bytes="
-                f"{spec.header_bytes} + footer_bytes={spec.footer_bytes} + a whole number of "
-                f"{spec.record_bytes}-byte records",
-                field=name, path=info.path,
-            )  # fmt: skip
-        return body // spec.record_bytes
+        return record_count(name, spec, info, total)

@@ -369,10 +369,16 @@ def entry_check(
 
 def records_of(name: str, spec: Field, info: FileInfo, entry: IndexEntry) -> int:
     """The record count an entry implies under the field's record layout."""
-    body = entry.decompressed_bytes - spec.header_bytes - spec.footer_bytes
+    return record_count(name, spec, info, entry.decompressed_bytes, source=" (per its index)")
+
+
+def record_count(name: str, spec: Field, info: FileInfo, decompressed: int, *, source: str = "") -> int:
+    """The records a compressed file of `decompressed` bytes holds under the field's layout
+    (header, records, footer); `source` says where that size came from, in the error."""
+    body = decompressed - spec.header_bytes - spec.footer_bytes
     if body < 0 or body % spec.record_bytes:
         raise CorruptDataError(
-            f"field {name!r}: {info.path!r} decompresses to {entry.decompressed_bytes} bytes (per its index), "
+            f"field {name!r}: {info.path!r} decompresses to {decompressed} bytes{source}, "
             f"which is not header_bytes={spec.header_bytes} + footer_bytes={spec.footer_bytes} + a whole number "
             f"of {spec.record_bytes}-byte records",
             field=name, path=info.path,
@@ -620,7 +626,7 @@ def _not_whole_records(name: str, spec: Field, info: FileInfo, total: int, start
     file's start fails (it binds the size), else the data's (a CorruptDataError naming the file)."""
     with Inflater(info.path, info.compression or "gzip", field=name, start=start) as inf:
         inf.skip(1)  # verifies the start's check first: a StaleIndexError naming the index if it lies
-    records_of(name, spec, info, IndexEntry(info.size, info.mtime_ns, info.compression, total))
+    record_count(name, spec, info, total, source=" (per its index)")
 
 
 def count_disagrees(
