@@ -232,7 +232,7 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
 
 
 def _see(anchor: str, said: str) -> str:
-    """``said`` followed by where the verdicts page explains it and what to change."""
+    """`said` followed by where the verdicts page explains it and what to change."""
     return f"{said}; see {VERDICTS_PAGE}#{anchor}"
 
 

@@ -1,4 +1,4 @@
-"""The public path of :mod:`stoker.plan.order` (``stoker.order.shard_from_rank`` and the rest of its names)."""
+"""The public path of `stoker.plan.order` (`stoker.order.shard_from_rank` and the rest of its names)."""
 
 from .plan.order import (
     MAX_RECORDS,

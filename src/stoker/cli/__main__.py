@@ -1,4 +1,4 @@
-"""``python -m stoker.cli``: the ``stoker`` command."""
+"""`python -m stoker.cli`: the `stoker` command."""
 
 from . import main
 
