@@ -5,21 +5,25 @@ Each contender runs in a fresh process, rounds alternate the order. A contender 
 ``--warmup`` passes unmeasured (Ray: its worker processes start, files enter the page cache),
 then passes for ``--seconds``. Per pass it times the start-up (from asking for the pass to its
 first batch) apart from the steady state (every later batch), and reports the steady records/s
-(records after each pass's first batch over the time after it), the median per-pass start-up,
-and the CPU seconds each process spent per pass (the driver, Ray's worker processes, raylet,
-GCS, ...), read from /proc for the driver's whole process tree. A Ray contender's last pass
-prints ``ds.stats()``.
+(records after each pass's first batch over the time after it), the records/s over whole passes
+(start-ups included), the median per-pass start-up, and the CPU seconds each process spent per
+pass (the driver, Ray's worker processes, raylet, GCS, ...), read from /proc for the driver's
+whole process tree. A Ray contender's last pass prints ``ds.stats()``.
 
     python benchmarks/ray.py [--rounds 5] [--seconds 6] [--warmup 1] [--records 4096]
-        [--out benchmarks/results]
+        [--only NAME ...] [--out benchmarks/results]
+
+The table goes to ``ray.md``; with ``--records`` other than W1's 4096 (longer passes, where a
+pass's start-up weighs less), to ``ray-RECORDS.md``.
 
 Contenders: ``local`` (``ds.loader(256, epochs=1)``, default threads), and Ray on a local
-cluster of the machine's CPUs with a 2 GiB object store reading through
+cluster of the machine's CPUs (an object store of one pass and 1 GiB more, 2 GiB at least) reading through
 ``stoker.ray.read(ds, batch_size=256)``: with stoker's default task count, with the 200 tasks
 Ray asks a datasource for by default, with Ray Data's per-operator resource reservation off
-(``DataContext.op_resource_reservation_enabled = False``), and Ray's floor with it: the same
-tasks and blocks with no file read at all (each block a view of zeros made once per worker
-process).
+(``DataContext.op_resource_reservation_enabled = False``), Ray's floor at both settings: the
+same tasks and blocks with no file read at all (each block a view of zeros made once per worker
+process), and the consumer's floor: ``iter_batches`` over the dataset's blocks already in the
+object store (``materialize()`` once, before the passes), Ray's iteration with no execution.
 """
 
 from __future__ import annotations
@@ -63,9 +67,14 @@ RAY_CONTENDERS: dict[str, dict[str, Any]] = {
     "ray, 200 tasks": {"read": {"override_num_blocks": 200}},
     # Ray Data's per-operator reservation off: the read's outputs may use the whole object store.
     "ray, reservation off": {"ctx": {"op_resource_reservation_enabled": False}},
-    # Ray's own floor, at its best setting above: stoker's tasks and blocks, each block a view of
-    # zeros made once per worker process instead of read from the files (Ray moving the bytes).
+    # Ray's own floor: stoker's tasks and blocks, each block a view of zeros made once per worker
+    # process instead of read from the files (Ray moving the bytes), at Ray's default settings and
+    # at the best setting above.
+    "ray floor: no file read": {"floor": True},
     "ray floor: no file read, reservation off": {"floor": True, "ctx": {"op_resource_reservation_enabled": False}},
+    # The consumer's floor: the blocks already in the object store, each pass only iterates them
+    # (Ray Data's iter_batches with no tasks to run); it needs an object store that holds them.
+    "ray floor: iterate blocks already in the object store": {"materialized": True},
 }
 _ZEROS: dict[str, Any] = {}  # per worker process: the floor's zeros
 
@@ -134,8 +143,9 @@ def _cpu_seconds() -> dict[str, float]:
     return out
 
 
-def _passes(make_pass: Any, seconds: float, warmup: int) -> dict[str, Any]:
-    """Warm-up passes, then passes for ``seconds``: steady records/s, start-ups, CPU per pass."""
+def _passes(make_pass: Any, seconds: float, warmup: int, expected: int) -> dict[str, Any]:
+    """Warm-up passes, then passes for ``seconds``: steady records/s, start-ups, CPU per pass.
+    Every timed pass must deliver ``expected`` records (the dataset's), or the contender fails."""
     first_pass = None
     for w in range(warmup):
         t = time.perf_counter()
@@ -146,22 +156,28 @@ def _passes(make_pass: Any, seconds: float, warmup: int) -> dict[str, Any]:
     cpu0 = _cpu_seconds()
     starts: list[float] = []
     records = 0
+    first_records = 0
     steady = 0.0
     began = time.perf_counter()
     while time.perf_counter() - began < seconds or len(starts) < 2:
         t0 = time.perf_counter()
         batches = iter(make_pass())
-        next(batches)
+        first = len(next(batches)["image"])
         t1 = time.perf_counter()
         starts.append(t1 - t0)
-        for batch in batches:
-            records += len(batch["image"])
+        rest = sum(len(batch["image"]) for batch in batches)
         steady += time.perf_counter() - t1
+        if first + rest != expected:
+            raise RuntimeError(f"a pass delivered {first + rest} records, the dataset has {expected}")
+        first_records += first
+        records += rest
     cpu1 = _cpu_seconds()
+    whole = time.perf_counter() - began
     cpu = {k: (v - cpu0.get(k, 0.0)) / len(starts) for k, v in cpu1.items()}
     return {
-        "records_per_s": records / steady, "startup_s": statistics.median(starts), "passes": len(starts),
-        "pass_s": (time.perf_counter() - began) / len(starts), "cpu_per_pass": cpu, "first_pass_s": first_pass,
+        "records_per_s": records / steady, "whole_records_per_s": (records + first_records) / whole,
+        "startup_s": statistics.median(starts), "passes": len(starts), "pass_s": whole / len(starts),
+        "cpu_per_pass": cpu, "first_pass_s": first_pass,
     }  # fmt: skip
 
 
@@ -178,14 +194,14 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
     ds = _dataset(cfg["data"])
     if cfg["kind"] == "local":
         with ds.loader(BATCH, epochs=1) as loader:
-            return _passes(lambda: loader, cfg["seconds"], cfg["warmup"])
+            return _passes(lambda: loader, cfg["seconds"], cfg["warmup"], len(ds))
     import ray
 
     import stoker.ray
 
     ray.init(
-        num_cpus=cfg["cpus"], object_store_memory=2 << 30, include_dashboard=False, log_to_driver=False,
-        configure_logging=False,
+        num_cpus=cfg["cpus"], object_store_memory=cfg["store_gib"] << 30, include_dashboard=False,
+        log_to_driver=False, configure_logging=False,
     )  # fmt: skip
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
@@ -196,10 +212,13 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
         rds = ray.data.read_datasource(_floor_source(source), override_num_blocks=source.default_tasks())
     else:
         rds = stoker.ray.read(ds, batch_size=BATCH, **cfg.get("read", {}))
+    if cfg.get("materialized"):
+        rds = rds.materialize()
     iter_args = cfg.get("iter", {})
     out = _passes(
-        lambda: rds.iter_batches(batch_size=BATCH, batch_format="numpy", **iter_args), cfg["seconds"], cfg["warmup"]
-    )
+        lambda: rds.iter_batches(batch_size=BATCH, batch_format="numpy", **iter_args), cfg["seconds"], cfg["warmup"],
+        len(ds),
+    )  # fmt: skip
     out["stats"] = rds.stats()
     ray.shutdown()
     return out
@@ -220,32 +239,41 @@ def main() -> int:
         return 0
     data = str(cached_sample(f"{default_cache()}/sample-16x{args.records}x128", records=args.records))
     cpus = len(os.sched_getaffinity(0))
-    base = {"data": data, "seconds": args.seconds, "warmup": args.warmup, "cpus": cpus}
+    # Room in the object store for one whole pass (the materialized contender holds one), 2 GiB at least.
+    store_gib = max(2, -(-16 * args.records * (128 * 128 + 4) // (1 << 30)) + 1)
+    base = {"data": data, "seconds": args.seconds, "warmup": args.warmup, "cpus": cpus, "store_gib": store_gib}
     contenders = {"local": {**base, "kind": "local"}}
     contenders.update({name: {**base, "kind": "ray", **cfg} for name, cfg in RAY_CONTENDERS.items()})
     if args.only:
         contenders = {k: v for k, v in contenders.items() if k in args.only or k == "local"}
     rounds = alternate(list(contenders), args.rounds,
                        lambda name: child_json(name, [__file__, "--child", json.dumps(contenders[name])]))  # fmt: skip
-    title = f"Ray Data vs the local loader, W1 int8 ({cpus} cores, {args.rounds} alternated rounds)"
-    write_results("ray", title, _report(args, rounds, cpus), script=__file__, out=args.out, frameworks=["ray"])
+    what = "W1 int8" if args.records == 4096 else f"W1's layout with {args.records} records a file"
+    title = f"Ray Data vs the local loader, {what} ({cpus} cores, {args.rounds} alternated rounds)"
+    name = "ray" if args.records == 4096 else f"ray-{args.records}"
+    body = _report(args, rounds, cpus, store_gib)
+    write_results(name, title, body, script=__file__, out=args.out, frameworks=["ray"])
     return 0
 
 
-def _report(args: argparse.Namespace, rounds: Rounds, cpus: int) -> str:
+def _report(args: argparse.Namespace, rounds: Rounds, cpus: int, store_gib: int) -> str:
     results = {name: rounds.ok(name) for name in rounds.contenders}
     lines = [
         f"16 groups x {args.records} records of 128x128 int8 + gzip float32 labels, "
-        f"no cast, batch {BATCH}, one pass per epoch; Ray: a local cluster of {cpus} CPUs, 2 GiB object "
-        "store, `stoker.ray.read(ds, batch_size=256, ...)`. Steady: records after each pass's first batch "
-        "over the time after it. Start-up: from asking for a pass to its first batch (median over passes).",
+        f"no cast, batch {BATCH}, one pass per epoch; Ray: a local cluster of {cpus} CPUs, {store_gib} GiB "
+        "object store, `stoker.ray.read(ds, batch_size=256, ...)`. Steady: records after each pass's first "
+        "batch over the time after it. Whole passes: every record over the passes' whole time, start-ups "
+        "included. Start-up: from asking for a pass to its first batch (median over passes).",
         "",
         summary_table(rounds, label="steady records/s", columns={
+            "whole passes, records/s": median_of("whole_records_per_s"),
             "start-up s/pass": median_of("startup_s", "{:.3f}"),
             "pass s": median_of("pass_s", "{:.3f}"),
             "CPU s/pass": lambda ms: f"{statistics.median(sum(m['cpu_per_pass'].values()) for m in ms):.2f}",
         }),
         ratio_table(rounds, [(n, "local", f"{n} / local, steady records/s") for n in results if n != "local"]),
+        ratio_table(rounds, [(n, "local", f"{n} / local, whole passes") for n in results if n != "local"],
+                    metric="whole_records_per_s"),
     ]  # fmt: skip
     lines += ["", "Per-pass start-up on its own line (median over rounds of each round's median):", ""]
     for name, ms in results.items():

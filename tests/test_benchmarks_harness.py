@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -206,3 +207,26 @@ def test_raw_copy_script_writes_its_table_and_ratios_to_mmap(tmp_path: Path) -> 
     for row in ("| mmap | ", "| pread 64 KiB | ", "| pread 64 KiB / mmap | ", "| pread 1024 KiB / mmap | "):
         assert row in text
     assert (tmp_path / "raw_copy_history.md").exists()
+
+
+def test_ray_script_writes_whole_pass_rates_and_the_consumer_floor_to_a_table_named_by_its_records(
+    tmp_path: Path,
+) -> None:
+    """benchmarks/ray.py end to end on a small sample (a real local Ray cluster in its children): W1's
+    layout with 256 records a file goes to ray-256.md, beside the local loader, with the consumer's
+    floor (blocks already in the object store) and every record of each pass counted."""
+    env_cache = tmp_path / "cache"
+    floor = "ray floor: iterate blocks already in the object store"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "ray.py"), "--rounds", "1", "--seconds", "0.1", "--records", "256",
+         "--only", floor, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, "STOKER_CACHE": str(env_cache)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = (tmp_path / "ray-256.md").read_text()
+    assert "# Ray Data vs the local loader, W1's layout with 256 records a file (" in text
+    assert "| contender | steady records/s median | min | max | whole passes, records/s |" in text
+    assert f"| {floor} / local, steady records/s | " in text and f"| {floor} / local, whole passes | " in text
+    assert "2 GiB object store" in text and not (tmp_path / "ray.md").exists()
+    assert (tmp_path / "ray-256_history.md").read_text().count(f"| {floor} | ") == 1
