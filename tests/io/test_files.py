@@ -193,6 +193,7 @@ def test_directory_instead_of_file_is_spec_error(tmp_path: Path) -> None:
         ("a.bin", bytes(8), None),
         ("a.dat", gzip.compress(bytes(8)), "gzip"),  # magic bytes, no suffix
     ],
+    ids=["a.bin.gz", "a.gzip", "a.GZ", "a.zz", "a.zlib", "a.bin", "a.dat-gzip-magic"],  # gzip bytes hold a time
 )
 def test_auto_compression_by_suffix_and_magic(tmp_path: Path, name: str, data: bytes, kind: str | None) -> None:
     (tmp_path / name).write_bytes(data)
