@@ -240,7 +240,9 @@ def main() -> int:
     data = str(cached_sample(f"{default_cache()}/sample-16x{args.records}x128", records=args.records))
     cpus = len(os.sched_getaffinity(0))
     # Room in the object store for one whole pass (the materialized contender holds one), 2 GiB at least.
-    store_gib = max(2, -(-16 * args.records * (128 * 128 + 4) // (1 << 30)) + 1)
+    ds = _dataset(data)
+    pass_bytes = len(ds) * sum(field.record_bytes for field in ds.fields.values())
+    store_gib = max(2, -(-pass_bytes // (1 << 30)) + 1)
     base = {"data": data, "seconds": args.seconds, "warmup": args.warmup, "cpus": cpus, "store_gib": store_gib}
     contenders = {"local": {**base, "kind": "local"}}
     contenders.update({name: {**base, "kind": "ray", **cfg} for name, cfg in RAY_CONTENDERS.items()})

@@ -184,9 +184,9 @@ def test_time_batches_times_the_steady_state_only_and_runs_the_consumer_s_step()
     assert len(steps) == len(made) - 1  # after every batch but the first
 
 
-def _script(name: str, *args: str) -> str:
+def _script(name: str, *args: str, env: dict[str, str] | None = None) -> str:
     done = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+                          timeout=120, check=False, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -215,15 +215,9 @@ def test_ray_script_writes_whole_pass_rates_and_the_consumer_floor_to_a_table_na
     """benchmarks/ray.py end to end on a small sample (a real local Ray cluster in its children): W1's
     layout with 256 records a file goes to ray-256.md, beside the local loader, with the consumer's
     floor (blocks already in the object store) and every record of each pass counted."""
-    env_cache = tmp_path / "cache"
     floor = "ray floor: iterate blocks already in the object store"
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "ray.py"), "--rounds", "1", "--seconds", "0.1", "--records", "256",
-         "--only", floor, "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=180, check=False,
-        env={**os.environ, "STOKER_CACHE": str(env_cache)},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    _script("ray.py", "--rounds", "1", "--seconds", "0.1", "--records", "256", "--only", floor, "--out", str(tmp_path),
+            env={**os.environ, "STOKER_CACHE": str(tmp_path / "cache")})  # fmt: skip
     text = (tmp_path / "ray-256.md").read_text()
     assert "# Ray Data vs the local loader, W1's layout with 256 records a file (" in text
     assert "| contender | steady records/s median | min | max | whole passes, records/s |" in text
