@@ -1,8 +1,7 @@
-"""The stoker command: sample, inspect, bench; user mistakes print `Type: message`, no traceback."""
+"""The stoker command: user mistakes print `Type: message`, no traceback; fields; bench (inspect: test_cli.py)."""
 
 from __future__ import annotations
 
-import gzip
 import time
 from pathlib import Path
 
@@ -10,39 +9,6 @@ import numpy as np
 import pytest
 
 from stoker.cli import main, parse_field
-
-
-def test_sample_then_inspect_reports_groups_and_sync(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["sample", str(tmp_path / "d"), "--pairs", "2", "--records", "50", "--inrez", "8"]) == 0
-    assert main(["inspect", str(tmp_path / "d"), "--inrez", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "2 groups" in out and "total: 100 records" in out and "in sync" in out
-
-
-def test_inspect_with_fields_and_with_config_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["sample", str(tmp_path), "--pairs", "3", "--records", "10", "--inrez", "4"])
-    capsys.readouterr()
-    assert main(["inspect", "--field", f"image={tmp_path}/img_*.bin:int8:4x4x1",
-                 "--field", f"label={tmp_path}/out_*.bin.gz:float32:gzip"]) == 0  # fmt: skip
-    by_fields = capsys.readouterr().out
-    cfg = tmp_path / "stoker.toml"
-    cfg.write_text(
-        '[fields.image]\nfiles = "img_*.bin"\ndtype = "int8"\nshape = [4, 4, 1]\n'
-        '[fields.label]\nfiles = "out_*.bin.gz"\ndtype = "float32"\ncompression = "gzip"\n'
-    )
-    assert main(["inspect", "--config", str(cfg)]) == 0
-    assert capsys.readouterr().out.split("\n", 1)[1] == by_fields.split("\n", 1)[1]  # all but the layout line
-
-
-def test_inspect_reports_out_of_sync_groups_and_exits_nonzero(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    main(["sample", str(tmp_path), "--pairs", "2", "--records", "10", "--inrez", "4"])
-    (tmp_path / "out_0001.bin.gz").write_bytes(gzip.compress(np.arange(9, dtype="<f4").tobytes()))
-    capsys.readouterr()
-    assert main(["inspect", str(tmp_path), "--inrez", "4"]) == 1
-    out = capsys.readouterr().out
-    assert "OUT OF SYNC" in out and "out_0001.bin.gz" in out
 
 
 @pytest.mark.parametrize(
