@@ -166,7 +166,8 @@ class Dataset:
             memory_budget: bytes the engine may hold (batches in flight plus recycled buffers,
                 and small compressed files kept decoded), as `"2GiB"` or an int. None (the
                 default): a quarter of the memory this process may use, container limits
-                included, at least 512 MiB (`stoker.machine.default_memory_budget`). The
+                included, at least 512 MiB, and at most a quarter of the address space left
+                under `ulimit -v` (`stoker.machine.default_memory_budget`). The
                 default prefetch takes at most half of the batches it holds, so large batches
                 may leave workers idle: `loader.stats()` then says `held down by
                 memory_budget` and `stoker.doctor.verdict` names a budget that gives

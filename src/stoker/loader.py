@@ -37,7 +37,7 @@ from .errors import SpecError, StateError, SupersededError
 from .io.fetch import Fetcher, parallel_reads
 from .io.readahead import AHEAD_BYTES, Readahead, drop_behind_for
 from .io.remote import is_remote
-from .machine import default_memory_budget
+from .machine import address_space_note, default_memory_budget
 from .plan.batches import (
     BatchPlan,
     Plan,
@@ -250,7 +250,7 @@ class Loader:
         self._tune_threads = config.threads is None and executor is None and workers != "process"
         self._tune_prefetch = config.prefetch is None
         self._max_threads = 2 * default_threads() if self._tune_threads else self.threads
-        self._size(config, memory_budget)
+        self._size(config, config.memory_budget)  # None shows as None: the default
         self.tuning = ""  # what autotune measured and chose, once it has
         self._climb: ThreadTuner | None = None  # autotune's climb, until done (it spans passes)
         self._executor: Executor = executor or ThreadExecutor(self.threads)
@@ -305,6 +305,7 @@ class Loader:
             raise SpecError(
                 f"memory_budget={memory_budget!r} ({self.memory_budget} bytes) holds less than one batch "
                 f"({self.batch_bytes} bytes for batch_size={self.batch_size}); raise memory_budget or lower batch_size"
+                + (address_space_note() if config.memory_budget is None else "")
             )
         fits = self.memory_budget // self.batch_bytes
         self._parts = 1  # batches assembled together (see COALESCE_BYTES); set below
@@ -495,7 +496,7 @@ class Loader:
         def small(key: str, least: int = 0) -> bool:
             return _is_int(state.get(key), least=least) and state[key] < 1 << 63
 
-        shard = state.get("shard")
+        shard: Any = state.get("shard")
         for key, ok, what in (
             ("fingerprint", isinstance(state.get("fingerprint"), str), "a string"),
             ("parts", _is_digests(state.get("parts")), "a mapping of part names to digests"),
