@@ -19,6 +19,7 @@ from stoker.machine import (
     cores_phrase,
     default_memory_budget,
     max_map_count,
+    memory_budget_for,
     physical_memory,
 )
 
@@ -212,3 +213,131 @@ def test_a_loader_takes_its_memory_budget_from_the_memory_the_process_may_use(
     monkeypatch.setattr(stoker.machine, "physical_memory", lambda: 8 << 30)
     with ds.loader(8) as loader, ds.loader(8, memory_budget="1GiB") as given:
         assert loader.memory_budget == 2 << 30 and given.memory_budget == 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("memory", "room", "budget"),
+    [(16 << 30, None, 4 << 30), (16 << 30, 1 << 30, 256 << 20), (16 << 30, 64 << 40, 4 << 30),
+     (0, 400 << 20, 100 << 20), (16 << 30, 0, 1), (16 << 30, -(1 << 30), 1)],
+)  # fmt: skip
+def test_the_budget_is_at_most_a_quarter_of_the_address_space_left(memory: int, room: int | None, budget: int) -> None:
+    assert memory_budget_for(memory, room) == budget
+
+
+def test_address_space_room_reads_the_limits_against_proc_status(tmp_path: Path) -> None:
+    """In a child: RLIMIT_AS less VmSize, RLIMIT_DATA less VmData, the smaller; None without limits."""
+    status = tmp_path / "status"
+    status.write_text("Name:\tx\nVmSize:\t  1024 kB\nVmData:\t   512 kB\n")
+    script = (
+        "import resource, stoker.machine as m\n"
+        f"print(m.address_space_room({str(status)!r}), m.address_space_limit())\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (64 << 30, resource.RLIM_INFINITY))\n"
+        f"print(m.address_space_room({str(status)!r}), m.address_space_limit())\n"
+        "resource.setrlimit(resource.RLIMIT_DATA, (1 << 20, resource.RLIM_INFINITY))\n"
+        f"print(m.address_space_room({str(status)!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split("\n")[:3] == ["None None", f"{(64 << 30) - (1 << 20)} {64 << 30}", str(512 << 10)]
+
+
+# A child that limits its address space (`ulimit -v`) to what it maps now, the loader's threads
+# (a stack and a malloc arena each, for up to twice the cores), and EXTRA bytes, then reads
+# three epochs: it prints what it delivered and the StokerError it raised, if any.
+_LIMITED = """
+import json, resource, sys
+import numpy as np
+import stoker
+from stoker.cli.sample import expected_label
+from stoker.machine import available_cores
+
+directory, extra, shuffle = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ds = stoker.Dataset(image=stoker.Field(directory + "/img_*.bin", "int8", (128, 128, 1)),
+                    label=stoker.Field(directory + "/out_*.bin.gz", "float32"))
+total = len(ds)
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+threads = (2 * available_cores() + 2) * (72 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (vm + threads + extra, resource.getrlimit(resource.RLIMIT_AS)[1]))
+epochs = []
+out = {"error": None}
+try:
+    with ds.loader(256, epochs=3, cast="float32", shuffle=None if shuffle == "none" else shuffle, seed=0) as loader:
+        for batch in loader:
+            ids = expected_label(batch["image"]).astype(np.int64)
+            assert np.array_equal(ids, batch["label"].astype(np.int64))
+            if not epochs or len(epochs[-1]) == total:
+                epochs.append([])
+            epochs[-1].extend(ids.tolist())
+except stoker.StokerError as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+out["epochs"] = [sorted(e) == list(range(total)) for e in epochs]
+out["delivered"] = sum(len(e) for e in epochs)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 files of 32 MiB of 128x128 frames (and their labels): 128 MiB to map."""
+    import stoker
+
+    return stoker.write_sample(tmp_path_factory.mktemp("frames"), pairs=4, records=2048, inrez=128)
+
+
+def _limited(frames: Path, extra: int, shuffle: str) -> dict:
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _LIMITED, str(frames), str(extra), shuffle], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and done.stdout, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("shuffle", ["none", "global"])
+def test_under_ulimit_v_the_default_budget_reads_every_epoch_exactly_once(frames: Path, shuffle: str) -> None:
+    """200 MiB beside the threads: the quarter of RAM the budget was (GiBs) and the maps kept of
+    every file ran the process out of address space in the middle of epoch 0 (ENOMEM)."""
+    got = _limited(frames, 200 << 20, shuffle)
+    assert got["error"] is None and got["epochs"] == [True, True, True] and got["delivered"] == 3 * 4 * 2048
+
+
+def test_under_a_tight_ulimit_v_the_loader_refuses_before_any_batch_naming_the_limit(frames: Path) -> None:
+    got = _limited(frames, 20 << 20, "none")
+    assert got["delivered"] == 0
+    assert got["error"].startswith("SpecError: memory_budget=None (") and "holds less than one batch" in got["error"]
+    assert "RLIMIT_AS, `ulimit -v`: " in got["error"]
+
+
+_MAP = """
+import json, resource, sys
+import numpy as np
+import stoker
+from stoker.cli.sample import expected_label
+
+ds = stoker.Dataset(image=stoker.Field(sys.argv[1] + "/img_*.bin", "int8", (128, 128, 1)))
+out = {"error": None, "ids": []}
+try:
+    with ds.loader(64, threads=1, cycle_length=1, block_length=2048, prefetch=2, memory_budget="8MiB") as loader:
+        for batch in loader:
+            out["ids"] += expected_label(batch["image"]).astype(np.int64).tolist()
+            if len(out["ids"]) == 64:  # the loader's thread runs: its stack and arena are mapped now
+                with open("/proc/self/status") as f:
+                    vm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+                resource.setrlimit(resource.RLIMIT_AS, (vm + (8 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+except stoker.StokerError as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+    out["path"] = e.path
+print(json.dumps(out))
+"""
+
+
+def test_a_file_the_address_space_cannot_map_is_a_read_error_naming_it_and_the_limit(frames: Path) -> None:
+    """8 MiB left once the first file is mapped: the second (32 MiB) cannot be."""
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _MAP, str(frames)], capture_output=True, text=True, timeout=300)
+    got = json.loads(done.stdout)
+    second = str(frames / "img_0001.bin")
+    assert got["error"].startswith(f"ReadError: field 'image': cannot map {second!r} (33554432 bytes): ")
+    assert "RLIMIT_AS, `ulimit -v`: " in got["error"] and got["path"] == second
+    assert got["ids"] == list(range(len(got["ids"]))) and len(got["ids"]) <= 2048  # the first file's, in order

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -288,13 +289,58 @@ def _frames(err: BaseException) -> list[Any]:
 
 def test_a_transform_that_returns_no_dict_is_an_error_naming_it(frames: stoker.Dataset) -> None:
     loader = frames.loader(8, transform=lambda b, rng: b["image"])
-    with pytest.raises(TypeError, match="expected a dict of numpy arrays") as e:
+    with pytest.raises(stoker.TransformError, match="a numpy array of shape") as e:
         next(iter(loader))
-    assert "transform 0 (test_a_transform_that_returns_no_dict_is_an_error_naming_it.<locals>.<lambda>)" in "\n".join(
-        e.value.__notes__
-    )
+    assert isinstance(e.value, TypeError)
+    assert "transform 0 (test_a_transform_that_returns_no_dict_is_an_error_naming_it.<locals>.<lambda>)" in str(e.value)
     assert frames.files[0]["image"].path in "\n".join(e.value.__notes__)
     loader.close()
+
+
+# A batch holding a record of group 3 (the 3rd batch of 8, first record at position 16) comes back wrong.
+def none_at_group_3(batch: dict[str, np.ndarray], rng: np.random.Generator) -> Any:
+    return None if 3 in batch["__group__"] else batch
+
+
+def list_at_group_3(batch: dict[str, np.ndarray], rng: np.random.Generator) -> Any:
+    return [batch] if 3 in batch["__group__"] else batch
+
+
+def list_value_at_group_3(batch: dict[str, np.ndarray], rng: np.random.Generator) -> Any:
+    return {**batch, "label": batch["label"].tolist()} if 3 in batch["__group__"] else batch
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize(
+    ("fn", "returned"),
+    [
+        (none_at_group_3, "returned None"),
+        (list_at_group_3, "returned a list of 1 items"),
+        (list_value_at_group_3, r"returned a dict whose values are not all numpy arrays \(\{'label': 'list'\}\)"),
+    ],
+)
+def test_a_transform_returning_no_batch_is_a_transform_error_after_every_good_batch(
+    frames: stoker.Dataset, workers: str, fn: Any, returned: str
+) -> None:
+    """None, a list, a dict of lists: a TransformError naming the transform, what it returned and
+    the batch, raised to the consumer; the batches before it are delivered whole, none after."""
+    loader = frames.loader(8, transform=[Normalize(mean=0, std=1, fields="image"), fn], with_index=True,
+                           workers=workers, threads=2)  # fmt: skip
+    got, err = consume(loader)
+    loader.close()
+    assert isinstance(err, stoker.TransformError) and isinstance(err, TypeError), repr(err)
+    message = str(err)
+    assert f"transform 1 ({fn.__name__}) " in message
+    assert re.search(returned, message), message
+    assert "on batch 2 of epoch 0 (first record at position 16 of the epoch's sequence)" in message
+    assert frames.files[3]["image"].path in "\n".join(err.__notes__)
+    assert len(got) == 2  # the two batches before it, whole, and nothing from it on
+    with frames.loader(8, with_index=True) as plain:
+        want = [b for _, b in zip(range(2), plain, strict=False)]
+    for b, w in zip(got, want, strict=True):
+        assert all(isinstance(v, np.ndarray) and len(v) == 8 for v in b.values())
+        assert np.array_equal(b["__group__"], w["__group__"]) and np.array_equal(b["__index__"], w["__index__"])
+        assert np.array_equal(b["image"], w["image"].astype(np.float32)) and np.array_equal(b["label"], w["label"])
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from .errors import (
     StateError,
     StokerError,
     SupersededError,
+    TransformError,
     WriteError,
 )
 from .io.files import Group
@@ -47,6 +48,7 @@ __all__ = [
     "StokerError",
     "Subset",
     "SupersededError",
+    "TransformError",
     "WriteError",
     "write_index",
     "write_sample",

@@ -166,7 +166,8 @@ class Dataset:
             memory_budget: bytes the engine may hold (batches in flight plus recycled buffers,
                 and small compressed files kept decoded), as `"2GiB"` or an int. None (the
                 default): a quarter of the memory this process may use, container limits
-                included, at least 512 MiB (`stoker.machine.default_memory_budget`). The
+                included, at least 512 MiB, and at most a quarter of the address space left
+                under `ulimit -v` (`stoker.machine.default_memory_budget`). The
                 default prefetch takes at most half of the batches it holds, so large batches
                 may leave workers idle: `loader.stats()` then says `held down by
                 memory_budget` and `stoker.doctor.verdict` names a budget that gives
@@ -349,24 +350,46 @@ def to_root(ds: Dataset, groups: np.ndarray, records: np.ndarray) -> tuple[np.nd
     return view.groups[groups], root_records
 
 
-def _indices(ds: Dataset, indices: Any, what: str) -> np.ndarray:
-    idx = np.asarray(indices)
+def _in_range(value: Any, n: int, what: str) -> tuple[np.ndarray, int | None]:
+    """`value` (a 1-D integer sequence) as int64 indices in `[0, n)`, negatives counted from the
+    end, or the first index out of range (as a Python int) with an empty array.
+
+    Checked before any cast to int64: a uint64 of 2**64 - 1, or a Python int past 2**63, would
+    wrap to a negative index and read a record that was never asked for.
+    """
+    idx = np.asarray(value)
     if idx.ndim != 1:
         raise SpecError(f"{what} must be a 1-D sequence of record indices, got shape {idx.shape}")
-    if idx.size and idx.dtype.kind not in "iu":
-        raise SpecError(f"{what} must be integers, got dtype {idx.dtype}")
+    if not idx.size:
+        return np.zeros(0, np.int64), None
+    if idx.dtype.kind not in "iu":
+        # Python ints past int64 make numpy's array object (or float64, beside small ones).
+        items = list(idx) if isinstance(value, np.ndarray) else list(value)
+        integral = all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in items)
+        if idx.dtype.kind not in "fO" or not integral:
+            raise SpecError(f"{what} must be integers, got dtype {idx.dtype}")
+        bad = next((int(v) for v in items if not -n <= int(v) < n), None)
+        if bad is not None:
+            return np.zeros(0, np.int64), bad
+        idx = np.array([int(v) for v in items], np.int64)
+    # Unsigned ones compared unsigned: nothing wraps.
+    out = idx >= np.uint64(n) if idx.dtype.kind == "u" else (idx < -n) | (idx >= n)
+    if out.any():
+        return np.zeros(0, np.int64), int(idx[np.flatnonzero(out)[0]])
     idx = idx.astype(np.int64)
+    return np.where(idx < 0, idx + n, idx), None
+
+
+def _indices(ds: Dataset, indices: Any, what: str) -> np.ndarray:
     n = int(_firsts(ds)[-1])
-    if idx.size:
-        bad = (idx < -n) | (idx >= n)
-        if bad.any():
-            first = int(idx[np.flatnonzero(bad)[0]])
-            path = _first_path(ds)
-            raise RecordIndexError(
-                f"record index {first} is out of range for {ds!r} with {n} records (first file {path!r})",
-                index=first, path=path,
-            )  # fmt: skip
-    return np.where(idx < 0, idx + n, idx)
+    idx, bad = _in_range(indices, n, what)
+    if bad is not None:
+        path = _first_path(ds)
+        raise RecordIndexError(
+            f"record index {bad} is out of range for {ds!r} with {n} records (first file {path!r})",
+            index=bad, path=path,
+        )  # fmt: skip
+    return idx
 
 
 def _first_path(ds: Dataset) -> str | None:
@@ -391,7 +414,7 @@ def read_one(ds: Dataset, i: Any) -> dict[str, np.ndarray]:
         return read_records(ds, np.arange(*i.indices(len(ds)), dtype=np.int64))
     if isinstance(i, bool) or not isinstance(i, numbers.Integral):
         raise SpecError(f"a record index must be an integer (or a slice), got {i!r}")
-    batch = read_records(ds, np.array([int(i)], dtype=np.int64))
+    batch = read_records(ds, [int(i)])  # a list, so an index past int64 is range-checked, not cast
     return {n: a[0, ...] for n, a in batch.items()}
 
 
@@ -531,18 +554,16 @@ class _RecordsAssembler(Assembler):
         return out, plan
 
 
-def _positions(value: Any, n: int, what: str) -> np.ndarray:
+def _positions(value: Any, n: int, what: str, path: str | None) -> np.ndarray:
     """A slice or integer sequence of positions in `[0, n)` (negatives from the end), no repeats."""
     if isinstance(value, slice):
         return np.arange(*value.indices(n), dtype=np.int64)
     arr = np.asarray(value)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+    if arr.ndim != 1:
         raise SpecError(f"{what} must be a slice or a 1-D sequence of integers, got {value!r:.100}")
-    arr = arr.astype(np.int64)
-    if arr.size and (arr.min() < -n or arr.max() >= n):
-        bad = int(arr[(arr < -n) | (arr >= n)][0])
-        raise RecordIndexError(f"{what}: {bad} is out of range for {n}", index=bad)
-    arr = np.where(arr < 0, arr + n, arr)
+    arr, bad = _in_range(value, n, what)
+    if bad is not None:
+        raise RecordIndexError(f"{what}: {bad} is out of range for {n} (first file {path!r})", index=bad, path=path)
     if len(np.unique(arr)) != len(arr):
         raise SpecError(f"{what} holds repeated values; a subset holds each group or record once")
     return arr
@@ -564,13 +585,13 @@ def select(ds: Dataset, *, groups: Any = None, records: Any = None) -> Subset:
     else:
         root, base_groups, base_records = ds, np.arange(ds.num_groups, dtype=np.int64), [None] * ds.num_groups
     if groups is not None:
-        chosen = _positions(groups, len(base_groups), "groups")
+        chosen = _positions(groups, len(base_groups), "groups", _first_path(ds))
         base_groups = base_groups[chosen]
         base_records = [base_records[int(i)] for i in chosen]
     view = Subset(root, base_groups, base_records)
     if records is None:
         return view
-    idx = np.sort(_positions(records, len(view), "records"))
+    idx = np.sort(_positions(records, len(view), "records", _first_path(ds)))
     vg, local = locate(view, idx)
     new_groups: list[int] = []
     new_records: list[np.ndarray | None] = []

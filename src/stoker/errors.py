@@ -14,6 +14,7 @@ __all__ = [
     "StateError",
     "StokerError",
     "SupersededError",
+    "TransformError",
     "WriteError",
 ]
 
@@ -87,6 +88,10 @@ class RecordIndexError(StokerError, IndexError):
 
 class SupersededError(StokerError, RuntimeError):
     """A loader's iterator was used after a newer `iter(loader)` ended its pass (one pass at a time)."""
+
+
+class TransformError(StokerError, TypeError):
+    """A `transform=` function returned something other than a dict of numpy arrays."""
 
 
 class WriteError(StokerError, OSError):

@@ -37,7 +37,7 @@ from .errors import SpecError, StateError, SupersededError
 from .io.fetch import Fetcher, parallel_reads
 from .io.readahead import AHEAD_BYTES, Readahead, drop_behind_for
 from .io.remote import is_remote
-from .machine import default_memory_budget
+from .machine import address_space_note, default_memory_budget
 from .plan.batches import (
     BatchPlan,
     Plan,
@@ -250,7 +250,7 @@ class Loader:
         self._tune_threads = config.threads is None and executor is None and workers != "process"
         self._tune_prefetch = config.prefetch is None
         self._max_threads = 2 * default_threads() if self._tune_threads else self.threads
-        self._size(config, memory_budget)
+        self._size(config, config.memory_budget)  # None shows as None: the default
         self.tuning = ""  # what autotune measured and chose, once it has
         self._climb: ThreadTuner | None = None  # autotune's climb, until done (it spans passes)
         self._executor: Executor = executor or ThreadExecutor(self.threads)
@@ -305,6 +305,7 @@ class Loader:
             raise SpecError(
                 f"memory_budget={memory_budget!r} ({self.memory_budget} bytes) holds less than one batch "
                 f"({self.batch_bytes} bytes for batch_size={self.batch_size}); raise memory_budget or lower batch_size"
+                + (address_space_note() if config.memory_budget is None else "")
             )
         fits = self.memory_budget // self.batch_bytes
         self._parts = 1  # batches assembled together (see COALESCE_BYTES); set below
@@ -489,14 +490,21 @@ class Loader:
             raise StateError(
                 f"not a stoker loader state (version {STATE_VERSION} expected): {state!r:.200}", path=first
             )
+
+        # Every count and position of a state below 2**63: what int64 arrays, and the
+        # frameworks that carry a state as tensors, hold.
+        def small(key: str, least: int = 0) -> bool:
+            return _is_int(state.get(key), least=least) and state[key] < 1 << 63
+
+        shard: Any = state.get("shard")
         for key, ok, what in (
             ("fingerprint", isinstance(state.get("fingerprint"), str), "a string"),
             ("parts", _is_digests(state.get("parts")), "a mapping of part names to digests"),
-            ("epoch", _is_int(state.get("epoch")), "a non-negative integer"),
-            ("position", _is_int(state.get("position")), "a non-negative integer"),
+            ("epoch", small("epoch"), "a non-negative integer below 2**63"),
+            ("position", small("position"), "a non-negative integer below 2**63"),
             ("seed", state.get("seed") is None or _is_int(state["seed"]), "a non-negative integer or None"),
-            ("batch_size", _is_int(state.get("batch_size"), least=1), "a positive integer"),
-            ("shard", _is_shard(state.get("shard")), "[index, count] with 0 <= index < count"),
+            ("batch_size", small("batch_size", 1), "a positive integer below 2**63"),
+            ("shard", _is_shard(shard) and shard[1] < 1 << 63, "[index, count] with 0 <= index < count < 2**63"),
         ):
             if not ok:
                 raise StateError(f"state has {key}={state.get(key)!r:.200}; it must be {what}", path=first)
@@ -507,6 +515,12 @@ class Loader:
             raise StateError(
                 f"the saved state belongs to a different dataset or loader configuration; differs in: "
                 f"{', '.join(differ) or 'unknown parts'} (dataset's first file {first!r})",
+                path=first,
+            )
+        if state["seed"] != self.seed:  # the fingerprint holds this loader's seed, not the state's
+            raise StateError(
+                f"state has seed={state['seed']!r:.200}, this loader's seed is {self.seed!r} (dataset's first file "
+                f"{first!r})",
                 path=first,
             )
         epoch, position = int(state["epoch"]), int(state["position"])
@@ -520,6 +534,15 @@ class Loader:
         # (its next position is beyond it); that and the end itself mean the epoch is done.
         total = len(self.dataset)  # counts settled by the fingerprint already
         count = int(state["shard"][1])
+        # More shards than records leave a shard nothing to read; a larger count would let a
+        # state's position run past the epoch's end by as much, and end the epoch early.
+        if count > max(total, self.shard[1]):
+            raise StateError(
+                f"state has shard={list(state['shard'])}: {count} shards of an epoch of {total} records (and this "
+                f"loader's shard={list(self.shard)}); a state's shard count is at most the record count, or this "
+                f"loader's own (dataset's first file {first!r})",
+                path=first,
+            )
         if position > total + count - 1:
             raise StateError(
                 f"state has position={position}, past the end of epoch {epoch} ({total} records, "

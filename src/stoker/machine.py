@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import TypeVar
 
 __all__ = [
+    "address_space_limit",
+    "address_space_note",
+    "address_space_room",
     "available_cores",
     "cores_phrase",
     "cgroup_cpu_limit",
@@ -30,9 +33,11 @@ __all__ = [
     "default_memory_budget",
     "descriptor_limits",
     "max_map_count",
+    "memory_budget_for",
     "open_regular",
     "physical_memory",
     "set_soft_descriptor_limit",
+    "thread_address_space",
 ]
 
 PROC_CGROUP = "/proc/self/cgroup"
@@ -45,6 +50,8 @@ _V1_UNLIMITED = 1 << 62
 DEFAULT_MAX_MAP_COUNT = 65530
 # memory_budget's floor where the machine has the memory for it (the fixed default it replaces).
 MIN_MEMORY_BUDGET = 512 << 20
+# Address space glibc reserves for each thread's malloc arena on 64-bit Linux (HEAP_MAX_SIZE).
+_MALLOC_ARENA = 64 << 20
 
 
 def available_cores() -> int:
@@ -77,9 +84,53 @@ def physical_memory() -> int:
 
 
 def default_memory_budget(memory: int | None = None) -> int:
-    """A loader's `memory_budget` by default: a quarter of the memory this process may use
-    (`physical_memory()`, a container's limit included), at least 512 MiB (half of the memory
-    where that is below 1 GiB; 512 MiB where it is unknown).
+    """A loader's `memory_budget` by default: `memory_budget_for` this process's memory
+    (`physical_memory()`, a container's limit included, unless `memory` is given) and the
+    address space it may still map (`address_space_room()`) once the threads a loader may run
+    (up to twice the cores, see stoker.engine.autotune, and the consumer's) have theirs."""
+    room = address_space_room()
+    if room is not None:
+        room -= _threads_address_space()
+    return memory_budget_for(physical_memory() if memory is None else memory, room)
+
+
+def _threads_address_space() -> int:
+    return (2 * available_cores() + 2) * thread_address_space()
+
+
+def address_space_note() -> str:
+    """Why the default budget is what it is where RLIMIT_AS bounds it (for an error that names
+    the budget); "" where there is no such limit."""
+    limit, room = address_space_limit(), address_space_room()
+    if limit is None or room is None:
+        return ""
+    return (
+        f"; the default memory_budget is a quarter of the address space this process may still map under "
+        f"its limit (RLIMIT_AS, `ulimit -v`: {limit} bytes, {room} of them free, less "
+        f"{_threads_address_space()} for the loader's threads): raise the limit, or give memory_budget= "
+        "and a batch_size that fit"
+    )
+
+
+def thread_address_space() -> int:
+    """Address space a thread takes once it runs Python and numpy: its stack (RLIMIT_STACK, 8 MiB
+    where unlimited, glibc's default then) and the malloc arena glibc reserves for it (64 MiB)."""
+    stack = 8 << 20
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_STACK)[0]
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            stack = soft
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
+        pass
+    return stack + _MALLOC_ARENA
+
+
+def memory_budget_for(memory: int, room: int | None = None) -> int:
+    """A quarter of `memory`, at least 512 MiB (half of it where that is below 1 GiB; 512 MiB
+    where it is unknown, 0), and no more than a quarter of `room`, the address space left under
+    the process's limits (None: unlimited).
 
     A fixed 512 MiB held W1's batch of 1024 to a prefetch of 3 on a 16-core host, where each
     worker needs a batch to fill. tf.data's autotune lets its buffers take half of the RAM;
@@ -87,11 +138,60 @@ def default_memory_budget(memory: int | None = None) -> int:
     and to the framework's own host memory. It is a bound, not an allocation: the default
     prefetch stays at a few batches more than the workers (stoker.engine.autotune.wanted_prefetch),
     so only large batches come near it.
+
+    Under `ulimit -v` (RLIMIT_AS) every map counts, not only memory in use: the maps of the data
+    files, each thread's stack and malloc arena, the framework's own. The budget is a quarter of
+    what is left, so those fit beside it; a budget that then holds no batch is a SpecError when
+    the loader is built, never an ENOMEM in the middle of an epoch.
+
+    Example:
+        >>> memory_budget_for(16 << 30) == 4 << 30
+        True
+        >>> memory_budget_for(16 << 30, room=1 << 30) == 256 << 20
+        True
     """
-    memory = physical_memory() if memory is None else memory
-    if memory <= 0:
-        return MIN_MEMORY_BUDGET
-    return max(min(MIN_MEMORY_BUDGET, memory // 2), memory // 4)
+    budget = MIN_MEMORY_BUDGET if memory <= 0 else max(min(MIN_MEMORY_BUDGET, memory // 2), memory // 4)
+    # At least a byte: a budget that holds no batch is then the loader's error saying so.
+    return budget if room is None else max(1, min(budget, room // 4))
+
+
+def address_space_limit() -> int | None:
+    """The process's soft limit on its address space (RLIMIT_AS, `ulimit -v`) in bytes; None
+    where there is none."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+
+
+def address_space_room(status: str = "/proc/self/status") -> int | None:
+    """Bytes this process may still map: RLIMIT_AS less its address space now (VmSize), and
+    RLIMIT_DATA less its private writable maps (VmData: numpy's arrays, the loader's buffers);
+    the smaller of the two, or None where neither limit is set or /proc cannot be read."""
+    try:
+        import resource
+
+        limits = {"VmSize": resource.RLIMIT_AS, "VmData": resource.RLIMIT_DATA}
+        soft = {key: resource.getrlimit(which)[0] for key, which in limits.items()}
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on POSIX
+        return None
+    soft = {k: v for k, v in soft.items() if v != resource.RLIM_INFINITY and v >= 0}
+    if not soft:
+        return None
+    used: dict[str, int] = {}
+    try:
+        with open(status) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in soft and value.split():
+                    used[key] = int(value.split()[0]) << 10  # in kB
+    except (OSError, ValueError):
+        return None
+    rooms = [max(0, limit - used[key]) for key, limit in soft.items() if key in used]
+    return min(rooms) if rooms else None
 
 
 def descriptor_limits() -> tuple[int, int]:

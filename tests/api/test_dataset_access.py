@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stoker
+import stoker.dataset
 import stoker.engine.records
 from stoker.engine.records import RecordReader
 from stoker.plan.batches import BatchPlan, Plan, PlanConfig
@@ -65,6 +66,36 @@ def test_getitem_out_of_range_is_an_index_error_naming_the_file(ds: stoker.Datas
         ds[i]
     assert isinstance(e.value, IndexError) and isinstance(e.value, stoker.StokerError)
     assert e.value.index == i and e.value.path is not None and "img_0000.bin" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "i", [2**63, 2**64 - 1, 2**70, -(2**63) - 1, np.uint64(2**64 - 1), np.uint64(2**63), np.int64(-(2**63))]
+)
+def test_an_index_past_int64_is_out_of_range_on_every_entry_never_another_record(ds: stoker.Dataset, i: Any) -> None:
+    """Checked as Python ints before any cast: 2**64 - 1 as int64 is -1, the last record."""
+    sub = ds.select(groups=[0, 3])
+    as_array = np.array([i], np.uint64 if 0 <= i < 2**64 else object)
+    calls = {
+        "ds[i]": lambda: ds[i],
+        "ds.read": lambda: ds.read([i]),
+        "ds.read(array)": lambda: ds.read(as_array),
+        "__getitems__": lambda: ds.__getitems__([0, i]),
+        "read_records": lambda: stoker.dataset.read_records(ds, [i]),
+        "read_one": lambda: stoker.dataset.read_one(ds, i),
+        "subset[i]": lambda: sub[i],
+        "subset.read": lambda: sub.read([i]),
+    }
+    for what, call in calls.items():
+        with pytest.raises(stoker.RecordIndexError, match=f"record index {int(i)} is out of range") as e:
+            call()
+        assert e.value.index == int(i), what
+        assert "img_0000.bin" in str(e.value) and e.value.path is not None, what
+        assert f"with {len(sub) if what.startswith('subset') else 53} records" in str(e.value), what
+    for kw in ({"records": [i]}, {"groups": [1, i]}, {"records": as_array}):
+        for base in (ds, sub):
+            with pytest.raises(stoker.RecordIndexError, match=f"{int(i)} is out of range for") as e:
+                base.select(**kw)
+            assert "img_0000.bin" in str(e.value) and e.value.index == int(i)
 
 
 def test_getitem_rejects_non_integers(ds: stoker.Dataset) -> None:

@@ -258,6 +258,17 @@ def _state(ds: stoker.Dataset, **kw: Any) -> dict[str, Any]:
         ({"fingerprint": 5}, "fingerprint=5; it must be a string"),
         ({"parts": [1, 2]}, r"parts=\[1, 2\]; it must be a mapping of part names to digests"),
         ({"parts": [1, 2], "fingerprint": "0" * 16}, r"parts=\[1, 2\]"),
+        # Numbers past int64 or past the dataset: refused before any of them is used.
+        (
+            {"shard": [0, 10**12], "position": 10**11},
+            r"shard=\[0, 1000000000000\]: 1000000000000 shards of an epoch of 163",
+        ),
+        ({"shard": [0, 164], "position": 163 + 163}, r"shard=\[0, 164\]: 164 shards of an epoch of 163 records"),
+        ({"shard": [0, 2**64]}, r"shard=\[0, 18446744073709551616\]; it must be \[index, count\] with 0 <= index"),
+        ({"epoch": 2**64}, r"epoch=18446744073709551616; it must be a non-negative integer below 2\*\*63"),
+        ({"position": 2**63}, r"position=9223372036854775808; it must be a non-negative integer below 2\*\*63"),
+        ({"batch_size": 2**63}, r"batch_size=9223372036854775808; it must be a positive integer below 2\*\*63"),
+        ({"seed": 8}, "seed=8, this loader's seed is 7"),
     ],
 )
 def test_a_crafted_state_is_a_state_error_naming_the_value_and_the_dataset(
@@ -290,6 +301,28 @@ def test_a_shards_last_position_past_the_epoch_end_is_a_valid_state(ds: stoker.D
     assert_same_batches(rest, resumed)
     with pytest.raises(stoker.StateError, match="past the end"):
         ds.loader(10, epochs=2, shuffle="global", seed=7).load_state_dict({**state, "shard": [0, 1]})
+
+
+def test_a_state_claiming_more_shards_than_records_skips_nothing(ds: stoker.Dataset) -> None:
+    """10**12 shards would put the position anywhere up to 10**12 - 1 past the end: the rest of the
+    epoch skipped. Refused, and the same loader goes on to deliver every record of epoch 0 once."""
+    loader = ds.loader(10, epochs=2, shuffle="global", seed=7)
+    with pytest.raises(stoker.StateError, match="shard=") as info:
+        loader.load_state_dict(_state(ds, shard=[0, 10**12], position=10**11))
+    assert info.value.path is not None and info.value.path.endswith("img_0000.bin")
+    ids = ids_of(collect(loader))
+    assert sorted(ids[:TOTAL].tolist()) == list(range(TOTAL)) == sorted(ids[TOTAL:].tolist())
+
+
+def test_a_loaders_own_state_loads_with_more_shards_than_records(ds: stoker.Dataset) -> None:
+    """World size above the record count (a tiny eval set on many ranks) is a valid state."""
+    with ds.loader(10, epochs=2, shard=(5, 200), even=False) as loader:
+        it = iter(loader)
+        first = dict(next(it))
+        state = json.loads(json.dumps(loader.state_dict()))
+        rest = [dict(b) for b in it]
+    assert len(first["image"]) == 1 and len(rest) == 1
+    assert_same_batches(rest, collect(ds.loader(10, epochs=2, shard=(5, 200), even=False, state=state)))
 
 
 def test_assert_resumable_refuses_bad_passes(ds: stoker.Dataset) -> None:

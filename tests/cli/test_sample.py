@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gzip
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import stoker
+from stoker.cli import main
 from stoker.cli.sample import expected_label
 
 
@@ -53,3 +56,34 @@ def test_inrez_97_sample_pairs_through_the_loader(tmp_path: Path) -> None:
 def test_bad_arguments_raise_spec_error(tmp_path: Path, kw: dict) -> None:
     with pytest.raises(stoker.SpecError):
         stoker.write_sample(tmp_path, **{"pairs": 1, "records": 1, "inrez": 4, **kw})
+
+
+@pytest.mark.parametrize("where", ["under a file", "a name too long"])
+def test_stoker_sample_into_an_unmakeable_directory_prints_type_and_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    out = tmp_path / "file" / "sample" if where == "under a file" else tmp_path / ("d" * 300)
+    assert main(["sample", str(out), "--pairs", "2", "--records", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"WriteError: cannot write a sample into {str(out)!r}: ") and "Traceback" not in err
+    with pytest.raises(stoker.WriteError) as e:
+        stoker.write_sample(out, pairs=2, records=8, inrez=8)
+    assert isinstance(e.value, OSError) and e.value.path == str(out)
+
+
+def test_a_sample_the_disk_cannot_hold_is_a_write_error_and_leaves_no_files(tmp_path: Path) -> None:
+    """RLIMIT_FSIZE in the child: its writes past 64 KiB fail as a full disk's would (EFBIG, not
+    ENOSPC; the same OSError path), and it does so as any user, where a full tmpfs needs root."""
+    out = tmp_path / "sample"
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "from stoker.cli import main\n"
+        f"sys.exit(main(['sample', {str(out)!r}, '--pairs', '2', '--records', '32', '--inrez', '64']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"WriteError: cannot write a sample into {str(out)!r}: File too large"), done.stderr
+    assert "img_0000.bin" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in out.iterdir()) == []  # the half-written image is gone

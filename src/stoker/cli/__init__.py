@@ -18,7 +18,7 @@ from ..errors import CorruptDataError, PairingError, ReadError, SpecError, Stale
 from ..machine import available_cores, cores_phrase
 from ..spec import resolve_cast
 from .config import build_fields, dataset_from_fields, fields_from_config, parse_field
-from .sample import CONFIG_NAME, cached_sample, write_sample
+from .sample import CONFIG_NAME, cached_sample, directory_contents, write_sample
 
 __all__ = ["dataset_from_fields", "main", "parse_field"]
 
@@ -98,9 +98,7 @@ class _Progress:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     out = Path(args.dir)
-    if out.exists() and not out.is_dir():
-        raise SpecError(f"stoker sample: {args.dir!r} is not a directory", path=args.dir)
-    present = sorted(out.iterdir()) if out.is_dir() else []
+    present = directory_contents(out)
     if present and not args.force:
         shown = ", ".join(p.name for p in present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
         raise SpecError(

@@ -10,6 +10,7 @@ Beside the files, `stoker.toml` records the fields (globs relative to the direct
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import re
@@ -19,10 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SpecError
+from ..errors import SpecError, WriteError
 from ..io.index import INDEX_NAME
 
-__all__ = ["CONFIG_NAME", "cached_sample", "expected_label", "sample_config", "sample_files", "write_sample"]
+__all__ = [
+    "CONFIG_NAME",
+    "cached_sample",
+    "directory_contents",
+    "expected_label",
+    "sample_config",
+    "sample_files",
+    "write_sample",
+]
 
 CONFIG_NAME = "stoker.toml"
 _COMPLETE = ".complete"  # cached_sample's marker, written last
@@ -61,18 +70,53 @@ def write_sample(
     if pairs * records >= 1 << 24:
         raise SpecError(f"pairs*records={pairs * records} must stay below 2**24 so float32 labels are exact")
     out = Path(directory)
-    if out.exists() and not out.is_dir():
+    try:
+        is_file = out.exists() and not out.is_dir()
+        old = sample_files(out)
+    except OSError as e:  # a name too long, a directory that cannot be listed
+        raise _cannot_write(out, e) from e
+    if is_file:
         raise SpecError(f"{str(out)!r} is not a directory: write_sample writes a directory of files", path=str(out))
-    old = sample_files(out)
     if old and not replace:
         shown = ", ".join(p.name for p in old[:3]) + (f" and {len(old) - 3} more" if len(old) > 3 else "")
         raise SpecError(
             f"{str(out)!r} already holds a sample's files ({shown}); pass replace=True to replace them",
             path=str(out),
         )
-    for p in old:
-        p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        for p in old:
+            p.unlink()
+        out.mkdir(parents=True, exist_ok=True)
+        _write_pairs(out, pairs, records, inrez, compresslevel, written, progress)
+        written.append(out / CONFIG_NAME)
+        (out / CONFIG_NAME).write_text(sample_config(inrez))
+    except OSError as e:
+        # A half-written sample would pass for a whole one with fewer records: its files go.
+        for p in written:
+            with contextlib.suppress(OSError):
+                p.unlink()
+        raise _cannot_write(out, e, written[-1] if written else None) from e
+    return out
+
+
+def _cannot_write(out: Path, e: OSError, writing: Path | None = None) -> WriteError:
+    """The directory `out` cannot hold a sample: what the system said, and of which file."""
+    name = e.filename or writing
+    which = f" ({name})" if name and str(name) != str(out) else ""
+    return WriteError(f"cannot write a sample into {str(out)!r}: {e.strerror or e}{which}", path=str(out))
+
+
+def _write_pairs(
+    out: Path,
+    pairs: int,
+    records: int,
+    inrez: int,
+    compresslevel: int,
+    written: list[Path],
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """The image and label files of a sample, each added to `written` before it is opened."""
     frame = inrez * inrez
     rng = np.random.default_rng(0)
     pattern = rng.integers(-128, 128, size=frame, dtype=np.int8)
@@ -80,6 +124,7 @@ def write_sample(
     base = 0
     for g in range(pairs):
         img_path = out / f"img_{g:04d}.bin"
+        written.append(img_path)
         with open(img_path, "wb") as f:
             for start in range(0, records, chunk):
                 n = min(chunk, records - start)
@@ -90,13 +135,25 @@ def write_sample(
                 block[:, :4] = idx.view(np.int8).reshape(n, 4)
                 f.write(block.tobytes())
         labels = np.arange(base, base + records, dtype="<f4")
+        written.append(out / f"out_{g:04d}.bin.gz")
         with gzip.open(out / f"out_{g:04d}.bin.gz", "wb", compresslevel=compresslevel) as f:
             f.write(labels.tobytes())
         base += records
         if progress is not None:
             progress(g + 1, pairs)
-    (out / CONFIG_NAME).write_text(sample_config(inrez))
-    return out
+
+
+def directory_contents(directory: str | os.PathLike[str]) -> list[Path]:
+    """What a directory a sample is about to be written into holds, sorted (none where it does
+    not exist yet); a SpecError where it is a file, a WriteError where it cannot be looked into
+    (a name too long, a directory that cannot be listed)."""
+    out = Path(directory)
+    try:
+        if out.exists() and not out.is_dir():
+            raise SpecError(f"stoker sample: {str(out)!r} is not a directory", path=str(out))
+        return sorted(out.iterdir()) if out.is_dir() else []
+    except OSError as e:
+        raise _cannot_write(out, e) from e
 
 
 def sample_files(directory: str | os.PathLike[str]) -> list[Path]:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import reprlib
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import kernels as _compiled
-from ..errors import SpecError
+from ..errors import SpecError, TransformError
 from ..kernels import STREAM_MIN_BYTES, address, cast_into, cast_mapped
 from ..transforms import DEFAULT_SEED, Cast, Normalize, RandomCrop, RandomFlip, Transform, batch_rng
 from .executor import Stopped
@@ -224,6 +225,26 @@ def _name(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
+# What a wrong return is shown as: short, on one line (a batch's arrays would print thousands of lines).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxdict = 2, 40, 40, 8
+
+
+def _returned(result: object) -> str:
+    """What a transform returned instead of a batch, in a line: its type, and its keys or length."""
+    if result is None:
+        return "None"
+    kind = type(result).__qualname__
+    if isinstance(result, Mapping):
+        wrong = {str(k)[:40]: type(v).__qualname__ for k, v in result.items() if not isinstance(v, np.ndarray)}
+        return f"a {kind} whose values are not all numpy arrays ({_REPR.repr(wrong)})"
+    if isinstance(result, np.ndarray):
+        return f"a numpy array of shape {result.shape}"
+    if isinstance(result, list | tuple):
+        return f"a {kind} of {len(result)} items"
+    return f"a {kind} ({_REPR.repr(result)})"
+
+
 def describe_records(plan: BatchPlan, catalog: Catalog, limit: int = 8) -> str:
     """`(group, index)` ranges of a planned batch, with the file of each group's first field."""
     first_field = next(iter(catalog.fields))
@@ -400,11 +421,14 @@ class Stage:
                 fn = self.transforms[k]
                 result = fn(out, batch_rng(self.seed, plan.epoch, first, k))
                 if not isinstance(result, Mapping) or not all(isinstance(v, np.ndarray) for v in result.values()):
-                    got = (
-                        {key: type(v).__name__ for key, v in result.items()} if isinstance(result, Mapping) else result
+                    raise TransformError(
+                        f"transform {k} ({_name(fn)}) returned {_returned(result)} on batch {plan.index} of epoch "
+                        f"{plan.epoch} (first record at position {first} of the epoch's sequence); a transform "
+                        "returns the batch: a dict of field name -> numpy array"
                     )
-                    raise TypeError(f"transform returned {got!r:.200}, expected a dict of numpy arrays")
                 out = dict(result)
+        except TransformError:
+            raise  # says all of the note below, and keeps it across a process worker's pickling
         except BaseException as e:
             e.add_note(
                 f"stoker: in transform {k} ({_name(self.transforms[k])}) on batch {plan.index} of epoch "

@@ -3,6 +3,7 @@ planned run is done and nobody holds it, its map given back to be kept for the n
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -15,10 +16,25 @@ from ..io.faults import cut_since_built
 from ..io.files import FileInfo, open_local
 from ..io.readahead import Readahead
 from ..kernels import map_address, map_file
+from ..machine import address_space_limit, address_space_room
 from .descriptors import pass_open_files
 from .maps import Identity, KeptMaps, identity_of
 
-__all__ = ["OpenFile", "OpenFiles"]
+__all__ = ["OpenFile", "OpenFiles", "map_refused"]
+
+
+def map_refused(name: str, path: str, size: int, e: OSError) -> ReadError:
+    """The ReadError of a file the system would not map: where it ran out of address space under
+    `ulimit -v`, the limit, and what to change."""
+    why = f"field {name!r}: cannot map {path!r} ({size} bytes): {e.strerror or e}"
+    limit = address_space_limit()
+    if e.errno == errno.ENOMEM and limit is not None:
+        why += (
+            f"; this process's address space is limited (RLIMIT_AS, `ulimit -v`: {limit} bytes, "
+            f"{address_space_room()} free): raise the limit, or read fewer files at once (cycle_length=, "
+            "shuffle='files' rather than 'global')"
+        )
+    return ReadError(why, field=name, path=path)
 
 
 class OpenFile:
@@ -122,9 +138,7 @@ class OpenFiles:
                     if shared:
                         mapped = self.kept_maps.lend(info.path, ident, mapped)
             except OSError as e:
-                raise ReadError(
-                    f"field {name!r}: cannot map {info.path!r}: {e.strerror}", field=name, path=info.path
-                ) from e
+                raise map_refused(name, info.path, size, e) from e
             except ValueError as e:  # mmap.mmap (no kernels built): the file was cut since its fstat
                 raise cut_since_built(name, info, os.fstat(fd).st_size) from e
         except BaseException:

@@ -47,7 +47,7 @@ from ..io.seekpoints import SeekPoint
 from ..kernels import MapFault, copy_records, gather_records, gathers, guard_maps
 from .decoded import KeptDecoded
 from .descriptors import pass_open_files
-from .openfiles import OpenFile
+from .openfiles import OpenFile, map_refused
 
 if TYPE_CHECKING:
     from ..spec import Field
@@ -119,6 +119,8 @@ class RecordReader:
                 except ValueError:  # cut since the check: "mmap length is greater than file size"
                     self._check_size(name, spec, info, fd, local)
                     raise
+                except OSError as e:  # out of address space (`ulimit -v`), too many maps
+                    raise map_refused(name, info.path, info.size, e) from e
             except BaseException:
                 os.close(fd)
                 raise

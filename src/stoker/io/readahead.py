@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels import willneed_records
-from ..machine import physical_memory
+from ..machine import address_space_room, physical_memory
 
 __all__ = ["AHEAD_BYTES", "Readahead", "drop_behind_for"]
 
@@ -53,9 +53,15 @@ _preadv = getattr(os, "preadv", None)
 
 
 def drop_behind_for(raw_bytes: int) -> bool:
-    """Whether a dataset with `raw_bytes` of raw files should drop pages behind the reader."""
+    """Whether a dataset with `raw_bytes` of raw files should drop pages behind the reader.
+
+    Also where they are more than half of the address space the process may still map (under
+    `ulimit -v`): dropping behind is what closes each file's map once it is read instead of
+    keeping it for the next epoch, and maps kept of every file would run out of address space.
+    """
     ram = physical_memory()
-    return bool(ram) and raw_bytes > ram // 2
+    room = address_space_room()
+    return (bool(ram) and raw_bytes > ram // 2) or (room is not None and raw_bytes > room // 2)
 
 
 class Readahead:

@@ -49,7 +49,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ..errors import CorruptDataError, ReadError, StaleIndexError
+from ..errors import CorruptDataError, ReadError, StaleIndexError, WriteError
 
 __all__ = [
     "CHECK_BYTES",
@@ -62,6 +62,7 @@ __all__ = [
     "SeekPoint",
     "WindowRef",
     "available",
+    "cannot_write_index",
     "load_window",
     "point_check",
     "scan_file",
@@ -402,7 +403,11 @@ def write_windows(
         spans.append((offset, len(p), zlib.crc32(w)))
         offset += len(p)
     name = windows_name(base, build)
-    fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory)
+    target = os.path.join(directory, name)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise cannot_write_index(target, e, "seek-point windows file") from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(_HEADER.pack(_MAGIC, data_size, data_mtime_ns, bytes.fromhex(build)))
@@ -411,12 +416,25 @@ def write_windows(
             f.flush()
             os.fsync(f.fileno())
         readable_by_all(tmp)
-        os.replace(tmp, os.path.join(directory, name))
-    except BaseException:
+        os.replace(tmp, target)
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise cannot_write_index(target, e, "seek-point windows file") from e
         raise
     return name, build, spans
+
+
+def cannot_write_index(path: str, e: OSError, what: str = "index file") -> WriteError:
+    """A WriteError naming the index file (or windows file) `path` the system refused to write:
+    a full disk, a file size limit, an I/O error. Nothing of the write is left behind."""
+    return WriteError(
+        f"cannot write the {what} {path!r}: {e.strerror or e}; nothing of it was kept (the index, if any, "
+        "is as it was): free some space, or keep the index elsewhere with `stoker index --index-dir DIR`, "
+        "Dataset(..., index_dir=DIR) or STOKER_INDEX_DIR=DIR",
+        path=path,
+    )
 
 
 def readable_by_all(path: str) -> None:
