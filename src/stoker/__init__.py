@@ -17,6 +17,7 @@ from .cli.sample import write_sample
 from .dataset import Dataset, Subset
 from .errors import (
     CorruptDataError,
+    ForkedPassError,
     PairingError,
     ReadError,
     RecordIndexError,
@@ -34,6 +35,7 @@ from .spec import Field
 
 __all__ = [
     "CorruptDataError",
+    "ForkedPassError",
     "Dataset",
     "Field",
     "Group",

@@ -6,6 +6,7 @@ from typing import Any
 
 __all__ = [
     "CorruptDataError",
+    "ForkedPassError",
     "PairingError",
     "ReadError",
     "RecordIndexError",
@@ -87,6 +88,10 @@ class RecordIndexError(StokerError, IndexError):
 
 class SupersededError(StokerError, RuntimeError):
     """A loader's iterator was used after a newer `iter(loader)` ended its pass (one pass at a time)."""
+
+
+class ForkedPassError(StokerError, RuntimeError):
+    """A pass was iterated in a process forked from the one that started it, which has none of its threads."""
 
 
 class WriteError(StokerError, OSError):
