@@ -52,8 +52,11 @@ def _exclusive(home: str, wait: float) -> Iterator[None]:
     path = os.path.join(home, WRITER_LOCK)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except PermissionError:  # another user's lock file in a directory both may write: flock needs no write access
+        fd = _open_lock_read_only(path, home)
     except OSError as e:
         raise WriteError(f"cannot open the index lock {path!r} ({e.strerror or e})", path=home) from e
+    held = False
     try:
         deadline = time.monotonic() + wait
         pause = _POLL[0]
@@ -65,17 +68,29 @@ def _exclusive(home: str, wait: float) -> Iterator[None]:
                 if time.monotonic() >= deadline:
                     raise WriteError(
                         f"index directory {home!r} is being written by another index writer ({_holder(fd)}, "
-                        f"per {path!r}); waited {wait:g}s for it. Run one `stoker index` per directory at a time, "
-                        "or wait for that one to finish",
+                        f"per {path!r}); waited {wait:g}s for it. Let it finish, or wait longer with `stoker index "
+                        "--wait SECONDS` or write_index(..., wait=SECONDS)",
                         path=home,
                     ) from None
                 time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
                 pause = min(pause * 2, _POLL[1])
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        held = True
+        with contextlib.suppress(OSError):  # who holds it, for a writer that gives up waiting to name
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
+        if held:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         os.close(fd)  # releases the flock
+
+
+def _open_lock_read_only(path: str, home: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise WriteError(f"cannot open the index lock {path!r} ({e.strerror or e})", path=home) from e
 
 
 @contextlib.contextmanager
