@@ -175,22 +175,48 @@ def test_a_process_reading_through_the_index_holds_its_readers_lock_until_its_da
     write_dataset(tmp_path, COUNTS[:1], {"x": IMG})
     stoker.write_index(stoker.Dataset(fields_of(tmp_path), index="ignore"), spacing=16_384)
     ds = stoker.Dataset(fields_of(tmp_path))
-    probe = textwrap.dedent("""
-        import fcntl, os, sys
-        fd = os.open(sys.argv[1], os.O_RDWR)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            print("free")
-        except OSError:
-            print("held")
-    """)
-    lock = str(tmp_path / indexlock.READERS_LOCK)
-
-    def seen() -> str:
-        return subprocess.run([sys.executable, "-c", probe, lock], capture_output=True, text=True, timeout=60,
-                              check=True).stdout.strip()  # fmt: skip
-
-    assert seen() == "held"
+    assert readers_lock_seen(tmp_path) == "held"
     del ds
     gc.collect()
-    assert seen() == "free"
+    assert readers_lock_seen(tmp_path) == "free"
+
+
+def test_a_forked_child_holds_its_own_readers_lock_after_the_parent_lets_go(tmp_path: Path) -> None:
+    write_dataset(tmp_path, COUNTS[:1], {"x": IMG})
+    stoker.write_index(stoker.Dataset(fields_of(tmp_path), index="ignore"), spacing=16_384)
+    ds = stoker.Dataset(fields_of(tmp_path))
+    go, done = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child holds ds until the parent closes the pipe, then leaves
+        try:
+            os.close(done)
+            os.read(go, 1)
+        finally:
+            os._exit(0)
+    os.close(go)
+    try:
+        del ds
+        gc.collect()
+        assert readers_lock_seen(tmp_path) == "held"  # by the child's copy of ds: record locks are per process
+    finally:
+        os.close(done)
+        os.waitpid(pid, 0)
+    assert readers_lock_seen(tmp_path) == "free"
+
+
+_PROBE = textwrap.dedent("""
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        print("free")
+    except OSError:
+        print("held")
+""")
+
+
+def readers_lock_seen(root: Path) -> str:
+    """ "held" while some other process reads through the index in `root`, else "free"."""
+    lock = str(root / indexlock.READERS_LOCK)
+    return subprocess.run([sys.executable, "-c", _PROBE, lock], capture_output=True, text=True, timeout=60,
+                          check=True).stdout.strip()  # fmt: skip
