@@ -35,9 +35,9 @@ from .spec import Field
 
 __all__ = [
     "CorruptDataError",
-    "ForkedPassError",
     "Dataset",
     "Field",
+    "ForkedPassError",
     "Group",
     "Loader",
     "PairingError",
