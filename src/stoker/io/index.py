@@ -30,8 +30,10 @@ hold is a StaleIndexError naming the index, never wrong records.
 
 One generation at a time: a rebuild writes its windows under new names (the build is a hash
 of their contents), then the index (temp file, fsync, atomic rename), and only then removes
-the windows files no entry names any more. Killed at any moment, the index on disk names
-windows files that exist and belong to it.
+the windows files no entry names any more and no reader still uses. Killed at any moment, the
+index on disk names windows files that exist and belong to it. One writer per index directory
+at a time, and a Dataset keeps the windows files its seek points name for as long as it lives,
+whatever is re-indexed meanwhile (see `stoker.io.indexlock`).
 """
 
 from __future__ import annotations
