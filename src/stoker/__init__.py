@@ -17,6 +17,7 @@ from .cli.sample import write_sample
 from .dataset import Dataset, Subset
 from .errors import (
     CorruptDataError,
+    ForkedPassError,
     PairingError,
     ReadError,
     RecordIndexError,
@@ -37,6 +38,7 @@ __all__ = [
     "CorruptDataError",
     "Dataset",
     "Field",
+    "ForkedPassError",
     "Group",
     "Loader",
     "PairingError",

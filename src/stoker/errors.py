@@ -6,6 +6,7 @@ from typing import Any
 
 __all__ = [
     "CorruptDataError",
+    "ForkedPassError",
     "PairingError",
     "ReadError",
     "RecordIndexError",
@@ -92,6 +93,10 @@ class SupersededError(StokerError, RuntimeError):
 
 class TransformError(StokerError, TypeError):
     """A `transform=` function returned something other than a dict of numpy arrays."""
+
+
+class ForkedPassError(StokerError, RuntimeError):
+    """A pass was iterated in a process forked from the one that started it, which has none of its threads."""
 
 
 class WriteError(StokerError, OSError):

@@ -28,6 +28,8 @@ from .engine.executor import (
     StopFlag,
     Stopped,
     ThreadExecutor,
+    fork_generation,
+    forked_pass,
     run_finalizer,
 )
 from .engine.fusion import Stage
@@ -822,10 +824,14 @@ def _is_digests(value: object) -> bool:
     return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-def _shutdown(batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator | None) -> None:
+def _shutdown(
+    batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator | None, born: int
+) -> None:
     # Idempotent, and safe to run again after a Ctrl-C cut it short (see stoker.engine.executor._State):
     # the stop flag first, then the join; the files are also closed by the last worker out.
     # `pool`: the pass's own, cleared with it (None: the loader's, kept for its next pass).
+    if born != fork_generation():
+        return  # a forked child's copy: the threads, files and buffers are the parent pass's
     assembler.stop.set()
     batches.close()
     assembler.close()
@@ -1013,12 +1019,15 @@ class _Pass:
         self._last: float | None = None  # when __next__ last returned a batch
         self._ready: collections.deque[tuple[Batch, BatchPlan]] = collections.deque()
         self._failed: BaseException | None = None  # raised once the parts before it are out
-        self._finalizer = weakref.finalize(self, _shutdown, batches, assembler, pool)
+        self._born, self._pid = fork_generation(), os.getpid()  # a fork()ed child inherits this pass, not its threads
+        self._finalizer = weakref.finalize(self, _shutdown, batches, assembler, pool, self._born)
 
     def __iter__(self) -> _Pass:
         return self
 
     def __next__(self) -> Batch:
+        if self._born != fork_generation():
+            raise forked_pass(self._pid)
         if self._superseded:
             raise SupersededError(
                 "this iterator's pass was ended by a newer iter() on the same loader, which runs one pass at a "

@@ -16,7 +16,7 @@ import stoker
 from stoker.cli import main
 from stoker.engine import decoded
 from stoker.io import index as index_module
-from stoker.io import inflate, seekpoints
+from stoker.io import indexlock, inflate, seekpoints
 from stoker.io.index import INDEX_NAME, INDEX_VERSION
 from tests.helpers.data import IMG, FieldPlan, build, check_batches, reference, resign
 
@@ -65,7 +65,8 @@ def test_write_index_writes_one_versioned_file_beside_the_data(tmp_path: Path) -
     assert (entry["size"], entry["mtime_ns"], entry["records"]) == (st.st_size, st.st_mtime_ns, 21)
     assert [m[:2] for m in entry["members"]] == [[0, 0]] and entry["decompressed_bytes"] == 21 * 36
     assert doc["files"]["lab_0003.bin.zz"]["records"] == 21
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [INDEX_NAME]  # no temp left
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+    assert left == sorted([INDEX_NAME, indexlock.WRITER_LOCK, indexlock.READERS_LOCK])  # no temp left
 
 
 def test_opening_with_the_index_decompresses_nothing(tmp_path: Path, inflaters: Made) -> None:

@@ -9,6 +9,7 @@ place of index files, counts an index gets wrong, and read-only data directories
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
@@ -111,6 +112,11 @@ def test_reindex_interrupted_after_its_windows_before_its_index_reads_the_old_ge
     assert right_or_stoker_error(lambda: stoker.Dataset(fields_of(tmp_path)), truth) == [
         "read: right", "global shuffle: right",
     ]  # fmt: skip
+    stoker.write_index(stoker.Dataset(fields_of(tmp_path), index="ignore"), spacing=40_000)
+    assert old <= windows_files(tmp_path)  # `ds` reads through them still: kept while it lives
+    assert right_or_stoker_error(lambda d=ds: d, truth) == ["read: right", "global shuffle: right"]
+    del ds
+    gc.collect()
     stoker.write_index(stoker.Dataset(fields_of(tmp_path), index="ignore"), spacing=40_000)
     assert windows_files(tmp_path) == named_windows(tmp_path) and not old & windows_files(tmp_path)
     assert right_or_stoker_error(lambda: stoker.Dataset(fields_of(tmp_path)), truth) == [

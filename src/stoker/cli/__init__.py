@@ -371,6 +371,7 @@ def _record_text(v: np.ndarray) -> str:
 
 def cmd_index(args: argparse.Namespace) -> int:
     from ..io.index import write_index
+    from ..io.indexlock import WRITE_WAIT
     from ..io.seekpoints import SPACING
 
     specs = _field_specs(args)
@@ -387,6 +388,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         spacing=SPACING if args.spacing is None else args.spacing,
         index_dir=args.index_dir,
         progress=lambda path: bar.step(os.path.basename(path)),
+        wait=WRITE_WAIT if args.wait is None else args.wait,
     )
     nfiles = ds.num_groups * len(ds.fields)
     print(f"indexed {nfiles} files of {ds.num_groups} groups ({len(ds)} records) in {time.perf_counter() - t:.1f}s")
@@ -689,6 +691,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keep the index here instead of beside the data (for read-only data; default $STOKER_INDEX_DIR); "
         "read it with Dataset(..., index_dir=) or the same variable",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long to wait for another writer of the same index to finish before failing (default 600)",
     )
     _add_field_args(p)
     p.set_defaults(run=cmd_index)

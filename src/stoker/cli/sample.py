@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import SpecError, WriteError
 from ..io.index import INDEX_NAME
+from ..io.indexlock import READERS_LOCK, WRITER_LOCK
 
 __all__ = [
     "CONFIG_NAME",
@@ -162,7 +163,7 @@ def sample_files(directory: str | os.PathLike[str]) -> list[Path]:
     out = Path(directory)
     if not out.is_dir():
         return []
-    own = {CONFIG_NAME, INDEX_NAME, _COMPLETE}
+    own = {CONFIG_NAME, INDEX_NAME, WRITER_LOCK, READERS_LOCK, _COMPLETE}
     return sorted(p for p in out.iterdir() if (p.name in own or _OWN.fullmatch(p.name)) and not p.is_dir())
 
 

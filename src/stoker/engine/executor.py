@@ -28,11 +28,12 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from ..errors import ForkedPassError
 from ..kernels import _kernels
 
 __all__ = [
     "ALIGNMENT", "AlignedPool", "Allocator", "Executor", "OrderedMap", "StopFlag", "Stopped", "ThreadExecutor",
-    "run_finalizer",
+    "fork_generation", "forked_pass", "run_finalizer",
 ]  # fmt: skip
 
 T = TypeVar("T")
@@ -313,6 +314,34 @@ class _Failure:
         self.error = error
 
 
+_forks = 0  # fork()s between this process and the one that imported stoker
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
+
+def fork_generation() -> int:
+    """How many fork()s lie between this process and the one that imported stoker: work begun
+    at another generation belongs to an ancestor, and its threads did not come along."""
+    return _forks
+
+
+def forked_pass(started_in: int) -> ForkedPassError:
+    """The error for a pass (begun in process `started_in`) iterated in a child forked from it."""
+    return ForkedPassError(
+        f"this pass was started in process {started_in}, and this process ({os.getpid()}) is a fork of it, "
+        "which has none of the pass's worker threads (or processes), so it would wait for ever; the parent's "
+        "pass goes on unharmed. In the child, make a new loader with dataset.loader(...) and iterate that "
+        "(or fork before the first next(), or use a start method other than fork)"
+    )
+
+
 class _State(Generic[T, R]):
     """What the workers share; held apart from the iterator so dropping it can stop them.
 
@@ -354,6 +383,7 @@ class _State(Generic[T, R]):
         self.cleanups: list[Callable[[], None]] = []
         self.doing: dict[str, object] = {}  # worker thread name -> the task it runs (named if it outlives close)
         self.warned = False  # workers left behind by a close were named in a warning
+        self.born, self.pid = _forks, os.getpid()  # a forked child has none of the threads: it must not wait on them
 
     def signal(self) -> None:
         """Wake the consumer now (a wake-up already pending makes this a no-op)."""
@@ -533,6 +563,8 @@ class _State(Generic[T, R]):
         is one store to `stop`, after which the workers leave by themselves. Workers still
         busy after `SHUTDOWN_SECONDS` are named in a warning and left to finish (see there).
         """
+        if self.born != _forks:
+            return  # a forked child's copy: the workers, their lock and their cleanups are the parent's
         self.stop.set()
         with self.lock:
             self.space.notify_all()
@@ -619,6 +651,7 @@ class OrderedMap(Generic[R]):
 
     def _start(self) -> None:
         # Threads start at the first next(), never at construction: safe to build before fork.
+        self._state.born, self._state.pid = _forks, os.getpid()  # the threads' process owns the map
         self._started = True
         _thread.start_new_thread(self._state.launch, (self._threads,))
 
@@ -648,6 +681,8 @@ class OrderedMap(Generic[R]):
         return self
 
     def __next__(self) -> R:
+        if self._state.born != _forks and self._started:
+            raise forked_pass(self._state.pid)
         if self._closed:
             raise StopIteration
         if not self._started:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ..errors import SpecError, StokerError
-from .executor import SHUTDOWN_SECONDS, AlignedPool, OrderedMap, StopFlag, Stopped
+from .executor import SHUTDOWN_SECONDS, AlignedPool, OrderedMap, StopFlag, Stopped, fork_generation
 
 if TYPE_CHECKING:
     from ..io.files import Catalog
@@ -411,6 +411,8 @@ def _join_all(workers: list[_Worker], seconds: float) -> None:
 
 def _shutdown(state: Any, pool: _Pool) -> None:
     # Wake threads waiting on workers first, then join the threads, then reap the workers.
+    if state.born != fork_generation():
+        return  # a forked child's copy: shutting the sockets down would end the parent's workers
     state.stop.set()
     pool.interrupt()
     state.shutdown()

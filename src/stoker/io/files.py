@@ -377,7 +377,8 @@ class Catalog:
         # compressed files and their seek points (compressed, decompressed offsets).
         self._exact: dict[tuple[int, str], int] = {}
         self.seek_points: dict[tuple[int, str], tuple[SeekPoint, ...]] = {}
-        apply_index(self, lookup)
+        # Held while the catalog lives: no re-index removes the windows files its seek points name.
+        self.index_pins = apply_index(self, lookup)
         for g, infos in enumerate(self.files):
             raw = {
                 n: i.records_hint if i.compression is None else self._exact[(g, n)]
@@ -446,6 +447,7 @@ class Catalog:
             for n, spec in self.fields.items()
         }
         part.index_dir = self.index_dir
+        part.index_pins = self.index_pins
         part.num_groups = len(groups)
         part.files = [self.files[g] for g in groups]
         part._counts = [self.count(g) for g in groups]

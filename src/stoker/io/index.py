@@ -30,8 +30,10 @@ hold is a StaleIndexError naming the index, never wrong records.
 
 One generation at a time: a rebuild writes its windows under new names (the build is a hash
 of their contents), then the index (temp file, fsync, atomic rename), and only then removes
-the windows files no entry names any more. Killed at any moment, the index on disk names
-windows files that exist and belong to it.
+the windows files no entry names any more and no reader still uses. Killed at any moment, the
+index on disk names windows files that exist and belong to it. One writer per index directory
+at a time, and a Dataset keeps the windows files its seek points name for as long as it lives,
+whatever is re-indexed meanwhile (see `stoker.io.indexlock`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..errors import CorruptDataError, SpecError, StaleIndexError, WriteError
-from . import seekpoints
+from . import indexlock, seekpoints
+from .indexlock import Pin
 from .inflate import Inflater
 from .remote import is_remote
 from .seekpoints import SeekPoint, WindowRef
@@ -426,19 +429,23 @@ def _write_atomic(path: str, doc: Mapping[str, Any]) -> None:
 
 
 def _remove_old_windows(home: str, files: Mapping[str, Any], bases: Iterable[str]) -> None:
-    """Remove the windows files of `bases` in `home` that no entry of the new index names:
-    older builds, version-2 sidecars, and unfinished writes of an interrupted run."""
+    """Remove the windows files of `bases` in `home` that no entry of the new index names and
+    no reader uses (see stoker.io.indexlock): older builds, version-2 sidecars, and unfinished
+    writes of an interrupted run."""
     keep = {e.get("windows") for e in files.values() if isinstance(e, dict)}
     stems = {seekpoints.windows_stem(b) for b in bases}
-    try:
-        names = os.listdir(home)
-    except OSError:
-        return
-    for name in names:
-        m = _WINDOWS_FILE.fullmatch(name)
-        if m and m.group(1) in stems and name not in keep:
-            with contextlib.suppress(OSError):  # gone already, or not ours to remove: harmless
-                os.unlink(os.path.join(home, name))
+    with indexlock.removing(home) as in_use:
+        if in_use is None:
+            return  # a reader in another process may be reading through any of them: a later write removes them
+        try:
+            names = os.listdir(home)
+        except OSError:
+            return
+        for name in names:
+            m = _WINDOWS_FILE.fullmatch(name)
+            if m and m.group(1) in stems and name not in keep and name not in in_use:
+                with contextlib.suppress(OSError):  # gone already, or not ours to remove: harmless
+                    os.unlink(os.path.join(home, name))
 
 
 def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry], index_dir: str | None) -> list[str]:
@@ -477,6 +484,7 @@ def write_index(
     spacing: int = seekpoints.SPACING,
     index_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    wait: float = indexlock.WRITE_WAIT,
 ) -> list[Path]:
     """Index every local file of `dataset` (decompressing each compressed file once); returns the files written.
 
@@ -486,6 +494,11 @@ def write_index(
     Every index directory is checked writable before any file is decompressed (a WriteError
     naming it otherwise). `progress(path)` is called after each file is scanned.
 
+    One writer per index directory at a time: this waits up to `wait` seconds for another
+    writer of the same directory (process or thread), then raises a WriteError naming the
+    directory and the writer holding it. Datasets reading through the index meanwhile keep
+    the seek points they opened (see stoker.io.indexlock).
+
     Example:
         >>> ds = stoker.Dataset(image=..., label=..., index="ignore")  # doctest: +SKIP
         >>> stoker.write_index(ds)  # doctest: +SKIP
@@ -493,6 +506,8 @@ def write_index(
     """
     if isinstance(spacing, bool) or not isinstance(spacing, int) or spacing <= 0:
         raise SpecError(f"{spacing=} must be a positive number of bytes")
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
+        raise SpecError(f"{wait=} must be a non-negative, finite number of seconds")
     catalog = dataset._catalog.root()
     where = resolve_index_dir(index_dir) if index_dir is not None else catalog.index_dir
     local = [(g, n, info) for g, infos in enumerate(catalog.files) for n, info in infos.items()
@@ -504,11 +519,12 @@ def write_index(
     for data_dir, home in sorted(homes.items()):
         ensure_writable(home, data_dir)
     entries = {}
-    for g, n, info in local:
-        entries[(g, n)] = scan(n, info, homes[os.path.dirname(os.path.abspath(info.path))], spacing=spacing)
-        if progress is not None:
-            progress(info.path)
-    return [Path(p) for p in _save(catalog, entries, where)]
+    with indexlock.writing(homes.values(), wait=wait):
+        for g, n, info in local:
+            entries[(g, n)] = scan(n, info, homes[os.path.dirname(os.path.abspath(info.path))], spacing=spacing)
+            if progress is not None:
+                progress(info.path)
+        return [Path(p) for p in _save(catalog, entries, where)]
 
 
 class IndexLookup:
@@ -520,6 +536,8 @@ class IndexLookup:
         self.mode = mode
         self.index_dir = index_dir
         self._directories: dict[str, tuple[str, dict[str, Any] | None]] = {}
+        # By index directory: taken before its index is read, so no writer removes what it names.
+        self.pins: dict[str, Pin] = {}
         # Entries matches() found to vouch for a file, by path: apply_index takes them as they are.
         self.vouched: dict[str, dict[str, Any]] = {}
 
@@ -527,7 +545,10 @@ class IndexLookup:
         """(index file path, its entries by basename or None) for a directory of data files."""
         known = self._directories.get(directory)
         if known is None:
-            path = os.path.join(index_home(directory, self.index_dir), INDEX_NAME)
+            home = index_home(directory, self.index_dir)
+            path = os.path.join(home, INDEX_NAME)
+            if self.mode != "ignore" and home not in self.pins:
+                self.pins[home] = indexlock.pin(home)
             try:
                 files = _load(path) if self.mode != "ignore" else None
             except StaleIndexError:
@@ -552,15 +573,16 @@ class IndexLookup:
         return False
 
 
-def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
-    """Give `catalog` the counts and seek points of matching index entries (see module doc).
+def apply_index(catalog: Catalog, lookup: IndexLookup) -> list[Pin]:
+    """Give `catalog` the counts and seek points of matching index entries (see module doc);
+    returns the Pins that keep the windows files they name on disk while the catalog holds them.
 
     Runs once per file of a Dataset being opened, so it stays on plain dicts: one index
     file per directory, entries checked field by field.
     """
     mode = lookup.mode
     if mode == "ignore":
-        return
+        return []
     todo: list[tuple[int, str, FileInfo, str]] = []  # rebuild: files to scan, with their index file
     vouched = lookup.vouched
     for g, infos in enumerate(catalog.files):
@@ -604,15 +626,35 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> None:
             else:
                 _set_indexed(catalog, g, name, info, parsed)
     if not todo:
-        return
+        return _pins_in_use(catalog, lookup)
     homes = {os.path.dirname(path): os.path.dirname(os.path.abspath(info.path)) for _, _, info, path in todo}
     for home, data_dir in sorted(homes.items()):  # every directory written, checked before any file is scanned
         ensure_writable(home, data_dir)
-    rebuilt = {}
-    for g, name, info, path in todo:
-        entry = rebuilt[(g, name)] = scan(name, info, os.path.dirname(path))
-        _set_indexed(catalog, g, name, info, parse_entry(path, info, entry.to_json(0), name))
-    _save(catalog, rebuilt, lookup.index_dir)
+    with indexlock.writing(homes):
+        _pins_in_use(catalog, lookup)  # before the save: the windows this rebuild replaces are not kept for it
+        rebuilt = {}
+        for g, name, info, path in todo:
+            entry = rebuilt[(g, name)] = scan(name, info, os.path.dirname(path))
+            _set_indexed(catalog, g, name, info, parse_entry(path, info, entry.to_json(0), name))
+        _save(catalog, rebuilt, lookup.index_dir)
+        for home in homes:  # an index written just now: its readers file exists from here on
+            if not lookup.pins[home].held:
+                lookup.pins[home] = indexlock.pin(home)
+        return _pins_in_use(catalog, lookup)
+
+
+def _pins_in_use(catalog: Catalog, lookup: IndexLookup) -> list[Pin]:
+    """The lookup's Pins, each naming the windows files the catalog's seek points use in its
+    directory; those naming none are let go (a Dataset of raw files pins nothing)."""
+    used: dict[str, set[str]] = {}
+    for points in catalog.seek_points.values():
+        for point in points:
+            if point.window is not None:
+                home, name = os.path.split(point.window.path)
+                used.setdefault(home, set()).add(name)
+    for home, p in lookup.pins.items():
+        p.names = frozenset(used.get(home, ()))
+    return [p for p in lookup.pins.values() if p.names and p.held]
 
 
 def _set_indexed(
