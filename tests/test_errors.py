@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
 
 import pytest
 
 import stoker
-from stoker.errors import CorruptDataError, PairingError, ReadError, SpecError, StateError, StokerError
+from stoker.errors import CorruptDataError, SpecError, StokerError
 
-BUILTIN = {
-    SpecError: ValueError,
-    PairingError: ValueError,
-    CorruptDataError: ValueError,
-    StateError: ValueError,
-    ReadError: OSError,
-}
+# Every class the module defines, so a class added later is held to the same rules.
+CLASSES = [
+    cls
+    for _, cls in inspect.getmembers(stoker.errors, inspect.isclass)
+    if issubclass(cls, StokerError) and cls is not StokerError and cls.__module__ == "stoker.errors"
+]
+BUILTIN = {cls: next(b for b in cls.__mro__ if b.__module__ == "builtins" and b is not object) for cls in CLASSES}
 
 
-@pytest.mark.parametrize(("cls", "builtin"), list(BUILTIN.items()))
-def test_every_error_derives_from_stoker_error_and_its_builtin(cls: type, builtin: type) -> None:
+def test_the_module_defines_the_documented_classes() -> None:
+    names = {cls.__name__ for cls in CLASSES}
+    assert {"SpecError", "PairingError", "CorruptDataError", "ReadError", "StateError", "WriteError"} <= names
+
+
+@pytest.mark.parametrize(("cls", "builtin"), list(BUILTIN.items()), ids=lambda v: v.__name__)
+def test_every_error_derives_from_stoker_error_and_a_fitting_builtin(cls: type, builtin: type) -> None:
+    assert builtin is not Exception, f"{cls.__name__} is no builtin but Exception"
     err = cls("boom", path="a.bin")
     assert isinstance(err, StokerError)
     assert isinstance(err, builtin)
@@ -27,9 +34,18 @@ def test_every_error_derives_from_stoker_error_and_its_builtin(cls: type, builti
         raise err
 
 
-def test_errors_are_exported_from_the_package() -> None:
-    for name in ("StokerError", "SpecError", "PairingError", "CorruptDataError", "ReadError", "StateError"):
-        assert getattr(stoker, name) is getattr(stoker.errors, name)
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_error_is_exported_from_the_package(cls: type) -> None:
+    assert getattr(stoker, cls.__name__) is cls
+    assert cls.__name__ in stoker.__all__
+
+
+def test_the_reliability_page_lists_every_error() -> None:
+    from tests.helpers import REPO
+
+    page = (REPO / "docs" / "reliability.md").read_text()
+    missing = [cls.__name__ for cls in CLASSES if f"| `{cls.__name__}` |" not in page]
+    assert not missing, f"docs/reliability.md's error table lacks {missing}"
 
 
 def test_unknown_attributes_are_none() -> None:
@@ -37,7 +53,7 @@ def test_unknown_attributes_are_none() -> None:
     assert (err.path, err.field, err.index, err.offset) == (None, None, None, None)
 
 
-@pytest.mark.parametrize("cls", list(BUILTIN))
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_errors_survive_pickling_with_their_attributes(cls: type) -> None:
     err = cls("file 'x.bin' is bad", field="image", path="/d/x.bin", index=7, offset=4096)
     back = pickle.loads(pickle.dumps(err))
