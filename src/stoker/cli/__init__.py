@@ -732,7 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget",
         default=None,
         help="the loader's memory_budget, e.g. 1GiB (default: a quarter of the memory this process "
-        "may use, at least 512MiB: stoker.machine.default_memory_budget)",
+        "may use, at least 512MiB, and of the address space `ulimit -v` leaves: "
+        "stoker.machine.default_memory_budget)",
     )
     p.add_argument("--cycle-length", type=int, default=None, help="files read side by side (default: min(files, 4))")
     p.add_argument("--block-length", type=int, default=None,
