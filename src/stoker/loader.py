@@ -178,6 +178,10 @@ class Loader:
     False` replays epochs `0 .. epochs-1` every pass. Threads start at the first batch
     asked for, and stop when the pass ends, is closed, is broken out of, or is dropped.
 
+    Beyond `Dataset.loader`'s settings, `even_over=c` is for adapters that split a rank's
+    shard `(i, c)` among worker processes: with `shard=(i + c*w, c*W)` the `even` trim is
+    the rank's, not the worker's (see `stoker.plan.order.shard_take`).
+
     Example:
         >>> with ds.loader(256, cast={"image": "float32"}) as loader:
         ...     for batch in loader:
