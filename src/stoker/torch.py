@@ -40,7 +40,7 @@ from .dataset import Dataset
 from .engine.executor import AlignedPool
 from .errors import SpecError, StateError
 from .loader import Loader, UserPosition, default_threads
-from .plan.order import shard_from_rank, validate_shard
+from .plan.order import shard_from_rank, shard_take, validate_shard
 
 if TYPE_CHECKING:
     from .engine.executor import Allocator
@@ -441,7 +441,13 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
     def _batches(self) -> Iterator[TensorBatch]:
         worker, workers = self._worker()
         state, self._pending = self._pending, None
-        first = self._epochs.claim(worker, workers, None if state is None else int(state["epoch"]))
+        loaded = None if state is None else int(state["epoch"])
+        if state is not None and workers == 1 and self._spent(state):
+            # Saved after its epoch's last batch (StatefulDataLoader keeps such a state at each epoch's
+            # end): this iter() is the next epoch's, as without the restart. Only alone: a worker of
+            # several may be done with an epoch its siblings are still delivering.
+            loaded, state = int(state["epoch"]) + 1, None
+        first = self._epochs.claim(worker, workers, loaded)
         epochs = None if self.epochs is None else first + self.epochs
         loader = self._make_loader(worker, workers, epochs=epochs)
         try:
@@ -455,6 +461,16 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
                 yield {name: _from_numpy(name, array) for name, array in batch.items()}
         finally:
             loader.close()
+
+    def _spent(self, state: Mapping[str, Any]) -> bool:
+        """Whether this rank's shard has no batch left of the state's epoch after its position."""
+        total = len(self.dataset)
+        position = min(int(state["position"]), total)
+        settings = self.loader_kwargs
+        if settings.get("pad_last", False):
+            return position >= total
+        left = shard_take(total, self.shard, position, even=settings.get("even", True))
+        return left == 0 or (settings.get("drop_remainder", False) and left < self.batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         """This process's loader state after the last batch it yielded (JSON-serializable)."""

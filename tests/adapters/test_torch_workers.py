@@ -57,7 +57,7 @@ CASES = [
     (3, "fork", False, "global"),
     (3, "fork", True, False),
     (2, "spawn", True, "global"),
-    (2, "spawn", False, False),
+    (2, "spawn", False, "global"),
     (3, "forkserver", True, "global"),
     (1, "forkserver", False, "global"),
 ]
@@ -122,6 +122,29 @@ def test_stateful_dataloader_goes_on_after_a_resumed_epoch(ds: stoker.Dataset) -
     assert before + after[0] == reference[0]
     assert after[1] == reference[1]
     del whole, second
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_state_saved_at_an_epochs_end_resumes_with_the_next_epoch(
+    ds: stoker.Dataset, workers: int, persistent: bool
+) -> None:
+    """StatefulDataLoader saves such a state after each DataLoader epoch: the restarted job's next
+    DataLoader epoch is the next epoch, not an empty one or a replay."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make() -> object:
+        batches = StokerIterableDataset(ds, BATCH, shuffle="global", seed=7, threads=1)
+        return sdl.StatefulDataLoader(batches, batch_size=None, num_workers=workers, persistent_workers=persistent)
+
+    first = make()
+    epochs_through(first, 1)  # type: ignore[arg-type]
+    state = first.state_dict()  # type: ignore[attr-defined]
+    del first
+    second = make()
+    second.load_state_dict(state)  # type: ignore[attr-defined]
+    after = epochs_through(second, 2)  # type: ignore[arg-type]
+    assert [sorted(e) for e in after] == [own_batches(ds, workers, e, shuffle="global", seed=7) for e in (1, 2)]
+    del second
 
 
 # -- spawn and forkserver workers get the dataset they were given ------------------------
