@@ -51,7 +51,7 @@ from .plan.batches import (
     next_pass,
     pass_end,
 )
-from .plan.order import even_length, fingerprint, shard_length, validate_shard
+from .plan.order import fingerprint, shard_take, validate_even_over, validate_shard
 from .spec import parse_bytes, positive, resolve_cast
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class LoaderConfig:
     reshuffle_each_iteration: bool = True
     shard: tuple[int, int] = (0, 1)
     even: bool = True
+    even_over: int | None = None
     pad_last: bool = False
     workers: str = "thread"
     num_parallel_reads: int | None = None
@@ -165,6 +166,7 @@ class LoaderConfig:
         _flag("reshuffle_each_iteration", self.reshuffle_each_iteration)
         put("shard", validate_shard(self.shard))
         _flag("even", self.even)
+        put("even_over", validate_even_over(self.shard, self.even_over))
         put("num_parallel_reads", positive("num_parallel_reads", self.num_parallel_reads))
 
 
@@ -177,6 +179,10 @@ class Loader:
     a PyTorch DataLoader or tf.data reshuffles each iteration; `reshuffle_each_iteration=
     False` replays epochs `0 .. epochs-1` every pass. Threads start at the first batch
     asked for, and stop when the pass ends, is closed, is broken out of, or is dropped.
+
+    Beyond `Dataset.loader`'s settings, `even_over=c` is for adapters that split a rank's
+    shard `(i, c)` among worker processes: with `shard=(i + c*w, c*W)` the `even` trim is
+    the rank's, not the worker's (see `stoker.plan.order.shard_take`).
 
     Example:
         >>> with ds.loader(256, cast={"image": "float32"}) as loader:
@@ -210,13 +216,15 @@ class Loader:
         transform: Any = None,
         workers: str = "thread",
         num_parallel_reads: int | None = None,
+        even_over: int | None = None,
     ) -> None:
         self.dataset = dataset
         self.config = config = LoaderConfig(
             batch_size=batch_size, epochs=epochs, drop_remainder=drop_remainder, cycle_length=cycle_length,
             block_length=block_length, threads=threads, prefetch=prefetch, memory_budget=memory_budget,
             with_index=with_index, shuffle=shuffle, seed=seed, window=window,
-            reshuffle_each_iteration=reshuffle_each_iteration, shard=shard, even=even, pad_last=pad_last,
+            reshuffle_each_iteration=reshuffle_each_iteration, shard=shard, even=even, even_over=even_over,
+            pad_last=pad_last,
             workers=workers, num_parallel_reads=num_parallel_reads, transform=transform, executor=executor,
         )  # fmt: skip
         self.batch_size: int = config.batch_size
@@ -269,7 +277,7 @@ class Loader:
             dataset._catalog.count,
             PlanConfig(
                 self.batch_size, self.drop_remainder, self.cycle_length, self.block_length,
-                self.shuffle, self.seed, self.window, self.shard, self.even, self.pad_last,
+                self.shuffle, self.seed, self.window, self.shard, self.even, self.pad_last, config.even_over,
             ),
         )  # fmt: skip
         self._passes: weakref.WeakSet[_Pass] = weakref.WeakSet()
@@ -556,10 +564,9 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch for this shard (settles every group's record count)."""
         total = len(self.dataset)
-        i, c = self.shard
         if self.pad_last:
             return self._plan.padded_batches(total)
-        mine = even_length(total, c) if self.even and c > 1 else shard_length(total, i, c)
+        mine = shard_take(total, self.shard, even=self.even, even_over=self.config.even_over)
         return self._plan.batches_per_epoch(mine)
 
     def __iter__(self) -> Iterator[Batch]:

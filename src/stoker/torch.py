@@ -13,9 +13,11 @@ Two ways in:
   bytes over PCIe than float32 (the recommended setup).
 - `StokerIterableDataset`: for code built around `torch.utils.data.DataLoader`
   (`batch_size=None`; stoker batches). With `num_workers=W` each worker process
-  reads its own shard, so no record is read twice, and `state_dict` /
-  `load_state_dict` follow torchdata's `StatefulDataLoader` conventions (called in
-  each worker, state per worker). It adds worker processes and IPC of every batch, so
+  reads its own part of the rank's shard, so no record is read twice and none is
+  dropped that the rank alone would deliver; each DataLoader epoch goes on with the
+  next epoch's order, persistent workers too; `state_dict` / `load_state_dict`
+  follow torchdata's `StatefulDataLoader` conventions (called in each worker, state
+  per worker). It adds worker processes and IPC of every batch, so
   `to_torch` is the faster path; use this one when the DataLoader is a given.
 
 PyTorch is imported here only: `import stoker` needs numpy alone.
@@ -23,6 +25,8 @@ PyTorch is imported here only: `import stoker` needs numpy alone.
 
 from __future__ import annotations
 
+import multiprocessing.context
+import multiprocessing.sharedctypes
 import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -35,12 +39,11 @@ import torch.utils.data
 from .dataset import Dataset
 from .engine.executor import AlignedPool
 from .errors import SpecError, StateError
-from .loader import UserPosition, default_threads
-from .plan.order import shard_from_rank, validate_shard
+from .loader import Loader, UserPosition, default_threads
+from .plan.order import shard_from_rank, shard_take, validate_shard
 
 if TYPE_CHECKING:
     from .engine.executor import Allocator
-    from .loader import Loader
 
 __all__ = ["PinnedPool", "StokerIterableDataset", "TorchLoader", "shard_from_distributed", "to_torch", "worker_shard"]
 
@@ -81,7 +84,8 @@ def worker_shard(shard: tuple[int, int], worker: int, num_workers: int) -> tuple
     `(i + c * worker, c * num_workers)`: shard `(i, c)` owns the positions `p` with
     `p % c == i`; its workers split exactly those (`p % (c * W) == i + c * w`), so a
     rank reads the same records whatever its worker count, and no two workers of any rank
-    read the same record.
+    read the same record. With `even=True` a worker's loader gets `even_over=c`, so the
+    trim is the rank's (`stoker.plan.order.shard_take`), never more with workers.
 
     Example:
         >>> worker_shard((1, 4), 2, 3)
@@ -257,15 +261,98 @@ class TorchLoader(UserPosition):
         return f"TorchLoader({self.loader!r}, device={self.device}, pin_memory={self.pin_memory})"
 
 
+# DataLoader workers per rank the shared epoch counter has room for (one slot per worker of
+# each worker count, so workers of one DataLoader always agree): 128 * 129 / 2 slots, 132 KiB.
+MAX_WORKERS = 128
+
+
+class EpochCounter:
+    """Where each `iter()` of a `StokerIterableDataset` starts, shared by its copies in every process.
+
+    DataLoader workers iterate copies of the dataset (forked, or pickled to start them under
+    spawn or forkserver; persistent workers keep theirs from one epoch to the next), so an
+    attribute set in the main process never reaches a running worker. This lives in shared
+    memory made at construction, which a fork inherits and the pickling that starts a worker
+    hands over (pickled elsewhere, it is copied). int64s: the epoch `set_epoch` pinned and
+    how often it was called; then one slot per `(worker, num_workers)`, written by that worker
+    alone (so no lock): the `set_epoch` call it last saw, and the epoch its next `iter()`
+    starts from.
+    """
+
+    def __init__(self, epochs: int | None, *, reshuffle: bool, values: bytes | None = None) -> None:
+        self.epochs = epochs
+        self.reshuffle = reshuffle
+        size = 2 + 2 * (MAX_WORKERS * (MAX_WORKERS + 1) // 2)
+        self._shared: Any = multiprocessing.sharedctypes.RawArray("q", size)
+        if values is not None:
+            memoryview(self._shared).cast("B")[:] = values
+
+    def pin(self, epoch: int) -> None:
+        """The next `iter()` of every copy starts at `epoch`."""
+        self._shared[0] = epoch
+        self._shared[1] += 1
+
+    @property
+    def pinned(self) -> int:
+        return int(self._shared[0])
+
+    def _slot(self, worker: int, workers: int) -> int:
+        if workers > MAX_WORKERS:
+            raise SpecError(
+                f"StokerIterableDataset counts epochs for up to {MAX_WORKERS} DataLoader workers per rank; "
+                f"this DataLoader has num_workers={workers}"
+            )
+        return 2 + 2 * (workers * (workers - 1) // 2 + worker)
+
+    def peek(self, worker: int, workers: int) -> int:
+        """The epoch the next `iter()` of this worker starts from."""
+        shared, slot = self._shared, self._slot(worker, workers)
+        if not self.reshuffle or shared[slot] != shared[1]:  # no iter() since the last set_epoch
+            return int(shared[0])
+        return int(shared[slot + 1])
+
+    def claim(self, worker: int, workers: int, loaded: int | None) -> int:
+        """The first epoch of this worker's new `iter()` (`loaded`: a loaded state's), counted as begun."""
+        first = self.peek(worker, workers) if loaded is None else loaded
+        slot = self._slot(worker, workers)
+        self._shared[slot] = self._shared[1]
+        self._shared[slot + 1] = first + (self.epochs or 1)
+        return first
+
+    def reached(self, worker: int, workers: int, epoch: int) -> None:
+        """`epochs=None`: this worker's iterator got to `epoch`; the next `iter()` goes on after it."""
+        slot = self._slot(worker, workers)
+        self._shared[slot + 1] = max(int(self._shared[slot + 1]), epoch + 1)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if multiprocessing.context.get_spawning_popen() is not None:  # starting a worker: share
+            return (_shared_counter, (self.epochs, self.reshuffle, self._shared))
+        return (_copied_counter, (self.epochs, self.reshuffle, bytes(self._shared)))
+
+
+def _copied_counter(epochs: int | None, reshuffle: bool, values: bytes) -> EpochCounter:
+    return EpochCounter(epochs, reshuffle=reshuffle, values=values)
+
+
+def _shared_counter(epochs: int | None, reshuffle: bool, shared: Any) -> EpochCounter:
+    counter = EpochCounter.__new__(EpochCounter)
+    counter.epochs, counter.reshuffle, counter._shared = epochs, reshuffle, shared
+    return counter
+
+
 class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
     """A stoker loader as a `torch.utils.data.IterableDataset` of whole batches.
 
     Use it with `DataLoader(dataset, batch_size=None, ...)`: stoker makes the batches.
-    Each `iter()` (each DataLoader epoch) yields `epochs` epochs from epoch
-    `epoch` (see `set_epoch`), or resumes where a loaded state left off. In a
-    DataLoader worker `w` of `W`, the loader reads `worker_shard` `(shard, w, W)`,
-    so the workers of a rank together read that rank's shard exactly once (with
-    `even=True` and `c * W > 1` shards, every worker is trimmed to the same length).
+    Each `iter()` (each DataLoader epoch) yields `epochs` epochs and the next `iter()` goes
+    on with the epochs after them (new orders), in the main process or in workers,
+    persistent or not; `set_epoch(e)` pins the epoch the next `iter()` starts from, and
+    a loaded state takes precedence over both. `reshuffle_each_iteration=False` in the
+    loader settings starts every `iter()` at the pinned epoch (0 unless set). In a
+    DataLoader worker `w` of `W`, the loader reads `worker_shard` `(shard, w, W)`, so
+    the workers of a rank together read that rank's shard exactly once; with `even=True`
+    the rank's shard is trimmed as one (`stoker.plan.order.shard_take`), so a rank
+    delivers what its own loader would whatever `W`, and every rank as many batches.
 
     Args:
         dataset: the stoker Dataset.
@@ -299,7 +386,7 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
     ) -> None:
         if not isinstance(dataset, Dataset):
             raise SpecError(f"dataset={dataset!r} must be a stoker.Dataset")
-        for reserved in ("state", "shard", "epochs"):
+        for reserved in ("state", "shard", "epochs", "even_over"):
             if reserved in loader_kwargs:
                 raise SpecError(f"{reserved}= is set on StokerIterableDataset itself, not in loader settings")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
@@ -310,47 +397,80 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
         self.epochs = epochs
         self.threads = threads
         self.loader_kwargs = dict(loader_kwargs)
-        self.epoch = 0
         self._pending: dict[str, Any] | None = None
         self._loader: Loader | None = None
         self._position: tuple[int, int] = (0, 0)
-        self._make_loader((0, 1), epochs=1).close()  # settings errors surface here, not in a worker
+        self._make_loader(0, 1, epochs=1).close()  # settings errors surface here, not in a worker
+        reshuffle = self.loader_kwargs.get("reshuffle_each_iteration", True)
+        self._epochs = EpochCounter(epochs, reshuffle=reshuffle)
 
     # -- where this process stands --------------------------------------------------
     def _worker(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()
         return (0, 1) if info is None else (info.id, info.num_workers)
 
-    def _make_loader(self, shard: tuple[int, int], *, epochs: int | None, workers: int = 1) -> Loader:
+    def _make_loader(self, worker: int, workers: int, *, epochs: int | None) -> Loader:
+        """The loader of worker `worker` of `workers`: its part of the rank's shard, trimmed as the rank's."""
         threads = self.threads or max(1, default_threads() // workers)
-        return self.dataset.loader(self.batch_size, shard=shard, epochs=epochs, threads=threads, **self.loader_kwargs)
+        shard = worker_shard(self.shard, worker, workers)
+        even_over = self.shard[1] if workers > 1 else None
+        return Loader(
+            self.dataset, self.batch_size, shard=shard, even_over=even_over, epochs=epochs, threads=threads,
+            **self.loader_kwargs,
+        )  # fmt: skip
+
+    @property
+    def epoch(self) -> int:
+        """The epoch `set_epoch` pinned (0 until it is called)."""
+        return self._epochs.pinned
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next `iter()` starts from (a loaded state takes precedence)."""
+        """The epoch the next `iter()` starts from, in this process and every DataLoader worker
+        (a loaded state takes precedence); later ones go on from there."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise SpecError(f"epoch={epoch!r} must be a non-negative integer")
-        self.epoch = epoch
+        self._epochs.pin(epoch)
 
     def __iter__(self) -> Iterator[TensorBatch]:
         # Everything happens at the first next(): StatefulDataLoader builds (and drops)
-        # an iterator before it loads a state, and that one must not consume the state.
+        # an iterator before it loads a state, and that one must neither consume the state
+        # nor count as an epoch begun.
+        self._loader = None  # state_dict() now says where the new iterator starts
         return self._batches()
 
     def _batches(self) -> Iterator[TensorBatch]:
         worker, workers = self._worker()
         state, self._pending = self._pending, None
-        first = self.epoch if state is None else int(state["epoch"])
+        loaded = None if state is None else int(state["epoch"])
+        if state is not None and workers == 1 and self._spent(state):
+            # Saved after its epoch's last batch (StatefulDataLoader keeps such a state at each epoch's
+            # end): this iter() is the next epoch's, as without the restart. Only alone: a worker of
+            # several may be done with an epoch its siblings are still delivering.
+            loaded, state = int(state["epoch"]) + 1, None
+        first = self._epochs.claim(worker, workers, loaded)
         epochs = None if self.epochs is None else first + self.epochs
-        loader = self._make_loader(worker_shard(self.shard, worker, workers), epochs=epochs, workers=workers)
+        loader = self._make_loader(worker, workers, epochs=epochs)
         try:
             loader.load_state_dict(state if state is not None else loader._state_dict_at((first, 0)))
             self._loader = loader
             self._position = loader.position
             for batch in loader:
                 self._position = loader.position
+                if self.epochs is None:
+                    self._epochs.reached(worker, workers, self._position[0])
                 yield {name: _from_numpy(name, array) for name, array in batch.items()}
         finally:
             loader.close()
+
+    def _spent(self, state: Mapping[str, Any]) -> bool:
+        """Whether this rank's shard has no batch left of the state's epoch after its position."""
+        total = len(self.dataset)
+        position = min(int(state["position"]), total)
+        settings = self.loader_kwargs
+        if settings.get("pad_last", False):
+            return position >= total
+        left = shard_take(total, self.shard, position, even=settings.get("even", True))
+        return left == 0 or (settings.get("drop_remainder", False) and left < self.batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         """This process's loader state after the last batch it yielded (JSON-serializable)."""
@@ -358,15 +478,15 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
             return dict(self._pending)
         if self._loader is None:
             worker, workers = self._worker()
-            with self._make_loader(worker_shard(self.shard, worker, workers), epochs=1) as loader:
-                return loader._state_dict_at((self.epoch, 0))
+            with self._make_loader(worker, workers, epochs=1) as loader:
+                return loader._state_dict_at((self._epochs.peek(worker, workers), 0))
         return self._loader._state_dict_at(self._position)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The next `iter()` in this process resumes right after the batch `state` was saved at."""
         worker, workers = self._worker()
         # epochs=None: any epoch is one this iterable may start from (see _batches).
-        with self._make_loader(worker_shard(self.shard, worker, workers), epochs=None) as probe:
+        with self._make_loader(worker, workers, epochs=None) as probe:
             try:
                 probe.load_state_dict(state)  # raises StateError for a foreign state, here
             except StateError as e:
@@ -377,15 +497,8 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
     # -- pickling (DataLoader workers started with "spawn" or "forkserver") ----------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_loader"] = None
-        ds = self.dataset
-        state["dataset"] = (ds.fields, ds.pair_key)  # a Dataset holds a lock; rebuild it
+        state["_loader"] = None  # threads and files stay with the process that opened them
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        fields, pair_key = state["dataset"]
-        state["dataset"] = Dataset(fields, pair_key=pair_key)
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"StokerIterableDataset({self.dataset!r}, batch_size={self.batch_size}, shard={self.shard})"

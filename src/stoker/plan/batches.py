@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from .order import index_permutation, permute_groups, window_shuffle
+from .order import index_permutation, permute_groups, shard_take, window_shuffle
 
 __all__ = [
     "BatchPlan",
@@ -185,6 +185,9 @@ class PlanConfig:
     # Evaluation mode: no trimming; every shard yields the same number of full-size batches,
     # the last ones padded (BatchPlan.valid says how many rows are real).
     pad_last: bool = False
+    # `shard` is a part of a shard of this count (a DataLoader worker's of its rank's): `even`
+    # trims that shard, not the part (see stoker.plan.order.shard_take). None: the shard's count.
+    even_over: int | None = None
 
 
 def interleave(
@@ -257,13 +260,12 @@ class Plan:
         else:
             yield from self._sequential(epoch, start)
 
-    def _limit(self, total: int | None, start: int) -> int | None:
+    def _limit(self, start: int) -> int | None:
         """Records this shard yields in an epoch (None: until the sequence ends)."""
-        c = self.config.shard[1]
-        if c == 1 or not self.config.even or self.config.pad_last:
+        cfg = self.config
+        if not cfg.even or cfg.pad_last or (cfg.even_over or cfg.shard[1]) == 1:
             return None
-        assert total is not None
-        return max(0, (total - start) // c)
+        return shard_take(self.total(), cfg.shard, start, even=True, even_over=cfg.even_over)
 
     def pieces(self, epoch: int) -> Iterator[tuple[int, int, int]]:
         """The epoch's sequence as contiguous pieces `(group, start, stop)`."""
@@ -297,7 +299,7 @@ class Plan:
         cfg = self.config
         size = cfg.batch_size
         i, c = cfg.shard
-        limit = self._limit(self.total() if c > 1 and cfg.even else None, start)
+        limit = self._limit(start)
         runs: list[Run] = []
         rows = 0
         index = 0
@@ -429,7 +431,7 @@ class Plan:
         firsts = np.concatenate([[0], np.cumsum(counts)])
         total = int(firsts[-1])
         perm = index_permutation(total, cfg.seed, epoch)
-        limit = self._limit(total, start)
+        limit = self._limit(start)
         available = max(0, -(-(total - start - i) // c)) if total > start + i else 0
         n = available if limit is None else min(available, limit)
         if cfg.drop_remainder:

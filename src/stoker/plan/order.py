@@ -14,6 +14,14 @@ Positions and shards:
     `[start, total)`. With `even` sharding each shard stops after `even_length`
     records, so every shard yields the same number (the few left over are dropped).
 
+Parts of a shard:
+    Shard `(i + c * w, c * W)` is part `w` of `W` of shard `(i, c)`: it takes the shard's
+    `m`-th position where `m % W == w` (a DataLoader worker of a rank). With `even` and
+    `even_over=c` the trim stays the shard's: shard `(i, c)` keeps its first
+    `L = even_length(total, c, start)` positions and part `w` takes those with `m < L`
+    (`shard_take`), so the parts of a shard together take exactly what it would alone,
+    and part `w` of every shard takes the same number.
+
 Elastic resume:
     Data-parallel shards move in lockstep: when a shard has consumed `k` records of its
     own subsequence, so has every other shard. Then exactly the positions
@@ -60,6 +68,8 @@ __all__ = [
     "shard_from_rank",
     "shard_length",
     "shard_positions",
+    "shard_take",
+    "validate_even_over",
     "window_shuffle",
 ]
 
@@ -306,16 +316,56 @@ def even_length(total: int, count: int, start: int = 0) -> int:
     return max(0, total - start) // count
 
 
-def shard_positions(total: int, shard: tuple[int, int], start: int = 0, *, even: bool = False) -> np.ndarray:
-    """The epoch positions shard `(index, count)` takes from `start`, in order (int64).
+def validate_even_over(shard: tuple[int, int], even_over: object) -> int | None:
+    """`even_over` as the shard count evenness is computed over, or SpecError: None (the
+    shard's own count) or a positive integer that divides the count of `shard`."""
+    if even_over is None:
+        return None
+    _, count = validate_shard(shard)
+    if isinstance(even_over, bool) or not isinstance(even_over, numbers.Integral) or even_over < 1:
+        raise SpecError(f"even_over={even_over!r} must be a positive integer or None")
+    if count % int(even_over):
+        raise SpecError(f"even_over={even_over!r} must divide the shard count of shard={tuple(shard)!r}")
+    return int(even_over)
 
-    These are `start + index + count * m` below `total`; with `even` only the first
-    `even_length` of them, so all shards yield the same number. Materializes one
-    shard's positions: for slices of them, use `start + index + count * arange(a, b)`.
+
+def shard_take(
+    total: int, shard: tuple[int, int], start: int = 0, *, even: bool = False, even_over: int | None = None
+) -> int:
+    """Positions of `[start, total)` that `shard` takes: all of its own without `even`.
+
+    With `even`, shard `(j, C)` is part `w = j // n` of `W = C // n` of shard `(j % n, n)`,
+    `n = even_over` (None: `C`, one part): that shard keeps its first `even_length(total, n,
+    start)` positions, and part `w` takes the `m`-th of them for `m % W == w`.
+
+    Example:
+        >>> [shard_take(1001, (w, 3), even=True, even_over=1) for w in range(3)]
+        [334, 334, 333]
+        >>> shard_take(1001, (1, 3), even=True)
+        333
     """
     index, count = validate_shard(shard)
     total, start = _check_count("total", total), _check_count("start", start)
-    length = even_length(total, count, start) if even else shard_length(total, index, count, start)
+    over = validate_even_over((index, count), even_over)
+    if not even:
+        return shard_length(total, index, count, start)
+    over = count if over is None else over
+    part, parts = index // over, count // over
+    return max(0, -(-(even_length(total, over, start) - part) // parts))
+
+
+def shard_positions(
+    total: int, shard: tuple[int, int], start: int = 0, *, even: bool = False, even_over: int | None = None
+) -> np.ndarray:
+    """The epoch positions shard `(index, count)` takes from `start`, in order (int64).
+
+    These are `start + index + count * m` below `total`; with `even` only the first
+    `shard_take` of them, so every shard (with `even_over`: part `w` of every shard) yields
+    the same number. Materializes one shard's positions: for slices of them, use
+    `start + index + count * arange(a, b)`.
+    """
+    index, count = validate_shard(shard)
+    length = shard_take(total, (index, count), start, even=even, even_over=even_over)
     return start + index + count * np.arange(length, dtype=np.int64)
 
 
