@@ -28,10 +28,13 @@ Order, shuffling, sharding:
 - Tasks are listed in dataset order; Ray runs them in parallel and, unless
   `DataContext.get_current().execution_options.preserve_order = True`, hands blocks on in
   the order they finish.
-- `seed=` lists the groups (and their ranges) in a seeded permutation before they are cut
-  into tasks (a cheap group-level shuffle, like `shuffle="files"`; pass `seed + epoch`
-  for a new order per epoch). For record level mixing use Ray's
-  `iter_batches(local_shuffle_buffer_size=...)` or `random_shuffle(seed=...)`.
+- `seed=` lists the groups (and their ranges) in a seeded permutation of `(seed, epoch)`
+  before they are cut into tasks (a cheap group-level shuffle, like `shuffle="files"`). Each
+  execution of the Dataset is the next epoch, as each `iter(loader)` is a loader's next pass:
+  the k-th `iter_batches` over it, or the k-th epoch of a `streaming_split` (Ray Train's
+  `get_dataset_shard`), reads epoch `epoch + k` in its own order;
+  `reshuffle_each_iteration=False` reads epoch `epoch` every time. For record level mixing use
+  Ray's `iter_batches(local_shuffle_buffer_size=...)` or `random_shuffle(seed=...)`.
 - `streaming_split(n, equal=False)` hands every block to exactly one of `n` consumers:
   every record reaches exactly one training worker per epoch.
 
@@ -49,6 +52,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -138,6 +142,8 @@ def read(
     records_per_task: int | None = None,
     records_per_block: int | None = None,
     seed: int | None = None,
+    epoch: int = 0,
+    reshuffle_each_iteration: bool = True,
     with_index: bool = False,
     **read_args: Any,
 ) -> ray.data.Dataset:
@@ -155,7 +161,11 @@ def read(
         records_per_block: rows per output block (None: the fewest whole batches over Ray's
             `DataContext.target_max_block_size`; Ray joins smaller blocks of a task into
             one of several chunks, which its batcher then copies whole).
-        seed: list the groups in a seeded permutation before they are cut into tasks.
+        seed: list the groups in a permutation of `(seed, epoch)` before they are cut into
+            tasks, a new one for each execution of the Dataset.
+        epoch: the epoch the Dataset's first execution reads (a run resumed at its epoch).
+        reshuffle_each_iteration: each execution (each iteration, each epoch of a
+            `streaming_split`) reads the next epoch; False: every execution reads `epoch`.
         with_index: add int64 `__group__` and `__index__` columns (the root dataset's group
             and record in the file).
         read_args: passed to `ray.data.read_datasource` (`override_num_blocks`,
@@ -170,6 +180,8 @@ def read(
         records_per_task=records_per_task,
         records_per_block=records_per_block,
         seed=seed,
+        epoch=epoch,
+        reshuffle_each_iteration=reshuffle_each_iteration,
         with_index=with_index,
     )
     if "override_num_blocks" not in read_args and "parallelism" not in read_args:
@@ -266,7 +278,13 @@ def plan_tasks(records: Sequence[int], grains: Sequence[int], per_task: int) -> 
 
 
 class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
-    """A Ray Datasource reading a stoker Dataset in tasks of record ranges (see `read`)."""
+    """A Ray Datasource reading a stoker Dataset in tasks of record ranges (see `read`).
+
+    Ray asks it for read tasks when it plans or sizes a read (which order it lists does not
+    matter there) and once at the start of each execution, the one call that passes a
+    `data_context`: that call reads the next epoch. A copy in another process (Ray Train's
+    split coordinator) counts its executions from `epoch` again.
+    """
 
     def __init__(
         self,
@@ -277,6 +295,8 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
         records_per_task: int | None = None,
         records_per_block: int | None = None,
         seed: int | None = None,
+        epoch: int = 0,
+        reshuffle_each_iteration: bool = True,
         with_index: bool = False,
     ) -> None:
         super().__init__()
@@ -290,6 +310,13 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
                 )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise SpecError(f"seed={seed!r} must be a non-negative integer or None")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise SpecError(f"epoch={epoch!r} must be a non-negative integer")
+        if not isinstance(reshuffle_each_iteration, bool):
+            raise SpecError(f"reshuffle_each_iteration={reshuffle_each_iteration!r} must be True or False")
+        self.seed, self.epoch, self.reshuffle_each_iteration = seed, epoch, reshuffle_each_iteration
+        self._executions = 0  # executions started by this copy
+        self._lock = threading.Lock()
         self._dtypes = ds.output_dtypes(cast)
         for name, dtype in self._dtypes.items():
             if dtype.kind == "V":  # ml_dtypes' bfloat16: Ray would turn the column into Python objects
@@ -310,9 +337,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
         self._row_bytes = sum(dtype.itemsize * math.prod(shape) for shape, dtype in self._columns.values())
         self._block_row_bytes: int | None = None
         self._per_block = per_block
-        self.units = self._units(ds)  # counts settled here, once; the tasks carry them
-        if seed is not None and self.units:
-            self.units = [self.units[int(i)] for i in permute_groups(len(self.units), seed, 0)]
+        self.units = self._units(ds)  # counts settled here, once; the tasks carry them (dataset order)
         self._records = sum(u.records for u in self.units)
 
     def _units(self, ds: Dataset) -> list[_Unit]:
@@ -402,24 +427,52 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
     def estimate_inmemory_data_size(self) -> int:
         return self._records * self._row_bytes
 
-    def tasks(self, parallelism: int) -> list[list[Piece]]:
-        """The pieces each read task reads, for Ray's requested `parallelism` (or records_per_task)."""
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_executions"] = 0  # a copy counts its own executions (see the class docstring)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def order(self, epoch: int) -> list[int]:
+        """Epoch `epoch`'s order of `units` (indices): seeded by `(seed, epoch)`, else dataset order."""
+        if self.seed is None or not self.units:
+            return list(range(len(self.units)))
+        return [int(i) for i in permute_groups(len(self.units), self.seed, epoch)]
+
+    def tasks(self, parallelism: int, epoch: int | None = None) -> list[list[Piece]]:
+        """The pieces each read task of epoch `epoch` (None: `self.epoch`) reads, for Ray's
+        requested `parallelism` (or records_per_task); `Piece.unit` indexes `units`."""
         per_task = self._per_task
         if per_task is None:
             per_task = math.ceil(self._records / max(1, parallelism))
             per_task = max(self._align, -(-per_task // self._align) * self._align)
-        return plan_tasks([u.records for u in self.units], [u.grain for u in self.units], per_task)
+        order = self.order(self.epoch if epoch is None else epoch)
+        units = [self.units[u] for u in order]
+        tasks = plan_tasks([u.records for u in units], [u.grain for u in units], per_task)
+        return [[p._replace(unit=order[p.unit]) for p in t] for t in tasks]
+
+    def _execution_epoch(self) -> int:
+        """The epoch an execution starting now reads; counts it."""
+        with self._lock:
+            k, self._executions = self._executions, self._executions + 1
+        return self.epoch + k if self.reshuffle_each_iteration else self.epoch
 
     def get_read_tasks(
         self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
     ) -> list[Any]:
-        """About `parallelism` tasks, each carrying only its own groups (see `read`)."""
+        """About `parallelism` tasks, each carrying only its own groups (see `read`); with a
+        `data_context` (an execution starting) those of the next epoch."""
         from ray.data.block import BlockMetadata
         from ray.data.datasource import ReadTask
 
         per_block = self._per_block or self._default_block(data_context)
+        epoch = self._execution_epoch() if data_context is not None else None
         out = []
-        for pieces in self.tasks(parallelism):
+        for pieces in self.tasks(parallelism, epoch):
             units = list(dict.fromkeys(p.unit for p in pieces))  # the task's units, in order
             local = {u: i for i, u in enumerate(units)}
             groups = [self.units[u].group for u in units]

@@ -1,7 +1,10 @@
-"""stoker.keras: Keras 3 fits from a loader on the JAX and PyTorch backends (each in its own process)."""
+"""stoker.keras: what Keras 3 trains, evaluates and predicts on is each loader epoch exactly once,
+on the TensorFlow, JAX and PyTorch backends (each in its own process: the backend is fixed when
+Keras is imported)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,62 +17,64 @@ import stoker
 import stoker.keras
 from stoker.errors import SpecError
 
-_FIT = """
-import sys
-import numpy as np
-import keras
-import stoker, stoker.keras
-from stoker.cli.sample import expected_label
+ROOT = Path(__file__).resolve().parents[2]
+BATCH = 16  # tests/helpers/keras_consumed.py's batch size
+RECORDS = 87  # and its records: 6 batches an epoch, the last short (or padded)
 
-d = stoker.write_sample(sys.argv[1], pairs=2, records=24, inrez=8)
-ds = stoker.Dataset(image=stoker.Field(str(d / "img_*.bin"), "int8", (8, 8, 1)),
-                    label=stoker.Field(str(d / "out_*.bin.gz"), "float32", compression="gzip"))
-settings = dict(epochs=None, cast={"image": "float32"}, shuffle="global", seed=3)
-with ds.loader(16, **settings) as loader, ds.loader(16, **settings) as same:
-    data = stoker.keras.to_keras(loader, "image", "label")
-    assert isinstance(data, keras.utils.PyDataset) and len(data) == data.num_batches == len(loader) == 3
-    # Keras' order of calls: each epoch asks 0, 1, 2; it gets the loader's epochs one after the other.
-    expected = iter(same)
-    for epoch in range(2):
-        for i in range(len(data)):
-            x, y = data[i]
-            want = next(expected)
-            assert np.array_equal(x, want["image"]) and np.array_equal(y, want["label"])
-            assert np.array_equal(y, expected_label(x))
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Rescaling(1 / 128), keras.layers.Flatten(),
-                              keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    history = model.fit(stoker.keras.to_keras(loader, "image", "label"), epochs=3, shuffle=False, verbose=0)
-    losses = history.history["loss"]
-    assert len(losses) == 3 and all(np.isfinite(losses)), losses
-    mse = model.evaluate(stoker.keras.to_keras(same, "image", "label"), verbose=0)
-    assert np.isfinite(mse)
-    try:  # Keras shuffles a PyDataset's batches unless told not to: refused, never served out of order
-        model.fit(stoker.keras.to_keras(loader, "image", "label"), epochs=4, verbose=0)
-        print("not refused")
-    except stoker.SpecError as e:
-        print("refused:", e)
-print("backend", keras.backend.backend(), "losses", len(losses))
-"""
+
+def _batches(ids: list[int]) -> list[list[int]]:
+    return [ids[i : i + BATCH] for i in range(0, len(ids), BATCH)]
 
 
 @pytest.mark.slow
+@pytest.mark.keras
 @pytest.mark.parametrize(
-    "backend", [pytest.param("jax", marks=pytest.mark.jax), pytest.param("torch", marks=pytest.mark.torch)]
+    "backend",
+    [
+        pytest.param("tensorflow", marks=pytest.mark.tf),
+        pytest.param("jax", marks=pytest.mark.jax),
+        pytest.param("torch", marks=pytest.mark.torch),
+    ],
 )
-def test_keras_fits_from_a_loader_on_the_backend(tmp_path: Path, backend: str) -> None:
-    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    run = subprocess.run([sys.executable, "-c", _FIT, str(tmp_path / "d")], capture_output=True, text=True,
-                         timeout=300, env=env)  # fmt: skip
+def test_keras_consumes_each_loader_epoch_exactly_once(tmp_path: Path, backend: str) -> None:
+    env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}  # fmt: skip
+    out = tmp_path / "consumed.json"
+    run = subprocess.run([sys.executable, "-m", "tests.helpers.keras_consumed", str(tmp_path / "d"), str(out)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
-    lines = run.stdout.splitlines()
-    assert lines[-1] == f"backend {backend} losses 3", run.stdout
-    # With 3 batches an epoch, a shuffled order is refused at its first step out of order.
-    assert any(line.startswith("refused: stoker.keras serves the loader's batches in order") for line in lines), (
-        run.stdout
-    )
-    assert any("pass fit(..., shuffle=False)" in line for line in lines)
+    got = json.loads(out.read_text())
+    assert got["backend"] == backend
+    everything = list(range(RECORDS))
+
+    # Every epoch of every case holds each record once (padding left out by its sample weight).
+    for case in ("fit_unbuilt", "fit_validation", "evaluate_padded", "predict"):
+        for epoch, ids in enumerate(got[case]["keras"]):
+            assert sorted(ids) == everything, f"{case}: Keras epoch {epoch} consumed {len(ids)} ids, not each once"
+    # ... and is the loader's epoch of the same number: Keras' shape reads (batch 0 to build the
+    # model on JAX and PyTorch, batches 0 and 1 for TensorFlow's signature) take nothing from it.
+    for case in ("fit_unbuilt", "fit_validation", "evaluate_padded", "predict"):
+        assert got[case]["keras"] == got[case]["loader"], case
+    assert got["predict"]["rows"] == [RECORDS, RECORDS]
+    # The loader's epochs differ (a new order each), so the equality above pins each one.
+    assert got["fit_unbuilt"]["loader"][0] != got["fit_unbuilt"]["loader"][1]
+
+    # steps_per_epoch=4 of 6 batches, 3 epochs: Keras goes on where its last epoch stopped, so its
+    # 10 batches are epoch 0 whole and epoch 1's first 4. A fit called again starts that epoch
+    # over, as with any PyDataset: 3 steps, then all of it (past the two batches the adapter
+    # keeps, the loader restarts the epoch from its state), and then the next epoch.
+    loader = got["fit_steps"]["loader"]
+    assert got["fit_steps"]["keras"] == [loader[0] + loader[1][: 4 * BATCH], loader[1][: 3 * BATCH], loader[1],
+                                         loader[2]]  # fmt: skip
+
+    # By hand: a repeated index gives the same batch, index 0 the same epoch again.
+    epoch = _batches(got["by_hand"]["loader"][0])
+    assert got["by_hand"]["keras"] == [epoch[i] for i in (0, 0, 1, 1, 0, 1, 2, 2, 3)]
+
+    # Keras' shuffle of the batch order is refused at its first batch out of order, never served.
+    refused = got["refused"]
+    assert refused is not None and "stoker.keras serves the loader's batches in order" in refused, refused
+    assert "pass fit(..., shuffle=False)" in refused
 
 
 def test_to_keras_refuses_fields_the_batches_do_not_hold(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,8 +24,10 @@ from ray.data.block import BlockAccessor
 
 import stoker
 import stoker.ray
+from stoker.plan.order import permute_groups
 from tests.helpers import HELPERS
 from tests.helpers.data import IMG, LAB_GZ, FieldPlan, build, check_batches
+from tests.helpers.indexed import ids_of, write_dataset
 from tests.helpers.s3 import remote_dataset, s3_options, upload
 
 pytestmark = pytest.mark.ray
@@ -72,14 +75,19 @@ def test_tasks_follow_the_requested_parallelism_in_whole_batches(tmp_path: Path)
     fixed = stoker.ray.StokerDatasource(ds, batch_size=8, records_per_task=48)
     assert [t.metadata.num_rows for t in fixed.get_read_tasks(2)] == [48, 48, 32]
     shuffled = stoker.ray.StokerDatasource(ds, batch_size=8, seed=4)
-    assert [u.group for u in shuffled.units] != [0, 2, 3] and sorted(u.group for u in shuffled.units) == [0, 2, 3]
-    assert [u.group for u in stoker.ray.StokerDatasource(ds, batch_size=8, seed=4).units] == [
-        u.group for u in shuffled.units
-    ]
+    groups = [shuffled.units[u].group for u in shuffled.order(0)]
+    assert groups != [0, 2, 3] and sorted(groups) == [0, 2, 3]
+    again = stoker.ray.StokerDatasource(ds, batch_size=8, seed=4)
+    assert [again.units[u].group for u in again.order(0)] == groups
+    assert [[p.unit for p in t] for t in shuffled.tasks(1, epoch=0)] == [shuffled.order(0)]
     with pytest.raises(stoker.SpecError, match="records_per_task=0"):
         stoker.ray.StokerDatasource(ds, records_per_task=0)
     with pytest.raises(stoker.SpecError, match="records_per_block=12 must be a whole multiple of batch_size=8"):
         stoker.ray.StokerDatasource(ds, batch_size=8, records_per_block=12)
+    with pytest.raises(stoker.SpecError, match="epoch=-1 must be a non-negative integer"):
+        stoker.ray.StokerDatasource(ds, epoch=-1)
+    with pytest.raises(stoker.SpecError, match="reshuffle_each_iteration=1 must be True or False"):
+        stoker.ray.StokerDatasource(ds, reshuffle_each_iteration=1)  # type: ignore[arg-type]
 
 
 def test_compressed_groups_are_cut_only_where_seek_points_allow(tmp_path: Path) -> None:
@@ -202,14 +210,65 @@ def test_a_subset_reads_its_own_records(tmp_path: Path, cluster: None) -> None:
     check_batches(ds, got, complete=False)  # every field of every row is its own record's
 
 
-def test_streaming_split_delivers_every_record_exactly_once_per_epoch(tmp_path: Path, cluster: None) -> None:
-    ds = build(tmp_path, [30, 11, 26, 5, 19], {"image": IMG, "label": LAB_GZ})
-    splits = stoker.ray.read(ds, records_per_task=10, with_index=True, seed=1).streaming_split(2, equal=False)
-    seen: list[list[list[dict[str, np.ndarray]]]] = [[], []]
+@pytest.fixture
+def preserve_order(cluster: None) -> Iterator[None]:
+    """Ray hands blocks on in the order of the read tasks, so an epoch's order is observable."""
+    options = ray.data.DataContext.get_current().execution_options
+    options.preserve_order = True
+    try:
+        yield
+    finally:
+        options.preserve_order = False
+
+
+def _ids(batches: Iterator[dict[str, Any]]) -> list[int]:
+    """The records' global ids (tests/helpers/indexed.py), after checking each image met its own label."""
+    return [int(i) for b in _numpy(batches) for i in ids_of([b])]
+
+
+def _epochs(rds: ray.data.Dataset, n: int) -> list[list[int]]:
+    return [_ids(rds.iter_batches(batch_size=8, batch_format="numpy")) for _ in range(n)]
+
+
+def _group_order(counts: list[int], seed: int, epoch: int) -> list[int]:
+    """The ids of epoch `epoch` with the groups in the permutation of `(seed, epoch)`."""
+    starts = np.cumsum([0, *counts])
+    return [i for g in permute_groups(len(counts), seed, epoch) for i in range(starts[g], starts[g + 1])]
+
+
+def test_each_iteration_reads_the_next_epoch_in_its_own_order(tmp_path: Path, preserve_order: None) -> None:
+    counts = [7, 5, 9, 3, 6, 4]
+    ds = write_dataset(tmp_path, counts)
+    everything = list(range(len(ds)))
+    epochs = _epochs(stoker.ray.read(ds, seed=3, records_per_task=4), 3)
+    assert all(sorted(ids) == everything for ids in epochs)  # each epoch: every record once
+    assert len({tuple(ids) for ids in epochs}) == 3  # ... in its own order, as a loader's passes
+    assert epochs == [_group_order(counts, 3, epoch) for epoch in range(3)]
+    assert _epochs(stoker.ray.read(ds, seed=3, records_per_task=4), 3) == epochs  # the same for the seed
+    # A run resumed at epoch 1 starts with epoch 1's order; reshuffle_each_iteration=False replays one.
+    assert _epochs(stoker.ray.read(ds, seed=3, records_per_task=4, epoch=1), 2) == epochs[1:]
+    fixed = stoker.ray.read(ds, seed=3, records_per_task=4, epoch=2, reshuffle_each_iteration=False)
+    assert _epochs(fixed, 2) == [epochs[2], epochs[2]]
+    # Asking Ray how many rows there are plans the read without executing it: no epoch spent.
+    rds = stoker.ray.read(ds, seed=3, records_per_task=4)
+    assert rds.count() == len(ds)
+    assert _epochs(rds, 1) == epochs[:1]
+
+
+def test_streaming_split_delivers_a_new_order_each_epoch_exactly_once(tmp_path: Path, preserve_order: None) -> None:
+    counts = [30, 11, 26, 5, 19]
+    ds = write_dataset(tmp_path, counts)
+    everything = list(range(len(ds)))
+    orders = [_group_order(counts, 2, epoch) for epoch in range(3)]
+    assert len({tuple(ids) for ids in orders}) == 3
+    rds = stoker.ray.read(ds, records_per_task=10, seed=2)
+    rds.take(1)  # an execution in the driver: the split coordinator's copy still starts at epoch 0
+    splits = rds.streaming_split(2, equal=False)
+    seen: list[list[list[int]]] = [[], []]
 
     def consume(i: int) -> None:
-        for _epoch in range(2):
-            seen[i].append(_numpy(splits[i].iter_batches(batch_size=8, batch_format="numpy")))
+        for _epoch in range(3):
+            seen[i].append(_ids(splits[i].iter_batches(batch_size=8, batch_format="numpy")))
 
     threads = [threading.Thread(target=consume, args=(i,), name=f"test-split-{i}") for i in range(2)]
     for t in threads:
@@ -217,10 +276,13 @@ def test_streaming_split_delivers_every_record_exactly_once_per_epoch(tmp_path: 
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads)
-    for epoch in range(2):
-        both = seen[0][epoch] + seen[1][epoch]
-        check_batches(ds, both)  # every (group, index) exactly once, every field right
+    for epoch in range(3):
+        assert sorted(seen[0][epoch] + seen[1][epoch]) == everything  # every record once over both workers
         assert seen[0][epoch] and seen[1][epoch]  # both workers got records
+        for worker in range(2):  # each worker's blocks come in epoch `epoch`'s order
+            place = {r: i for i, r in enumerate(orders[epoch])}
+            got = [place[r] for r in seen[worker][epoch]]
+            assert got == sorted(got), f"worker {worker}'s epoch {epoch} is not in that epoch's order"
 
 
 def test_a_corrupt_file_fails_the_read_naming_it(tmp_path: Path, cluster: None) -> None:
