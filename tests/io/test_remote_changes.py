@@ -224,3 +224,21 @@ def test_a_filesystem_without_etags_is_held_to_size_and_mtime(small_reads: None,
         assert isinstance(err, stoker.CorruptDataError), err
         assert err.path == url and f"{url!r} changed since the Dataset was built" in str(err)
         assert len(ids) < sum(COUNTS)
+
+
+def test_a_version_deleted_for_good_is_an_error_naming_the_url_and_a_deleted_key_is_read_on(
+    moto_url: str, small_reads: None
+) -> None:
+    """Versioning on: deleting the key leaves the version the Dataset read (a delete marker on
+    top); deleting that version itself (a lifecycle rule, DeleteObject with its id) cannot be read on."""
+    store = _store(_moto(moto_url), versioned=True)
+    ds = store.dataset()
+    url = f"s3://{store.bucket}/data/img_0000.bin"
+    key = "data/img_0000.bin"
+    store.client.delete_object(Bucket=store.bucket, Key=key)
+    np.testing.assert_array_equal(ids_of([ds.read([3, 299])]), [3, 299])
+    version = store.client.list_object_versions(Bucket=store.bucket, Prefix=key)["Versions"]
+    store.client.delete_object(Bucket=store.bucket, Key=key, VersionId=version[0]["VersionId"])
+    with pytest.raises(stoker.CorruptDataError, match="changed since the Dataset was built") as e:
+        ds.read([3, 299])
+    assert e.value.path == url and e.value.field == "image" and url in str(e.value)
