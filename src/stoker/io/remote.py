@@ -173,8 +173,6 @@ def _precondition_failed(error: BaseException, _depth: int = 0) -> str | None:
         code = response.get("Error", {}).get("Code")
         if code in ("PreconditionFailed", "NoSuchVersion"):
             return f"the store answers {code}"
-    if getattr(error, "status", None) == 412:
-        return "the store answers 412 Precondition Failed"
     cause = error.__cause__ or error.__context__
     if cause is not None and cause is not error and _depth < 8:
         return _precondition_failed(cause, _depth + 1)
@@ -357,7 +355,7 @@ def changed(url: str, version: Version, now: str, *, field: str | None, offset: 
     prefix = f"field {field!r}: " if field is not None else ""
     return CorruptDataError(
         f"{prefix}{url!r} changed since the Dataset was built{where}: it was {version.describe()}, now {now}; "
-        "none of its new bytes were read (they would pair with the other fields' old records): "
+        "no byte of the new object was handed on (it would pair with the other fields' old records): "
         "build the Dataset again to read the new object",
         field=field, path=url, offset=offset,
     )  # fmt: skip
