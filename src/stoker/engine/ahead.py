@@ -94,13 +94,19 @@ class FetchAhead:
             if info.compression is not None:
                 if (group, name) not in heads and name not in self.seek_fields:
                     heads.add((group, name))
-                    fetcher.want_stream(info.path, spec.storage_options, size=info.size, field=name)
+                    fetcher.want_stream(
+                        info.path, spec.storage_options, size=info.size, field=name, version=info.version
+                    )
             elif isinstance(what, Run):
                 start = spec.header_bytes + what.start * rb
                 end = min(info.size, spec.header_bytes + what.stop * rb)
                 if what.count:
-                    fetcher.want(info.path, spec.storage_options, start, end, size=info.size, field=name)
+                    fetcher.want(
+                        info.path, spec.storage_options, start, end, size=info.size, field=name, version=info.version
+                    )
             else:
                 for a, b in pieces(what, rb, spec.header_bytes, fetcher.part_bytes):
                     if b <= info.size:
-                        fetcher.want(info.path, spec.storage_options, a, b, size=info.size, field=name)
+                        fetcher.want(
+                            info.path, spec.storage_options, a, b, size=info.size, field=name, version=info.version
+                        )

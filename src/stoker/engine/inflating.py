@@ -69,7 +69,7 @@ class StreamReads:
         if is_remote(info.path):  # its parts asked for ahead (stoker.io.fetch)
             source = self.fetcher.stream(
                 info.path, spec.storage_options, seek[1].compressed if seek else 0, size=info.size, field=name,
-                check=self.stop.check,
+                check=self.stop.check, version=info.version,
             )  # fmt: skip
         inf = Inflater(
             info.path,

@@ -229,8 +229,9 @@ class RawReader:
         t = time.perf_counter()
         try:
             got = self.fetcher.read_into(
-                info.path, spec.storage_options, offset, view, size=info.size, field=name, check=self.stop.check
-            )
+                info.path, spec.storage_options, offset, view, size=info.size, field=name, check=self.stop.check,
+                version=info.version,
+            )  # fmt: skip
         except ReadError as e:
             e.index = (e.offset - spec.header_bytes) // rb if e.offset is not None else run.start
             e.add_note(f"record {e.index} of group {run.group}")
@@ -255,5 +256,6 @@ class RawReader:
             size=info.size,
             field=name,
             check=self.stop.check,
+            version=info.version,
         )
         return raw.view(spec.dtype).reshape(len(local), *spec.shape)

@@ -221,7 +221,7 @@ class RecordReader:
             wanted, inverse = np.unique(local, return_inverse=True)
             raw = remote.read_records(
                 info.path, spec.storage_options, spec.header_bytes, spec.record_bytes, wanted,
-                size=info.size, field=name,
+                size=info.size, field=name, version=info.version,
             )  # fmt: skip
             dst[rows] = raw.view(spec.dtype).reshape(len(wanted), *spec.shape)[inverse]
             return
@@ -283,7 +283,9 @@ class RecordReader:
         assert info.compression is not None
         buf = np.empty(n * spec.record_bytes, np.uint8)
         index_file = self.catalog.root().index_file(g, name)
-        with Inflater(info.path, info.compression, field=name, storage_options=spec.storage_options) as inf:
+        with Inflater(
+            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version
+        ) as inf:
             got = inf.skip(spec.header_bytes) + inf.readinto(memoryview(buf))  # type: ignore[arg-type]
             if got < spec.header_bytes + len(buf):
                 at = max(0, (inf.produced - spec.header_bytes) // spec.record_bytes)

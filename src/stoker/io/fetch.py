@@ -11,7 +11,10 @@ for ahead (a batch assembled again after an error, a stream that jumped) is fetc
 before anything queued ahead. A compressed stream keeps its next parts asked for while it inflates.
 
 Requests go through stoker.io.remote (one retry layer): a part arrives whole, or its error, which
-names the field, URL and byte offset, is raised in the worker that takes it. Every range is
+names the field, URL and byte offset, is raised in the worker that takes it. Every part is read
+of the object's version the Dataset was built on (`remote.Version`): one changed mid-pass, its
+first part read since is a CorruptDataError, and none of its new bytes reaches a batch or a
+stream's inflater. Every range is
 taken by the read it was asked for, or by an identical one (the same bytes of the same file),
 so what a batch holds never depends on timing.
 """
@@ -52,11 +55,12 @@ class _Part:
     """One ranged GET: bytes `start..end` of `url`."""
 
     __slots__ = ("ahead", "arrived", "client", "data", "dropped", "end", "error", "field", "path", "size", "start",
-                 "state", "url")  # fmt: skip
+                 "state", "url", "version")  # fmt: skip
 
     def __init__(self, client: remote.Client, url: str, path: str, start: int, end: int, size: int,
-                 field: str | None, *, ahead: bool) -> None:  # fmt: skip
+                 field: str | None, *, ahead: bool, version: remote.Version | None) -> None:  # fmt: skip
         self.client, self.url, self.path, self.field = client, url, path, field
+        self.version = version
         self.start, self.end, self.size = start, end, size
         self.ahead = ahead  # counted in the fetcher's ahead bytes until let go
         self.state = _QUEUED
@@ -99,22 +103,23 @@ class Fetcher:
         return self._ahead < self.ahead_bytes
 
     def want(self, url: str, options: Mapping[str, Any] | None, start: int, end: int, *, size: int,
-             field: str | None) -> None:  # fmt: skip
-        """Bytes `start..end` of `url` will be read (`read_into`/`read_records`): fetch them ahead."""
+             field: str | None, version: remote.Version | None = None) -> None:  # fmt: skip
+        """Bytes `start..end` of `url` (at `version`) will be read (`read_into`/`read_records`): fetch them ahead."""
         if end > start:
-            self._ask(url, options, start, end, size, field, key=(url, start, end))
+            self._ask(url, options, start, end, size, field, version, key=(url, start, end))
 
-    def want_stream(self, url: str, options: Mapping[str, Any] | None, *, size: int, field: str | None) -> None:
+    def want_stream(self, url: str, options: Mapping[str, Any] | None, *, size: int, field: str | None,
+                    version: remote.Version | None = None) -> None:  # fmt: skip
         """A stream of `url` will be opened at its start (`stream`): fetch its first parts ahead."""
         end = min(size, (1 + STREAM_AHEAD) * self.part_bytes)
         if end > 0:
-            self._ask(url, options, 0, end, size, field, key=(url, 0, -1))
+            self._ask(url, options, 0, end, size, field, version, key=(url, 0, -1))
 
     def _ask(self, url: str, options: Mapping[str, Any] | None, start: int, end: int, size: int, field: str | None,
-             *, key: tuple[str, int, int]) -> None:  # fmt: skip
+             version: remote.Version | None, *, key: tuple[str, int, int]) -> None:  # fmt: skip
         c, path = remote.client(url, options, connections=max(remote.CONNECTIONS, self.depth))
         parts = [
-            _Part(c, url, path, a, min(a + self.part_bytes, end), size, field, ahead=True)
+            _Part(c, url, path, a, min(a + self.part_bytes, end), size, field, ahead=True, version=version)
             for a in range(start, end, self.part_bytes)
         ]
         with self._lock:
@@ -128,13 +133,14 @@ class Fetcher:
 
     # -- taking (workers) -------------------------------------------------------------------
     def read_into(self, url: str, options: Mapping[str, Any] | None, offset: int, dst: memoryview, *, size: int,
-                  field: str | None, check: Callable[[], None]) -> int:  # fmt: skip
-        """Fill `dst` with the bytes of `url` from `offset`: the parts asked ahead for this
-        range, or fetched now. Returns the bytes read: short only where the object (of `size`
-        bytes) ends first. `check` is called while waiting (it raises to stop the wait)."""
+                  field: str | None, check: Callable[[], None],
+                  version: remote.Version | None = None) -> int:  # fmt: skip
+        """Fill `dst` with the bytes of `url` (at `version`) from `offset`: the parts asked ahead
+        for this range, or fetched now. Returns the bytes read: short only where the object (of
+        `size` bytes) ends first. `check` is called while waiting (it raises to stop the wait)."""
         n = max(0, min(len(dst), size - offset))
         if n:
-            parts = self._take(url, options, offset, offset + n, size, field)
+            parts = self._take(url, options, offset, offset + n, size, field, version)
             try:
                 for part in parts:
                     dst[part.start - offset : part.end - offset] = self._wait(part, check)
@@ -143,14 +149,14 @@ class Fetcher:
         return n
 
     def read_records(self, url: str, options: Mapping[str, Any] | None, base: int, record_bytes: int,
-                     index: np.ndarray, *, size: int, field: str | None,
-                     check: Callable[[], None]) -> np.ndarray:  # fmt: skip
-        """Records `index` (sorted, distinct) of the file as `(len(index), record_bytes)` uint8,
-        from the ranges of `stoker.io.remote.pieces` (asked ahead, or fetched now)."""
+                     index: np.ndarray, *, size: int, field: str | None, check: Callable[[], None],
+                     version: remote.Version | None = None) -> np.ndarray:  # fmt: skip
+        """Records `index` (sorted, distinct) of the file (at `version`) as `(len(index), record_bytes)`
+        uint8, from the ranges of `stoker.io.remote.pieces` (asked ahead, or fetched now)."""
         ranges = remote.pieces(index, record_bytes, base, self.part_bytes)
         if ranges and ranges[-1][1] > size:
             raise remote.too_short(url, size, index, ranges[-1][1], field=field)
-        taken = [self._take(url, options, a, b, size, field) for a, b in ranges]
+        taken = [self._take(url, options, a, b, size, field, version) for a, b in ranges]
         try:
             datas = [b"".join(self._wait(p, check) for p in parts) for parts in taken]
         finally:
@@ -159,15 +165,17 @@ class Fetcher:
         return remote.place(ranges, datas, index, record_bytes, base)
 
     def stream(self, url: str, options: Mapping[str, Any] | None, offset: int, *, size: int, field: str | None,
-               check: Callable[[], None]) -> RemoteStream:  # fmt: skip
-        """A sequential reader of `url` from `offset` for the inflater (its head taken if asked ahead)."""
+               check: Callable[[], None], version: remote.Version | None = None) -> RemoteStream:  # fmt: skip
+        """A sequential reader of `url` (at `version`) from `offset` for the inflater (its head
+        taken if asked ahead)."""
         with self._lock:
             head = self._pop_wanted((url, offset, -1))
         c, path = remote.client(url, options, connections=max(remote.CONNECTIONS, self.depth))
-        return RemoteStream(self, c, url, path, offset, size=size, field=field, check=check, head=head or [])
+        return RemoteStream(self, c, url, path, offset, size=size, field=field, check=check, head=head or [],
+                            version=version)  # fmt: skip
 
     def _take(self, url: str, options: Mapping[str, Any] | None, start: int, end: int, size: int,
-              field: str | None) -> list[_Part]:  # fmt: skip
+              field: str | None, version: remote.Version | None) -> list[_Part]:  # fmt: skip
         """The parts asked ahead for exactly `start..end` (oldest first), or new ones; either way
         sent before anything queued ahead."""
         with self._lock:
@@ -175,7 +183,7 @@ class Fetcher:
         if parts is None:
             c, path = remote.client(url, options, connections=max(remote.CONNECTIONS, self.depth))
             parts = [
-                _Part(c, url, path, a, min(a + self.part_bytes, end), size, field, ahead=False)
+                _Part(c, url, path, a, min(a + self.part_bytes, end), size, field, ahead=False, version=version)
                 for a in range(start, end, self.part_bytes)
             ]
         self.hurry(parts)
@@ -248,7 +256,7 @@ class Fetcher:
     def _send(self, parts: list[_Part]) -> None:
         for part in parts:
             coro = remote.get_range(part.client, part.url, part.path, part.start, part.end, size=part.size,
-                                    field=part.field)  # fmt: skip
+                                    field=part.field, version=part.version)  # fmt: skip
             part.client.submit(coro).add_done_callback(functools.partial(self._arrived, part))
 
     def _arrived(self, part: _Part, future: Any) -> None:
@@ -298,9 +306,11 @@ class RemoteStream:
     """Sequential reads of one remote file for the inflater, its next parts asked for ahead."""
 
     def __init__(self, fetcher: Fetcher, client: remote.Client, url: str, path: str, offset: int, *, size: int,
-                 field: str | None, check: Callable[[], None], head: list[_Part]) -> None:  # fmt: skip
+                 field: str | None, check: Callable[[], None], head: list[_Part],
+                 version: remote.Version | None = None) -> None:  # fmt: skip
         self._fetcher, self._client = fetcher, client
         self.url, self._path, self.size, self.field = url, path, size, field
+        self.version = version
         self._check = check
         self._parts: collections.deque[_Part] = collections.deque(head)
         self._next = head[-1].end if head else offset  # where the next part asked for starts
@@ -331,7 +341,7 @@ class RemoteStream:
         while self._next < self.size and (not self._parts or (len(self._parts) <= STREAM_AHEAD and f.room())):
             end = min(self.size, self._next + f.part_bytes)
             part = _Part(self._client, self.url, self._path, self._next, end, self.size, self.field,
-                         ahead=bool(self._parts))  # fmt: skip
+                         ahead=bool(self._parts), version=self.version)  # fmt: skip
             self._parts.append(part)
             fresh.append(part)
             self._next = end

@@ -27,7 +27,7 @@ from ..machine import open_regular
 from ..spec import Field, shape_hint
 from .index import IndexLookup, apply_index, record_count, resolve_index_dir
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
-from .remote import Probe, is_remote
+from .remote import Probe, Version, is_remote
 from .seekpoints import SeekPoint
 
 __all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
@@ -46,6 +46,8 @@ class FileInfo:
     compression: str | None
     # Raw: exact record count. Compressed: the trailer's estimate or None until counted.
     records_hint: int | None
+    # A remote object's ETag, version id, size and mtime, which every read of it is held to.
+    version: Version | None = None
 
 
 # Bytes read per pread by the single-member scan: large enough that call overhead vanishes.
@@ -213,7 +215,8 @@ def _inspect(
 ) -> FileInfo:
     if probe is not None:  # a remote file, stat'ed and its head/tail fetched in bulk by stoker.io.remote
         trailer = int.from_bytes(probe.tail, "little") if len(probe.tail) == 4 else None
-        return _classify(name, spec, path, probe.size, probe.mtime_ns, probe.head, lambda: trailer)
+        info = _classify(name, spec, path, probe.size, probe.mtime_ns, probe.head, lambda: trailer)
+        return dataclasses.replace(info, version=probe.version)
     st = _stat(name, path)
     if index is not None:
         # A matching persistent index entry vouches for the file (checked when indexed):
@@ -514,5 +517,7 @@ class Catalog:
     def _count_by_decompressing(self, name: str, info: FileInfo) -> int:
         spec = self.fields[name]
         assert info.compression is not None
-        total = decompressed_size(info.path, info.compression, field=name, storage_options=spec.storage_options)
+        total = decompressed_size(
+            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version
+        )
         return record_count(name, spec, info, total)

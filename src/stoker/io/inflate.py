@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import CorruptDataError, ReadError, StaleIndexError, StokerError
 from ..machine import open_regular
-from .remote import RemoteReader, is_remote
+from .remote import RemoteReader, Version, is_remote
 from .seekpoints import CHECK_BYTES, PrimedInflate, SeekPoint, load_window, point_check, stale_point
 
 _zlib: ModuleType
@@ -63,9 +63,11 @@ class Inflater:
         start: tuple[int, int] | SeekPoint = (0, 0),
         storage_options: Mapping[str, Any] | None = None,
         source: Any = None,
+        version: Version | None = None,
     ) -> None:
         # `source`: where a URL's compressed bytes come from (`pread(n, offset)`, `close()`;
-        # a loader's read-ahead, stoker.io.fetch), else a RemoteReader of its own.
+        # a loader's read-ahead, stoker.io.fetch), else a RemoteReader of its own, held to
+        # `version` (the object the Dataset was built on).
         # `start`: (compressed, decompressed) offset of a gzip member start or of the
         # stream start, or a SeekPoint at a deflate block boundary (stoker.seekpoints),
         # from which decoding may begin (a persistent index's seek point).
@@ -74,7 +76,7 @@ class Inflater:
         self.field = field
         # A URL is read through stoker.io.remote (ranged, retried); a path through its descriptor.
         if source is None and is_remote(path):
-            source = RemoteReader(path, storage_options, field=field)
+            source = RemoteReader(path, storage_options, field=field, version=version)
         self._remote = source
         try:
             self._fd = -1 if self._remote else open_regular(path)  # a FIFO there must not block the open
@@ -310,10 +312,12 @@ class Inflater:
 
 
 def decompressed_size(
-    path: str, kind: str, *, field: str | None = None, storage_options: Mapping[str, Any] | None = None
-) -> int:
-    """Decompress a whole file to count its bytes (validating CRCs and the end of stream)."""
-    with Inflater(path, kind, field=field, storage_options=storage_options) as inf:
+    path: str, kind: str, *, field: str | None = None, storage_options: Mapping[str, Any] | None = None,
+    version: Version | None = None,
+) -> int:  # fmt: skip
+    """Decompress a whole file (a remote one at `version`) to count its bytes (validating CRCs
+    and the end of stream)."""
+    with Inflater(path, kind, field=field, storage_options=storage_options, version=version) as inf:
         while inf.skip(1 << 30) == 1 << 30:
             pass
         return inf.produced

@@ -39,8 +39,9 @@ def seek_read(
                 if inf is not None:
                     inf.close()
                 inf = Inflater(
-                    info.path, info.compression, field=name, start=points[k], storage_options=spec.storage_options
-                )
+                    info.path, info.compression, field=name, start=points[k], storage_options=spec.storage_options,
+                    version=info.version,
+                )  # fmt: skip
             want = target - inf.produced
             if inf.skip(want) != want:
                 raise short_stream(name, spec, info, count, inf.produced)

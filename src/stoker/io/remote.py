@@ -7,6 +7,15 @@ filesystem's event loop (fsspec's I/O thread; a filesystem without async methods
 run in that loop's executor), so requests overlap without a thread of stoker's per request.
 A loader's pass keeps its ranged GETs in flight ahead of its workers through stoker.io.fetch.
 
+Every read is of the object the Dataset was built on (`Version`): the probe notes its ETag, its
+version id where the bucket keeps versions, its size and mtime, and each ranged GET is held to
+them. On S3 a GET names the version id where there is one (the old version is read on, whole and
+consistent, after the key is overwritten) and carries `If-Match: <ETag>` (a replaced object
+answers 412); the reply's ETag is compared too, for a store that ignores the condition. Other
+filesystems are asked for the object's info after each read, which must still match (ETag,
+version, size, mtime: whatever they report). A changed object is a `stoker.CorruptDataError`
+naming the field and URL before any of its bytes is handed on.
+
 One retry layer: a request that fails on a transient error (dropped connection, timeout, 5xx,
 429, short body) is made again after an exponential backoff (`RETRY`); a permanent error
 (no such object, access denied) or a transient one that outlasts the retries is a
@@ -30,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
+import email.utils
 import errno
 import os
 import threading
@@ -39,10 +50,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import ReadError, SpecError
+from ..errors import CorruptDataError, ReadError, SpecError
 
 __all__ = [
-    "PART_BYTES", "RETRY", "Client", "Probe", "RemoteReader", "Retry", "client", "expand", "get_range",
+    "PART_BYTES", "RETRY", "Client", "Probe", "RemoteReader", "Retry", "Version", "client", "expand", "get_range",
     "is_remote", "pieces", "probe", "read_records", "transient",
 ]  # fmt: skip
 
@@ -114,6 +125,60 @@ class _ShortRead(Exception):
     """A range came back shorter than the object's size says it must be."""
 
 
+@dataclass(frozen=True)
+class Version:
+    """Which version of a remote object the Dataset was built on; every read of it is held to it.
+
+    `etag` and `version_id` as the store reports them, None where it keeps none (S3's "null"
+    version id, of an object written while versioning was off, names no version: None).
+    """
+
+    size: int
+    mtime_ns: int
+    etag: str | None = None
+    version_id: str | None = None
+
+    @classmethod
+    def of(cls, info: Mapping[str, Any]) -> Version:
+        """The version an fsspec `info()` describes (s3fs, gcsfs, http, memory, local keys)."""
+        etag = info.get("ETag") or info.get("etag")
+        version = info.get("VersionId") or info.get("generation") or info.get("version_id")
+        return cls(
+            int(info["size"]),
+            _mtime_ns(info),
+            str(etag) if etag else None,
+            str(version) if version and version != "null" else None,
+        )
+
+    def describe(self) -> str:
+        """What names this version, for an error message."""
+        if self.etag or self.version_id:
+            return ", ".join(f"{k} {v}" for k, v in (("ETag", self.etag), ("version", self.version_id)) if v)
+        return f"{self.size} bytes, mtime_ns {self.mtime_ns}"
+
+
+class _Changed(Exception):
+    """The object is no longer the version the Dataset was built on (never retried)."""
+
+    def __init__(self, now: str) -> None:
+        super().__init__(now)
+        self.now = now
+
+
+def _precondition_failed(error: BaseException, _depth: int = 0) -> str | None:
+    """What S3 said where `error` is its answer to a read held to a version that is gone:
+    412 to If-Match, NoSuchVersion to a version id; else None."""
+    response = getattr(error, "response", None)  # botocore ClientError, under s3fs's OSError
+    if isinstance(response, Mapping):
+        code = response.get("Error", {}).get("Code")
+        if code in ("PreconditionFailed", "NoSuchVersion"):
+            return f"the store answers {code}"
+    cause = error.__cause__ or error.__context__
+    if cause is not None and cause is not error and _depth < 8:
+        return _precondition_failed(cause, _depth + 1)
+    return None
+
+
 def is_remote(path: str) -> bool:
     """True for a URL with a protocol (`s3://...`); plain paths stay on the local fast path."""
     return "://" in path
@@ -169,6 +234,52 @@ class Client:
             return await getattr(self.fs, "_" + method)(*args, **kwargs)
         return await asyncio.to_thread(getattr(self.fs, method), *args, **kwargs)
 
+    async def stat(self, path: str) -> Mapping[str, Any]:
+        """The object's info, asked of the store (s3fs: a HEAD, never its listings cache, which
+        keeps no version id)."""
+        if _is_s3(self.fs):
+            return await self.fs._info(path, refresh=True)
+        return await self.call("info", path)
+
+    async def get(self, path: str, start: int, end: int, version: Version | None) -> bytes:
+        """Bytes `start..end` of the object as it is at `version` (None: as it is now); a
+        `_Changed` where it is no longer that version."""
+        if version is None:
+            return bytes(await self.call("cat_file", path, start=start, end=end))
+        if _is_s3(self.fs) and (version.etag or version.version_id):
+            return await self._s3_get(path, start, end, version)
+        # No conditional read here: the object's info after the read must still be `version`
+        # (a replacement during the read shows there, as each write moves mtime or ETag).
+        data = await self.call("cat_file", path, start=start, end=end)
+        now = Version.of(await self.stat(path))
+        if now != version:
+            raise _Changed(now.describe())
+        return bytes(data)
+
+    async def _s3_get(self, path: str, start: int, end: int, version: Version) -> bytes:
+        """A ranged GET of that version (by its id where the bucket keeps versions), If-Match its ETag."""
+        bucket, key, _ = self.fs.split_path(path)
+        kw: dict[str, Any] = {"Range": f"bytes={start}-{end - 1}"}
+        if version.etag:
+            kw["IfMatch"] = version.etag
+        if version.version_id:
+            kw["VersionId"] = version.version_id
+        try:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+        except Exception as e:
+            said = _precondition_failed(e)
+            if said is not None:
+                raise _Changed(said) from e
+            raise
+        body = resp["Body"]
+        try:
+            etag = resp.get("ETag")
+            if version.etag and etag and etag != version.etag:  # a store that ignores If-Match
+                raise _Changed(f"ETag {etag}")
+            return bytes(await body.read())
+        finally:
+            body.close()
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start `coro` on the loop; its result in a future any thread may wait on."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -176,6 +287,10 @@ class Client:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the loop and wait for it."""
         return self.submit(coro).result()
+
+
+def _is_s3(fs: Any) -> bool:
+    return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
 
 
 _clients: dict[tuple[int, str], Client] = {}
@@ -234,15 +349,37 @@ def _read_error(
     )
 
 
+def changed(url: str, version: Version, now: str, *, field: str | None, offset: int | None) -> CorruptDataError:
+    """The error for a read of `url` that found the object no longer at `version`."""
+    where = f" (reading byte offset {offset})" if offset is not None else ""
+    prefix = f"field {field!r}: " if field is not None else ""
+    return CorruptDataError(
+        f"{prefix}{url!r} changed since the Dataset was built{where}: it was {version.describe()}, now {now}; "
+        "no byte of the new object was handed on (it would pair with the other fields' old records): "
+        "build the Dataset again to read the new object",
+        field=field, path=url, offset=offset,
+    )  # fmt: skip
+
+
 async def attempt(
-    url: str, what: str, request: Callable[[], Awaitable[T]], *, field: str | None, offset: int | None = None
+    url: str,
+    what: str,
+    request: Callable[[], Awaitable[T]],
+    *,
+    field: str | None,
+    offset: int | None = None,
+    version: Version | None = None,
 ) -> T:
     """`await request()` under the retry policy (the one retry layer); a permanent or exhausted
-    failure is a ReadError naming `url` (the original error is its `__cause__`)."""
+    failure is a ReadError naming `url` (the original error is its `__cause__`), an object no
+    longer at `version` a CorruptDataError naming it."""
     policy = RETRY
     for k in range(policy.attempts):
         try:
             return await request()
+        except _Changed as e:
+            assert version is not None
+            raise changed(url, version, e.now, field=field, offset=offset) from e
         except Exception as e:
             if not transient(e) or k + 1 >= policy.attempts:
                 raise _read_error(url, what, e, field=field, offset=offset, attempts=k + 1) from e
@@ -251,17 +388,19 @@ async def attempt(
 
 
 async def get_range(
-    client: Client, url: str, path: str, start: int, end: int, *, size: int, field: str | None
-) -> bytes:
-    """Bytes `start..end` of the object (`size` bytes long), whole or a ReadError."""
+    client: Client, url: str, path: str, start: int, end: int, *, size: int, field: str | None,
+    version: Version | None = None,
+) -> bytes:  # fmt: skip
+    """Bytes `start..end` of the object (`size` bytes long) at `version` (see the module's doc):
+    whole, or a ReadError, or a CorruptDataError where the object changed."""
 
     async def once() -> bytes:
-        data = await client.call("cat_file", path, start=start, end=end)
+        data = await client.get(path, start, end, version)
         if len(data) != end - start:
             raise _ShortRead(f"got {len(data)} of {end - start} bytes of a {size}-byte object")
-        return bytes(data)
+        return data
 
-    return await attempt(url, "read", once, field=field, offset=start)
+    return await attempt(url, "read", once, field=field, offset=start, version=version)
 
 
 def expand(name: str, pattern: str, options: Mapping[str, Any] | None) -> list[str]:
@@ -278,17 +417,21 @@ def expand(name: str, pattern: str, options: Mapping[str, Any] | None) -> list[s
 
 @dataclass(frozen=True)
 class Probe:
-    """What files.py needs to know of a remote file: size, time, first 3 and last 4 bytes."""
+    """What files.py needs to know of a remote file: size, time, first 3 and last 4 bytes, and
+    the version every later read is held to (the head and tail are read of it too)."""
 
     size: int
     mtime_ns: int
     head: bytes
     tail: bytes
+    version: Version
 
 
 def _mtime_ns(info: Mapping[str, Any]) -> int:
-    for key in ("LastModified", "mtime", "updated", "last_modified", "created"):
+    for key in ("LastModified", "mtime", "updated", "last_modified", "Last-Modified", "created"):
         value = info.get(key)
+        if isinstance(value, str):  # http's Last-Modified (RFC 7231), gcsfs's `updated` (ISO 8601)
+            value = _parse_time(value)
         if value is None:
             continue
         if hasattr(value, "timestamp"):
@@ -296,6 +439,17 @@ def _mtime_ns(info: Mapping[str, Any]) -> int:
         if isinstance(value, int | float):
             return int(value * 1e9)
     return 0
+
+
+def _parse_time(text: str) -> datetime.datetime | None:
+    try:
+        return email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        pass
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
 
 
 def probe(name: str, urls: Sequence[str], options: Mapping[str, Any] | None) -> dict[str, Probe]:
@@ -313,7 +467,7 @@ def probe(name: str, urls: Sequence[str], options: Mapping[str, Any] | None) -> 
 async def _probe(name: str, c: Client, pairs: Sequence[tuple[str, str]]) -> dict[str, Probe]:
     async def stat(url: str, path: str) -> Mapping[str, Any]:
         try:
-            info = await attempt(url, "stat", lambda: c.call("info", path), field=name)
+            info = await attempt(url, "stat", lambda: c.stat(path), field=name)
         except ReadError as e:
             if isinstance(e.__cause__, FileNotFoundError):
                 raise SpecError(f"field {name!r}: file {url!r} does not exist", field=name, path=url) from e.__cause__
@@ -323,14 +477,15 @@ async def _probe(name: str, c: Client, pairs: Sequence[tuple[str, str]]) -> dict
         return info
 
     async def one(url: str, path: str) -> tuple[str, Probe]:
-        info = await stat(url, path)
-        size = int(info["size"])
+        version = Version.of(await stat(url, path))
+        size = version.size
         # The gzip trailer (ISIZE) sits in the last 4 bytes; files.py reads it only past 18 bytes.
         head, tail = await asyncio.gather(
-            get_range(c, url, path, 0, min(3, size), size=size, field=name) if size else _empty(),
-            get_range(c, url, path, size - 4, size, size=size, field=name) if size >= 18 else _empty(),
-        )
-        return url, Probe(size, _mtime_ns(info), head, tail)
+            get_range(c, url, path, 0, min(3, size), size=size, field=name, version=version) if size else _empty(),
+            get_range(c, url, path, size - 4, size, size=size, field=name, version=version)
+            if size >= 18 else _empty(),
+        )  # fmt: skip
+        return url, Probe(size, version.mtime_ns, head, tail, version)
 
     return dict(await asyncio.gather(*(one(url, path) for url, path in pairs)))
 
@@ -383,9 +538,10 @@ def read_records(
     *,
     size: int,
     field: str | None = None,
+    version: Version | None = None,
 ) -> np.ndarray:
-    """Records `index` (sorted, distinct) of the file, as `(len(index), record_bytes)` uint8,
-    by concurrent ranged reads (see `pieces`); random access, outside any loader."""
+    """Records `index` (sorted, distinct) of the file at `version`, as `(len(index), record_bytes)`
+    uint8, by concurrent ranged reads (see `pieces`); random access, outside any loader."""
     if not len(index):
         return np.empty((0, record_bytes), np.uint8)
     ranges = pieces(index, record_bytes, base, PART_BYTES)
@@ -394,7 +550,9 @@ def read_records(
     c, path = client(url, options)
 
     async def all_parts() -> list[bytes]:
-        return list(await asyncio.gather(*(get_range(c, url, path, a, b, size=size, field=field) for a, b in ranges)))
+        return list(await asyncio.gather(
+            *(get_range(c, url, path, a, b, size=size, field=field, version=version) for a, b in ranges)
+        ))  # fmt: skip
 
     return place(ranges, c.run(all_parts()), index, record_bytes, base)
 
@@ -404,13 +562,17 @@ class RemoteReader:
     read-ahead: random access and index building; a loader's streams use stoker.io.fetch)."""
 
     def __init__(
-        self, url: str, options: Mapping[str, Any] | None, *, size: int | None = None, field: str | None = None
-    ) -> None:
+        self, url: str, options: Mapping[str, Any] | None, *, size: int | None = None, field: str | None = None,
+        version: Version | None = None,
+    ) -> None:  # fmt: skip
         self.url = url
         self.field = field
+        self.version = version
         self._client, self._path = client(url, options)
         if size is None:
-            info = self._client.run(attempt(url, "stat", lambda: self._client.call("info", self._path), field=field))
+            size = version.size if version is not None else None
+        if size is None:
+            info = self._client.run(attempt(url, "stat", lambda: self._client.stat(self._path), field=field))
             size = int(info["size"])
         self.size = size
         self._block = b""
@@ -423,8 +585,9 @@ class RemoteReader:
             if offset >= end:
                 return b""
             self._block = self._client.run(
-                get_range(self._client, self.url, self._path, offset, end, size=self.size, field=self.field)
-            )
+                get_range(self._client, self.url, self._path, offset, end, size=self.size, field=self.field,
+                          version=self.version)
+            )  # fmt: skip
             self._block_start = offset
         at = offset - self._block_start
         return self._block[at : at + n]
