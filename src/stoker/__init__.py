@@ -17,6 +17,7 @@ from .cli.sample import write_sample
 from .dataset import Dataset, Subset
 from .errors import (
     CorruptDataError,
+    FileChangedError,
     ForkedPassError,
     PairingError,
     ReadError,
@@ -38,6 +39,7 @@ __all__ = [
     "CorruptDataError",
     "Dataset",
     "Field",
+    "FileChangedError",
     "ForkedPassError",
     "Group",
     "Loader",

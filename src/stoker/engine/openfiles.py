@@ -15,6 +15,7 @@ from ..errors import ReadError
 from ..io.faults import cut_since_built
 from ..io.files import FileInfo, open_local
 from ..io.readahead import Readahead
+from ..io.unchanged import check_unchanged
 from ..kernels import map_address, map_file
 from ..machine import address_space_limit, address_space_room
 from .descriptors import pass_open_files
@@ -120,8 +121,9 @@ class OpenFiles:
                     f"field {name!r}: {info.path!r} is no longer a regular file (replaced since the Dataset was built)",
                     field=name, path=info.path,
                 )  # fmt: skip
-            # The geometry is the one the Dataset saw: a file grown since is read only up to its
-            # old size; one cut short fails at the first record it no longer holds (in RawReader).
+            # Only the file the Dataset saw: one replaced, rewritten, grown or cut since is refused
+            # here, so a later epoch never pairs its new records with another field's kept ones.
+            check_unchanged(name, info.path, info.seen, st)
             size = min(st.st_size, info.size)
             ident = identity_of(st, size)
             # The same file, unchanged, read in an earlier epoch or held by one still reading

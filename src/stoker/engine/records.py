@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, ReadError
 from ..io import remote
 from ..io.faults import cut_short, no_end, resized, short_stream
 from ..io.files import Catalog, FileInfo, open_local
@@ -44,6 +44,7 @@ from ..io.inflate import Inflater
 from ..io.reads import seek_read
 from ..io.remote import is_remote
 from ..io.seekpoints import SeekPoint
+from ..io.unchanged import check_unchanged
 from ..kernels import MapFault, copy_records, gather_records, gathers, guard_maps
 from .decoded import KeptDecoded
 from .descriptors import pass_open_files
@@ -148,10 +149,12 @@ class RecordReader:
         return m
 
     def _check_size(self, name: str, spec: Field, info: FileInfo, fd: int, local: np.ndarray) -> None:
-        # On every read: a file cut short under a map would kill the process (SIGBUS).
-        size = os.fstat(fd).st_size
-        if size != info.size:
-            raise resized(name, spec, info, size, int(local.max()))
+        # On every read: a file cut short under a map would kill the process (SIGBUS); and the
+        # same fstat says whether it is still the file the Dataset saw.
+        st = os.fstat(fd)
+        if st.st_size != info.size:
+            raise resized(name, spec, info, st.st_size, int(local.max()))
+        check_unchanged(name, info.path, info.seen, st)
 
     def _release(self, info: FileInfo, m: OpenFile) -> None:
         with self._lock:
@@ -267,24 +270,39 @@ class RecordReader:
 
     def _decoded(self, name: str, spec: Field, info: FileInfo, g: int, n: int) -> np.ndarray:
         key = (g, name)
-        arr = self._decoded_files.get(name, info.path, None)
+        arr = self._decoded_files.get(name, info.path, info.seen)
         if arr is not None:
+            self._check_kept(name, info)
             return arr
         with self._lock:
             lock = self._decoding.setdefault(key, threading.Lock())
         with lock:
-            arr = self._decoded_files.get(name, info.path, None)
+            arr = self._decoded_files.get(name, info.path, info.seen)
             if arr is None:
-                arr = self._decode_whole(name, spec, info, g, n)
-                self._decoded_files.put(name, info.path, None, arr)
+                arr = self._decode_whole(name, spec, info, g, n)  # its open checks the file
+                self._decoded_files.put(name, info.path, info.seen, arr)
         return arr
+
+    @staticmethod
+    def _check_kept(name: str, info: FileInfo) -> None:
+        """A stat per reuse of a decoded file: one changed since is refused, as opening it would be."""
+        if info.seen is None:  # a URL
+            return
+        try:
+            st = os.stat(info.path)
+        except OSError as e:
+            raise ReadError(
+                f"field {name!r}: cannot stat {info.path!r}: {e.strerror}", field=name, path=info.path
+            ) from e
+        check_unchanged(name, info.path, info.seen, st)
 
     def _decode_whole(self, name: str, spec: Field, info: FileInfo, g: int, n: int) -> np.ndarray:
         assert info.compression is not None
         buf = np.empty(n * spec.record_bytes, np.uint8)
         index_file = self.catalog.root().index_file(g, name)
         with Inflater(
-            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version
+            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version,
+            seen=info.seen,
         ) as inf:
             got = inf.skip(spec.header_bytes) + inf.readinto(memoryview(buf))  # type: ignore[arg-type]
             if got < spec.header_bytes + len(buf):

@@ -29,6 +29,7 @@ from .index import IndexLookup, apply_index, record_count, resolve_index_dir
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
 from .remote import Probe, Version, is_remote
 from .seekpoints import SeekPoint
+from .unchanged import Seen
 
 __all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
 
@@ -48,6 +49,16 @@ class FileInfo:
     records_hint: int | None
     # A remote object's ETag, version id, size and mtime, which every read of it is held to.
     version: Version | None = None
+    # A local file's device and inode (None: a URL), so that a file replaced since is told apart.
+    dev: int | None = None
+    ino: int | None = None
+
+    @property
+    def seen(self) -> Seen | None:
+        """(device, inode, size, mtime) of a local file as the Dataset saw it; None for a URL."""
+        if self.dev is None or self.ino is None:
+            return None
+        return (self.dev, self.ino, self.size, self.mtime_ns)
 
 
 # Bytes read per pread by the single-member scan: large enough that call overhead vanishes.
@@ -223,11 +234,12 @@ def _inspect(
         # no open, no header or trailer read; opening 10,000 groups costs one stat per file.
         vouched = _by_suffix(path) if spec.compression == "auto" else spec.compression
         if vouched is not None and index.matches(path, st, vouched):
-            return FileInfo(path, st.st_size, st.st_mtime_ns, vouched, None)
+            return FileInfo(path, st.st_size, st.st_mtime_ns, vouched, None, dev=st.st_dev, ino=st.st_ino)
     fd = open_local(name, path)
     try:
         head = os.pread(fd, 3, 0) if st.st_size else b""
-        return _classify(name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size))
+        info = _classify(name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size))
+        return dataclasses.replace(info, dev=st.st_dev, ino=st.st_ino)
     finally:
         os.close(fd)
 
@@ -518,6 +530,7 @@ class Catalog:
         spec = self.fields[name]
         assert info.compression is not None
         total = decompressed_size(
-            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version
+            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version,
+            seen=info.seen,
         )
         return record_count(name, spec, info, total)

@@ -1,0 +1,46 @@
+"""Whether a local file is still the one the Dataset saw: device, inode, size and mtime, from one stat.
+
+A Dataset's record counts, and every copy of a file's records kept in memory, belong to the files
+as they were when it was built; a file opened again later is read only if it is still that file,
+so that no batch pairs one field's new records with another's old ones.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import FileChangedError
+
+__all__ = ["Seen", "check_unchanged", "seen_of"]
+
+# (st_dev, st_ino, st_size, st_mtime_ns) of a local file.
+Seen = tuple[int, int, int, int]
+
+
+def seen_of(st: os.stat_result) -> Seen:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_unchanged(field: str | None, path: str, seen: Seen | None, st: os.stat_result) -> None:
+    """A FileChangedError naming `field` and `path` unless `st` is of the file `seen` (None: not checked).
+
+    A file cut short in place (the same inode, smaller) passes: the bytes it still holds are the
+    ones the Dataset saw, and its readers fail at the first record it no longer holds, naming it.
+    """
+    if seen is None:
+        return
+    now = seen_of(st)
+    if now == seen or (now[:2] == seen[:2] and now[2] < seen[2]):
+        return
+    if now[:2] != seen[:2]:
+        what = "replaced by another file (another inode)"
+    elif now[2] != seen[2]:
+        what = f"grown from {seen[2]} to {now[2]} bytes"
+    else:
+        what = f"modified (mtime {seen[3]} ns, now {now[3]} ns)"
+    raise FileChangedError(
+        f"field {field!r}: {path!r} changed since the Dataset was built: {what}; a Dataset reads its files "
+        "only as they were when it was built, and reads no more of this one: build a new Dataset to read "
+        "the files as they are now",
+        field=field, path=path,
+    )  # fmt: skip
