@@ -38,7 +38,7 @@ import stoker.engine.descriptors
 import stoker.engine.maps
 import stoker.engine.openfiles
 import stoker.loader
-from tests.helpers import REPO
+from tests.helpers import REPO, indexed
 from tests.helpers.data import (
     IMG,
     LAB_GZ,
@@ -1291,3 +1291,34 @@ def test_a_pass_whose_loader_was_dropped_still_keeps_its_maps_for_its_next_epoch
     del it
     gc.collect()
     assert _mappings(tmp_path / "img_0000.bin") == 0 and _mappings(tmp_path / "img_0001.bin") == 0
+
+
+# -- gzip trailers that miscount ---------------------------------------------------------------------
+
+
+def _loader_run(ds: stoker.Dataset, **kw: Any) -> tuple[list, BaseException | None]:
+    """Batches of a pass and the error ending it, whether raised building the loader or reading."""
+    try:
+        loader = ds.loader(4, **kw)
+    except stoker.StokerError as e:
+        return [], e
+    return consume(loader)
+
+
+@pytest.mark.parametrize("shuffle", [None, "files", "global"])
+def test_a_multi_member_gzip_whose_last_trailer_matches_its_partner_yields_no_misaligned_record(
+    tmp_path: Path, shuffle: str | None
+) -> None:
+    """Group 1's labels are two members, 5 labels then 20: the trailer says 20 (the last
+    member's size), the raw images hold 20, and the file holds 25 labels."""
+    ds = indexed.write_dataset(tmp_path, [20, 20, 20])
+    labels = tmp_path / "out_0001.bin.gz"
+    stray = gzip.compress(np.arange(500, 505, dtype="<f4").tobytes())
+    labels.write_bytes(stray + gzip.compress(np.arange(20, 40, dtype="<f4").tobytes()))
+    assert int.from_bytes(labels.read_bytes()[-4:], "little") == 20 * 4  # the trailer agrees with the images
+    ds = indexed.open_dataset(tmp_path)
+    got, err = _loader_run(ds, epochs=2, shuffle=shuffle, seed=3, cycle_length=1, threads=2)
+    indexed.ids_of(got)  # every delivered image met its own label
+    assert isinstance(err, stoker.PairingError), err
+    assert err.path in {str(labels), str(tmp_path / "img_0001.bin")}, err.path  # the group's files
+    assert f"25 records in {str(labels)!r}" in str(err) and "no record of this group is yielded" in str(err)

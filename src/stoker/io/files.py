@@ -1,11 +1,12 @@
 """Which files, paired how: globs expanded, groups aligned, record counts settled.
 
 A group is the i-th file of every field. Raw counts come from file sizes when the
-Dataset is built; compressed counts come from the gzip trailer when it agrees with a raw
-field, or, in a group with no raw field, when every compressed field is a gzip file proved
-to be a single member and their trailers agree on a count above zero (confirmed at the
-end of the stream while reading), and from decompressing the file when the group first
-opens otherwise. So opening many groups costs no decompression up front.
+Dataset is built; compressed counts come from the gzip trailer of a file proved to be a
+single member (a scan for a second member's header, without inflating) when the trailer
+agrees with a raw field, or, in a group with no raw field, when every compressed field is
+such a file and their trailers agree on a count above zero (confirmed at the end of the
+stream while reading), and from decompressing the file when the group first opens
+otherwise. So opening many groups costs no decompression up front.
 """
 
 from __future__ import annotations
@@ -486,15 +487,22 @@ class Catalog:
 
     def _settle(self, g: int) -> int:
         infos = self.files[g]
-        # A gzip trailer holds only the last member's size, so it is trusted where a raw
-        # file's size confirms it, or, with no raw field, where _trailers_count proves it.
+        # A gzip trailer holds only the last member's size, so it is trusted only for a file
+        # proved a single member, and only where it agrees with a raw file's size or, with no
+        # raw field, with the other trailers (_trailers_count proves those). A multi-member file
+        # whose last member happens to hold the raw count would otherwise be read misaligned
+        # up to its end.
         raw = [i.records_hint for i in infos.values() if i.compression is None]
         known = raw[0] if raw else self._trailers_count(g)
         counts: dict[str, int | None] = {}
         for name, info in infos.items():
             if (g, name) in self._exact:
                 counts[name] = self._exact[(g, name)]
-            elif info.compression is None or (info.records_hint is not None and info.records_hint == known):
+            elif info.compression is None or (
+                info.records_hint is not None
+                and info.records_hint == known
+                and (not raw or one_gzip_member(info.path, info.size))
+            ):
                 counts[name] = info.records_hint
             else:
                 counts[name] = self._count_by_decompressing(name, info)
