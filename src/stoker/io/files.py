@@ -17,6 +17,7 @@ import os
 import re
 import stat
 import threading
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -222,6 +223,28 @@ def _check_zlib_header(head: bytes) -> bool:
     return len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] * 256 + head[1]) % 31 == 0
 
 
+# Bytes inflated to tell a gzip file with no compression suffix from raw records that start
+# with gzip's magic: random bytes fail a deflate decoder within a few bytes.
+_SNIFF_BYTES = 64 << 10
+
+
+def _inflates_as_gzip(fd: int, size: int) -> bool:
+    """Whether the file's first `_SNIFF_BYTES` inflate as gzip without error (a whole file that
+    small must also reach its member's end)."""
+    data = os.pread(fd, min(size, _SNIFF_BYTES), 0)
+    d = zlib.decompressobj(31)
+    try:
+        d.decompress(data, 1 << 20)
+    except zlib.error:
+        return False
+    return d.eof or size > _SNIFF_BYTES
+
+
+def _raw_fits(spec: Field, size: int) -> bool:
+    body = size - spec.header_bytes - spec.footer_bytes
+    return body >= 0 and body % spec.record_bytes == 0
+
+
 def _inspect(
     name: str, spec: Field, path: str, index: IndexLookup | None = None, probe: Probe | None = None
 ) -> FileInfo:
@@ -239,33 +262,61 @@ def _inspect(
     fd = open_local(name, path)
     try:
         head = os.pread(fd, 3, 0) if st.st_size else b""
-        info = _classify(name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size))
+        info = _classify(
+            name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size),
+            lambda: _inflates_as_gzip(fd, st.st_size),
+        )  # fmt: skip
         return dataclasses.replace(info, dev=st.st_dev, ino=st.st_ino)
     finally:
         os.close(fd)
 
 
 def _classify(
-    name: str, spec: Field, path: str, size: int, mtime_ns: int, head: bytes, trailer: Callable[[], int | None]
+    name: str,
+    spec: Field,
+    path: str,
+    size: int,
+    mtime_ns: int,
+    head: bytes,
+    trailer: Callable[[], int | None],
+    inflates: Callable[[], bool] | None = None,
 ) -> FileInfo:
-    """Compression, and the record count or its estimate, from a file's size and first/last bytes."""
+    """Compression, and the record count or its estimate, from a file's size and first/last bytes.
+
+    `compression="auto"`: the suffix decides (`.gz`/`.gzip` gzip, `.zz`/`.zlib` zlib). With no
+    such suffix the file is raw, unless it starts with gzip's magic (`1f 8b 08`): then it is
+    gzip where raw records cannot fill it, or where its first bytes inflate as gzip
+    (`inflates`, None for a URL); otherwise it could be either, and a SpecError asks for
+    `compression=`. Each error of detection names the file and the `compression=` that fixes it.
+    """
     kind: str | None
+    why = f"compression={spec.compression!r}"
     if spec.compression == "auto":
         kind = _by_suffix(path)
-        # A gzip member announces itself; trust the bytes over a missing suffix.
+        why = f"compression='auto' and its suffix {_suffix(path)!r}"
         if kind is None and head[:3] == GZIP_MAGIC + b"\x08":
-            kind = "gzip"
+            if not _raw_fits(spec, size) or (inflates is not None and inflates()):
+                kind = "gzip"
+            else:
+                raise SpecError(
+                    f"field {name!r}: {path!r} has no compression suffix and starts with gzip's magic bytes "
+                    "1f 8b 08, but does not inflate as gzip and its size fits whole raw records; pass "
+                    "compression=None if it holds raw records (or compression='gzip' if it is a gzip file, "
+                    "to have its stream checked)",
+                    field=name, path=path,
+                )  # fmt: skip
     else:
         kind = spec.compression
     if kind == "gzip" and size and head[:2] != GZIP_MAGIC:
         raise CorruptDataError(
-            f"field {name!r}: {path!r} should be gzip but does not start with the gzip magic bytes "
-            f"1f 8b (found {head[:2].hex(' ')})",
+            f"field {name!r}: {path!r} should be gzip ({why}) but does not start with the gzip magic bytes "
+            f"1f 8b (found {head[:2].hex(' ')}); pass compression=None if it holds raw records",
             field=name, path=path, offset=0,
         )  # fmt: skip
     if kind == "zlib" and size and not _check_zlib_header(head):
         raise CorruptDataError(
-            f"field {name!r}: {path!r} should be zlib but has no valid zlib header (found {head[:2].hex(' ')})",
+            f"field {name!r}: {path!r} should be zlib ({why}) but has no valid zlib header "
+            f"(found {head[:2].hex(' ')}); pass compression=None if it holds raw records",
             field=name, path=path, offset=0,
         )  # fmt: skip
     hint: int | None = None
@@ -282,7 +333,8 @@ def _classify(
                 f"field {name!r}: {path!r} body is {body} bytes (file {size} - header "
                 f"{spec.header_bytes} - footer {spec.footer_bytes}), not a whole number of "
                 f"{spec.record_bytes}-byte records; the last {body % spec.record_bytes} bytes "
-                f"start at offset {spec.header_bytes + body - body % spec.record_bytes}",
+                f"start at offset {spec.header_bytes + body - body % spec.record_bytes}"
+                + ("; if it is compressed, pass compression='gzip' or 'zlib'" if spec.compression == "auto" else ""),
                 field=name, path=path, index=body // spec.record_bytes,
                 offset=spec.header_bytes + body - body % spec.record_bytes,
             )  # fmt: skip
@@ -294,9 +346,17 @@ def _classify(
             if body >= 0 and body % spec.record_bytes == 0:
                 hint = body // spec.record_bytes
     elif size == 0:
-        raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a zlib stream", field=name, path=path)
+        raise CorruptDataError(
+            f"field {name!r}: {path!r} is empty, not a zlib stream ({why}); pass compression=None to read "
+            "it as a raw file of no records",
+            field=name, path=path,
+        )  # fmt: skip
     if kind == "gzip" and size == 0:
-        raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a gzip stream", field=name, path=path)
+        raise CorruptDataError(
+            f"field {name!r}: {path!r} is empty, not a gzip stream ({why}); pass compression=None to read "
+            "it as a raw file of no records",
+            field=name, path=path,
+        )  # fmt: skip
     return FileInfo(path, size, mtime_ns, kind, hint)
 
 
