@@ -21,21 +21,23 @@ def seen_of(st: os.stat_result) -> Seen:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def check_unchanged(field: str | None, path: str, seen: Seen | None, st: os.stat_result) -> None:
+def check_unchanged(
+    field: str | None, path: str, seen: Seen | None, st: os.stat_result, *, cut_ok: bool = False
+) -> None:
     """A FileChangedError naming `field` and `path` unless `st` is of the file `seen` (None: not checked).
 
-    A file cut short in place (the same inode, smaller) passes: the bytes it still holds are the
-    ones the Dataset saw, and its readers fail at the first record it no longer holds, naming it.
+    `cut_ok`: a raw file cut short in place (the same inode, smaller) passes, since its readers
+    check every read against its size and fail at the first record it no longer holds, naming it.
     """
     if seen is None:
         return
     now = seen_of(st)
-    if now == seen or (now[:2] == seen[:2] and now[2] < seen[2]):
+    if now == seen or (cut_ok and now[:2] == seen[:2] and now[2] < seen[2]):
         return
     if now[:2] != seen[:2]:
         what = "replaced by another file (another inode)"
     elif now[2] != seen[2]:
-        what = f"grown from {seen[2]} to {now[2]} bytes"
+        what = f"{'grown' if now[2] > seen[2] else 'cut'} from {seen[2]} to {now[2]} bytes"
     else:
         what = f"modified (mtime {seen[3]} ns, now {now[3]} ns)"
     raise FileChangedError(
