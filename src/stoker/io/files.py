@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptDataError, PairingError, ReadError, SpecError
+from ..errors import CorruptDataError, PairingError, ReadError, SpecError, StokerError
 from ..machine import open_regular
 from ..spec import Field, shape_hint
 from .index import IndexLookup, apply_index, record_count, resolve_index_dir
@@ -267,6 +267,10 @@ def _inspect(
             lambda: _inflates_as_gzip(fd, st.st_size),
         )  # fmt: skip
         return dataclasses.replace(info, dev=st.st_dev, ino=st.st_ino)
+    except OSError as e:
+        if isinstance(e, StokerError):
+            raise
+        raise ReadError(f"field {name!r}: cannot read {path!r}: {e.strerror}", field=name, path=path) from e
     finally:
         os.close(fd)
 
