@@ -1,4 +1,4 @@
-"""Whether a local file is still the one the Dataset saw: device, inode, size and mtime, from one stat.
+"""Whether a local file is still the one the Dataset saw: inode, size and mtime, from one stat.
 
 A Dataset's record counts, and every copy of a file's records kept in memory, belong to the files
 as they were when it was built; a file opened again later is read only if it is still that file,
@@ -32,9 +32,11 @@ def check_unchanged(
     if seen is None:
         return
     now = seen_of(st)
-    if now == seen or (cut_ok and now[:2] == seen[:2] and now[2] < seen[2]):
+    # The device number is left out: a shared filesystem's differs between the hosts that mount
+    # it (a Ray task on another node), while its inode numbers are the server's.
+    if now[1:] == seen[1:] or (cut_ok and now[1] == seen[1] and now[2] < seen[2]):
         return
-    if now[:2] != seen[:2]:
+    if now[1] != seen[1]:
         what = "replaced by another file (another inode)"
     elif now[2] != seen[2]:
         what = f"{'grown' if now[2] > seen[2] else 'cut'} from {seen[2]} to {now[2]} bytes"
