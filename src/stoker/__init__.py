@@ -17,7 +17,6 @@ from .cli.sample import write_sample
 from .dataset import Dataset, Subset
 from .errors import (
     CorruptDataError,
-    FileChangedError,
     ForkedPassError,
     PairingError,
     ReadError,
@@ -39,7 +38,6 @@ __all__ = [
     "CorruptDataError",
     "Dataset",
     "Field",
-    "FileChangedError",
     "ForkedPassError",
     "Group",
     "Loader",

@@ -6,7 +6,6 @@ from typing import Any
 
 __all__ = [
     "CorruptDataError",
-    "FileChangedError",
     "ForkedPassError",
     "PairingError",
     "ReadError",
@@ -70,10 +69,6 @@ class PairingError(StokerError, ValueError):
 
 class CorruptDataError(StokerError, ValueError):
     """File contents are not what the spec says: bad size, bad compressed stream, short data."""
-
-
-class FileChangedError(CorruptDataError):
-    """A file is not the one the Dataset saw: replaced, rewritten, grown or cut since it was built."""
 
 
 class ReadError(StokerError, OSError):

@@ -339,7 +339,11 @@ class RecordReader:
         buf = np.empty(n * spec.record_bytes, np.uint8)
         index_file = self.catalog.root().index_file(g, name)
         with Inflater(
-            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version,
+            info.path,
+            info.compression,
+            field=name,
+            storage_options=spec.storage_options,
+            version=info.version,
             seen=info.seen,
         ) as inf:
             got = inf.skip(spec.header_bytes) + inf.readinto(memoryview(buf))  # type: ignore[arg-type]

@@ -602,7 +602,11 @@ class Catalog:
         spec = self.fields[name]
         assert info.compression is not None
         total = decompressed_size(
-            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version,
+            info.path,
+            info.compression,
+            field=name,
+            storage_options=spec.storage_options,
+            version=info.version,
             seen=info.seen,
         )
         return record_count(name, spec, info, total)

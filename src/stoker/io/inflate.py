@@ -73,7 +73,7 @@ class Inflater:
         # `start`: (compressed, decompressed) offset of a gzip member start or of the
         # stream start, or a SeekPoint at a deflate block boundary (stoker.seekpoints),
         # from which decoding may begin (a persistent index's seek point).
-        # `seen`: the local file as the Dataset saw it; another is a FileChangedError (stoker.io.unchanged).
+        # `seen`: the local file as the Dataset saw it; another is a CorruptDataError (stoker.io.unchanged).
         self.path = path
         self.kind = kind
         self.field = field

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import FileChangedError
+from ..errors import CorruptDataError
 
 __all__ = ["Seen", "check_unchanged", "seen_of"]
 
@@ -24,7 +24,7 @@ def seen_of(st: os.stat_result) -> Seen:
 def check_unchanged(
     field: str | None, path: str, seen: Seen | None, st: os.stat_result, *, cut_ok: bool = False
 ) -> None:
-    """A FileChangedError naming `field` and `path` unless `st` is of the file `seen` (None: not checked).
+    """A CorruptDataError naming `field` and `path` unless `st` is of the file `seen` (None: not checked).
 
     `cut_ok`: a raw file cut short in place (the same inode, smaller) passes, since its readers
     check every read against its size and fail at the first record it no longer holds, naming it.
@@ -42,7 +42,7 @@ def check_unchanged(
         what = f"{'grown' if now[2] > seen[2] else 'cut'} from {seen[2]} to {now[2]} bytes"
     else:
         what = f"modified (mtime {seen[3]} ns, now {now[3]} ns)"
-    raise FileChangedError(
+    raise CorruptDataError(
         f"field {field!r}: {path!r} changed since the Dataset was built: {what}; a Dataset reads its files "
         "only as they were when it was built, and reads no more of this one: build a new Dataset to read "
         "the files as they are now",
