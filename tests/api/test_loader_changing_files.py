@@ -14,10 +14,16 @@ import numpy as np
 import pytest
 
 import stoker
+from tests.helpers import indexed
 from tests.helpers.data import IMG, LAB_GZ, FieldPlan, encode, make_values, reference, write_dataset
 from tests.helpers.resources import consume
 
 PAIR = {"image": IMG, "label": LAB_GZ}
+
+
+def _changed(err: BaseException | None) -> bool:
+    """Whether `err` is the refusal of a file changed since the Dataset was built."""
+    return isinstance(err, stoker.CorruptDataError) and "changed since the Dataset was built" in str(err)
 
 
 def _ds(tmp: Path) -> stoker.Dataset:
@@ -48,7 +54,7 @@ def _which(batches: list[dict[str, np.ndarray]], name: str, old: list, new: list
 
 @pytest.mark.parametrize("kind", ["raw", "gzip"])
 @pytest.mark.parametrize("shuffle", [None, "files"])
-def test_a_file_replaced_by_rename_is_read_new_from_its_next_open_even_in_the_same_epoch(
+def test_a_file_replaced_by_rename_is_read_to_its_end_while_open_and_refused_at_its_next_open(
     tmp_path: Path, kind: str, shuffle: str | None
 ) -> None:
     write_dataset(tmp_path, [20, 20, 20], PAIR)
@@ -60,24 +66,26 @@ def test_a_file_replaced_by_rename_is_read_new_from_its_next_open_even_in_the_sa
     got = [next(it)]  # the first group's files are open; the other groups' are not yet
     first = int(got[0]["__group__"][0])
     plan, name = (IMG, "image") if kind == "raw" else (LAB_GZ, "label")
+    replaced = {str(_path(tmp_path, plan, g)) for g in range(3)}
     for g in range(3):
         incoming = tmp_path / "incoming"
         incoming.write_bytes(encode(plan, make_values(plan, 20, 1000 + 20 * g, salt=5)))
         os.replace(incoming, _path(tmp_path, plan, g))
-    new = reference(ds)
     more, err = consume(it)
-    assert err is None
-    rows = _which(got + more, name, old, new)
-    epoch0, epoch1 = rows[:60], rows[60:]
-    assert {w for g, _, w in epoch0 if g == first} == {"old"}  # open: read to its end
-    assert {w for g, _, w in epoch0 if g != first} == {"new"}  # opened after the rename
-    assert {w for _, _, w in epoch1} == {"new"}
-    again, err = consume(ds.loader(5, with_index=True, **order))  # the next pass
-    assert err is None and {w for _, _, w in _which(again, name, old, new)} == {"new"}
+    assert _changed(err), err
+    assert err.path in replaced and os.path.basename(err.path) in str(err) and "changed since" in str(err)
+    rows = _which(got + more, name, old, old)  # only the files the Dataset saw
+    assert {g for g, _, _ in rows} == {first} and len(rows) == 20  # the open group read to its end
+    again, err = consume(ds.loader(5, with_index=True, **order))  # the next pass: refused at once
+    assert _changed(err) and err.path in replaced and again == []
+    fresh = _ds(tmp_path)  # a new Dataset reads the new files
+    new = reference(fresh)
+    got, err = consume(fresh.loader(5, with_index=True, **order))
+    assert err is None and {w for _, _, w in _which(got, name, old, new)} == {"new"}
 
 
 @pytest.mark.parametrize("shuffle", [None, "global"])
-def test_a_raw_file_rewritten_in_place_at_the_same_size_yields_the_new_bytes_silently(
+def test_a_raw_file_rewritten_in_place_yields_the_new_bytes_only_while_open_and_is_refused_at_its_next_open(
     tmp_path: Path, shuffle: str | None
 ) -> None:
     write_dataset(tmp_path, [200, 20], PAIR)
@@ -90,18 +98,16 @@ def test_a_raw_file_rewritten_in_place_at_the_same_size_yields_the_new_bytes_sil
     for g, n in ((0, 200), (1, 20)):
         with open(_path(tmp_path, IMG, g), "r+b") as f:  # same inode, same size, other records
             f.write(encode(IMG, make_values(IMG, n, 5000 + 300 * g, salt=9)))
+        os.utime(_path(tmp_path, IMG, g), ns=(1, 1))  # a new mtime, whatever the clock's resolution
     new = reference(ds)
     more, err = consume(it)
-    assert err is None  # nothing notices: not the size, not the map
-    rows = _which(got + more, "image", old, new)
-    assert {w for *_, w in rows[:5]} == {"old"}
-    # The rest of the epoch and the next are the new bytes, but for the few records read ahead
-    # before the write (at most a prefetch window, 2 of 44 batches here).
-    later = rows[5:]
-    assert sum(w == "new" for *_, w in later) >= len(later) - 20, later
-    assert {w for *_, w in rows[220:]} == {"new"}
+    # An open file's new bytes cannot be told from its old ones; its next open can.
+    assert _changed(err), err
+    assert err.path in {str(_path(tmp_path, IMG, g)) for g in range(2)} and "modified" in str(err)
+    assert {w for *_, w in _which(got, "image", old, new)} == {"old"}
+    _which(more, "image", old, new)  # every row old or new, none torn
     again, err = consume(ds.loader(5, cast="float32", with_index=True, **order))  # the next pass
-    assert err is None and {w for *_, w in _which(again, "image", old, new)} == {"new"}
+    assert _changed(err) and again == []
 
 
 def test_a_file_deleted_between_passes_is_a_read_error_at_its_first_batch(tmp_path: Path) -> None:
@@ -140,3 +146,46 @@ def test_importing_tensorflow_before_triton_crashes_and_triton_first_does_not(or
         assert done.returncode == -11, (done.returncode, done.stderr[-2000:])  # SIGSEGV
     else:
         assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr[-2000:]
+
+
+def _replace_group_by_rename(directory: Path, g: int, counts: list[int], first_id: int) -> None:
+    """Write group ``g`` anew (its images and labels carrying ids from ``first_id``) beside the
+    dataset and rename both files over the old ones, as a tool that regenerates a group does."""
+    fresh = directory / "fresh"
+    indexed.write_dataset(fresh, [first_id, counts[g]])  # group 1 of `fresh` holds ids first_id..
+    for name in (f"img_{1:04d}.bin", f"out_{1:04d}.bin.gz"):
+        os.replace(fresh / name, directory / name.replace("_0001", f"_{g:04d}"))
+
+
+@pytest.mark.parametrize("shuffle", ["global", "files", None])
+def test_a_group_replaced_by_rename_during_a_pass_never_pairs_new_images_with_kept_labels(
+    tmp_path: Path, shuffle: str | None
+) -> None:
+    counts = [30, 30, 30]
+    ds = indexed.write_dataset(tmp_path / "d", counts)
+    loader = ds.loader(8, epochs=3, shuffle=shuffle, seed=4, cycle_length=1, threads=2, prefetch=1)
+    it = iter(loader)
+    got = [next(it)]
+    _replace_group_by_rename(tmp_path / "d", 1, counts, 1000)
+    more, err = consume(it)
+    ids = indexed.ids_of(got + more)  # every image met its own label
+    assert set(ids.tolist()) <= set(range(90))  # only records the Dataset saw: none of the new ids
+    assert _changed(err), err
+    assert err.path in {str(tmp_path / "d" / n) for n in ("img_0001.bin", "out_0001.bin.gz")}
+    assert os.path.basename(err.path) in str(err) and "build a new Dataset" in str(err)
+    fresh = indexed.open_dataset(tmp_path / "d")  # a new Dataset reads the group as it is now
+    ids = indexed.ids_of(list(fresh.loader(8, epochs=2, shuffle=shuffle, seed=4)))
+    assert sorted(ids.tolist()) == sorted([*range(30), *range(1000, 1030), *range(60, 90)] * 2)
+
+
+def test_random_access_refuses_a_group_replaced_by_rename_after_its_files_were_read(tmp_path: Path) -> None:
+    counts = [30, 30, 30]
+    ds = indexed.write_dataset(tmp_path / "d", counts)
+    first = ds.read(np.arange(90))
+    indexed.ids_of([first])  # the labels are decoded and kept, the images mapped
+    _replace_group_by_rename(tmp_path / "d", 1, counts, 1000)
+    changed = r"(img_0001\.bin|out_0001\.bin\.gz)' changed since the Dataset was built"
+    with pytest.raises(stoker.CorruptDataError, match=changed) as caught:
+        ds.read(np.array([5, 35, 70]))
+    assert caught.value.path in {str(tmp_path / "d" / n) for n in ("img_0001.bin", "out_0001.bin.gz")}
+    assert indexed.ids_of([ds.read(np.array([5, 70]))]).tolist() == [5, 70]  # the other groups still read

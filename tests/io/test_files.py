@@ -509,3 +509,52 @@ def test_the_same_file_twice_in_a_field_is_a_spec_error_naming_it(tmp_path: Path
     with pytest.raises(stoker.SpecError, match=r"a_[01]\.bin' is file \d and file \d of the field") as info:
         stoker.Dataset(x=stoker.Field(files, "int32"))
     assert info.value.field == "x" and info.value.path is not None and "a_" in info.value.path
+
+
+def _raw_starting_like_gzip(tmp_path: Path, name: str, records: int = 6) -> Path:
+    """A raw file of uint8 records of shape (4,) whose first record is 1f 8b 08 00."""
+    values = np.arange(records * 4, dtype=np.uint8).reshape(records, 4)
+    values[0] = [0x1F, 0x8B, 0x08, 0x00]
+    path = tmp_path / name
+    path.write_bytes(values.tobytes())
+    return path
+
+
+def test_a_raw_bin_starting_with_gzip_magic_is_refused_naming_compression_none_and_read_with_it(
+    tmp_path: Path,
+) -> None:
+    path = _raw_starting_like_gzip(tmp_path, "a.bin")
+    with pytest.raises(stoker.SpecError, match=r"a\.bin.*compression=None") as caught:
+        stoker.Dataset(x=stoker.Field([str(path)], "uint8", (4,)))
+    assert caught.value.path == str(path) and caught.value.field == "x"
+    ds = stoker.Dataset(x=stoker.Field([str(path)], "uint8", (4,), compression=None))  # the fix it names
+    assert ds.files[0]["x"].compression is None
+    np.testing.assert_array_equal(ds.read(np.arange(6))["x"], np.frombuffer(path.read_bytes(), np.uint8).reshape(6, 4))
+
+
+def test_a_raw_file_starting_with_gzip_magic_that_raw_records_cannot_fill_is_taken_for_gzip(tmp_path: Path) -> None:
+    path = tmp_path / "a.dat"
+    path.write_bytes(gzip.compress(bytes(64)) + b"\x00")  # 1 byte of padding: never a whole number of records
+    assert (path.stat().st_size) % 4
+    ds = stoker.Dataset(x=stoker.Field([str(path)], "float32"))
+    assert ds.files[0]["x"].compression == "gzip" and len(ds) == 16
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "compression", "says"),
+    [
+        ("a.bin.gz", bytes(12), "auto", "compression='auto' and its suffix '.gz'"),
+        ("a.zz", b"\xff" * 12, "auto", "compression='auto' and its suffix '.zz'"),
+        ("a.bin", bytes(12), "gzip", "compression='gzip'"),
+        ("a.gz", b"", "auto", "compression='auto'"),
+    ],
+    ids=["gz-suffix-raw-bytes", "zz-suffix-raw-bytes", "declared-gzip-raw-bytes", "empty-gz"],
+)
+def test_every_detection_error_names_the_file_and_compression_none(
+    tmp_path: Path, name: str, data: bytes, compression: str, says: str
+) -> None:
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(stoker.CorruptDataError) as caught:
+        stoker.Dataset(x=stoker.Field([str(tmp_path / name)], "float32", compression=compression))
+    assert caught.value.path == str(tmp_path / name) and name in str(caught.value)
+    assert says in str(caught.value) and "compression=None" in str(caught.value)

@@ -3,6 +3,7 @@ for later epochs (labels), or held for a pass (a global shuffle's compressed fie
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -12,11 +13,11 @@ import numpy as np
 from ..errors import CorruptDataError, StaleIndexError
 from ..io.files import Catalog, FileInfo
 from ..io.inflate import TruncatedStreamError
+from ..io.unchanged import Seen, check_unchanged
 from ..kernels import address
 from ..plan.batches import Run
 from ..spec import Field
 from .inflating import Cursor, StreamReads
-from .maps import Identity, identity
 from .stats import Counters
 
 __all__ = ["KEPT_DECODED_BYTES", "VERIFY_WHOLE_BYTES", "KeptDecoded", "Whole", "WholeFiles"]
@@ -45,7 +46,7 @@ class KeptDecoded:
     epoch, and per-batch worker Python costs more in the loop than alone (the copies between
     evict its caches, and workers wait on the GIL). Kept
     only for a file that decoded clean (every record, CRC and end checked), reused only while
-    the file is the one decoded (device, inode, mtime and size), never written (batches get
+    the file is the one decoded (device, inode, size and mtime), never written (batches get
     copies), and at most `limit` bytes of them, the least recently used dropped first.
     Thread-safe; shared by a loader's passes.
     """
@@ -54,9 +55,9 @@ class KeptDecoded:
         self.limit = limit
         self.held = 0
         self._lock = threading.Lock()
-        self._kept: OrderedDict[tuple[str, str], tuple[Identity | None, np.ndarray]] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, str], tuple[Seen | None, np.ndarray]] = OrderedDict()
 
-    def get(self, name: str, path: str, ident: Identity | None) -> np.ndarray | None:
+    def get(self, name: str, path: str, ident: Seen | None) -> np.ndarray | None:
         """The records kept of `path` for field `name` if they were kept of this `ident` (None: any)."""
         with self._lock:
             kept = self._kept.get((name, path))
@@ -69,7 +70,7 @@ class KeptDecoded:
             self._kept.move_to_end((name, path))
             return kept[1]
 
-    def put(self, name: str, path: str, ident: Identity | None, records: np.ndarray) -> None:
+    def put(self, name: str, path: str, ident: Seen | None, records: np.ndarray) -> None:
         """Keep `records`, decoded from `path` as it was at `ident`, unless they exceed the limit alone."""
         if records.nbytes > self.limit:
             return
@@ -130,11 +131,18 @@ class WholeFiles:
 
     def _kept_or_decoded_now(self, name: str, spec: Field, info: FileInfo, group: int) -> Whole:
         expected = self.catalog.count(group)
-        ident = identity(info.path)  # before decoding: a file changed meanwhile is not kept as this one
+        ident = info.seen  # kept only as decoded from the file the Dataset saw (the open checks it)
         if ident is not None:
             records = self.kept.get(name, info.path, ident)
             if records is not None and len(records) == expected:
-                return records, expected, None, None
+                # One stat per reuse: a file changed since is refused, as opening it would be.
+                try:
+                    st = os.stat(info.path)
+                except OSError:
+                    st = None  # gone: the decode below raises the ReadError naming it
+                if st is not None:
+                    check_unchanged(name, info.path, ident, st)
+                    return records, expected, None, None
         whole = self._decode(name, spec, info, group, expected)
         records, valid, err, final_err = whole
         if ident is not None and valid == expected and err is None and final_err is None:
@@ -186,7 +194,11 @@ class WholeFiles:
         return buf.view(spec.dtype).reshape(expected, *spec.shape), max(0, min(valid, expected)), err, final_err
 
     def resident(self, name: str, spec: Field, info: FileInfo, g: int) -> tuple[np.ndarray, int]:
-        """Group `g`'s compressed file of field `name` decoded whole and held for the pass, and its address."""
+        """Group `g`'s compressed file of field `name` decoded whole and held for the pass, and its address.
+
+        Decoded from the file the Dataset saw (its open checks it), so it pairs with the other
+        fields' files, each checked at every open of the pass: one changed since is refused there.
+        """
         key = (g, name)
         held = self._resident.get(key)
         if held is not None:

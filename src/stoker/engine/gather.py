@@ -63,30 +63,47 @@ class Gatherer:
         order, groups, index, spans = by_file(plan.gather)
         for name, spec in self.fields.items():
             t = time.perf_counter()
-            self._field(plan.epoch, name, spec, out[name], order, groups, index, spans)
+            for o, g, i, s in self._parts(order, groups, index, spans):
+                self._field(plan.epoch, name, spec, out[name], o, g, i, s)
             self.counters.add("gather", name, time.perf_counter() - t)
         return plan.gather.groups, plan.gather.index
+
+    def _parts(
+        self, order: np.ndarray, groups: np.ndarray, index: np.ndarray, spans: list[tuple[int, int]]
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]]:
+        """`by_file`'s gather in parts of at most `OpenFiles.hold_limit` groups each, so that a
+        batch over more files than may be open at once holds them a part at a time."""
+        limit = self.files.hold_limit
+        if len(spans) <= limit:
+            return [(order, groups, index, spans)]
+        parts = []
+        for k in range(0, len(spans), limit):
+            some = spans[k : k + limit]
+            a, b = some[0][0], some[-1][1]
+            parts.append((order[a:b], groups[a:b], index[a:b], [(x - a, y - a) for x, y in some]))
+        return parts
 
     def advise(self, plan: BatchPlan) -> None:
         """Ask the disk for the records of `plan`'s gather in local raw files (see
         Readahead.before_gather): a task does it for a batch a few ahead of its own."""
         if plan.gather is None or not self.readahead.gathers_ahead:
             return
-        _, groups, index, spans = by_file(plan.gather)
-        group_of = groups[[a for a, _ in spans]].tolist() if spans else []
-        lengths = [b - a for a, b in spans]
+        order, all_groups, all_index, all_spans = by_file(plan.gather)
         for name, spec in self.fields.items():
             t = time.perf_counter()
-            _, raw, picked = self._raw_of(name, group_of)
-            held = self.files.hold(plan.epoch, name, picked)
-            try:
-                fd = iter([f.fd for f in held])
-                fds = np.repeat(np.array([next(fd) if r else -1 for r in raw], np.int64), lengths)
-                mine = fds >= 0
-                offsets = index * spec.record_bytes + spec.header_bytes
-                self.readahead.before_gather(fds[mine], offsets[mine], spec.record_bytes)
-            finally:
-                self.files.let_go(plan.epoch, picked, held)
+            for _, groups, index, spans in self._parts(order, all_groups, all_index, all_spans):
+                group_of = groups[[a for a, _ in spans]].tolist() if spans else []
+                lengths = [b - a for a, b in spans]
+                _, raw, picked = self._raw_of(name, group_of)
+                held = self.files.hold(plan.epoch, name, picked)
+                try:
+                    fd = iter([f.fd for f in held])
+                    fds = np.repeat(np.array([next(fd) if r else -1 for r in raw], np.int64), lengths)
+                    mine = fds >= 0
+                    offsets = index * spec.record_bytes + spec.header_bytes
+                    self.readahead.before_gather(fds[mine], offsets[mine], spec.record_bytes)
+                finally:
+                    self.files.let_go(plan.epoch, picked, held)
             # The gathers' time: asking the disk for random records is part of reading them.
             self.counters.add("gather", name, time.perf_counter() - t)
 

@@ -78,6 +78,7 @@ class StreamReads:
             start=seek[1] if seek else (0, 0),
             storage_options=spec.storage_options,
             source=source,
+            seen=info.seen,
         )
         cursor.inflater, cursor.pos = inf, 0
         if seek is not None:

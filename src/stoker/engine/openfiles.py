@@ -15,6 +15,7 @@ from ..errors import ReadError
 from ..io.faults import cut_since_built
 from ..io.files import FileInfo, open_local
 from ..io.readahead import Readahead
+from ..io.unchanged import check_unchanged
 from ..kernels import map_address, map_file
 from ..machine import address_space_limit, address_space_room
 from .descriptors import pass_open_files
@@ -77,6 +78,11 @@ class OpenFiles:
     order; a file closed early would be opened again, and fail if it was deleted meanwhile). At
     most `pass_open_files()` are kept open; beyond, those nobody holds close, oldest first.
 
+    Holds of many files at once (`hold`: a global shuffle's gathers, a batch's runs over many small
+    files) take at most `hold_limit` each, and all of them together at most `pass_open_files()`,
+    a hold waiting for others to end beyond it: under the soft descriptor limit, whatever the
+    number of files or workers, with half of it left to the caller's own files.
+
     `kept_maps`: where maps are kept for the next epoch (a loader's, shared by its passes); None:
     this table's own, closed with it.
     """
@@ -89,6 +95,11 @@ class OpenFiles:
         self._files: OrderedDict[tuple[int, str], OpenFile] = OrderedDict()
         self._max_open = pass_open_files()
         self._pending: dict[tuple[int, str], int] = {}
+        # Files held by `hold` now, under `_max_open`; a hold waits on `_room` beyond it. Each
+        # worker holds once at a time, and a hold never asks more than `_max_open`, so waits end.
+        self.hold_limit = max(1, self._max_open // 2)
+        self._holding = 0
+        self._room = threading.Condition(self.lock)
 
     def planned(self, epoch: int, paths: Sequence[str]) -> None:
         """One more run of each of `paths` is planned in `epoch` (by the dispatcher, in plan order)."""
@@ -112,7 +123,7 @@ class OpenFiles:
             f = self._held_again(epoch, info.path)
         if f is not None:
             return f
-        fd = open_local(name, info.path)
+        fd = self._open(name, info)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -120,8 +131,9 @@ class OpenFiles:
                     f"field {name!r}: {info.path!r} is no longer a regular file (replaced since the Dataset was built)",
                     field=name, path=info.path,
                 )  # fmt: skip
-            # The geometry is the one the Dataset saw: a file grown since is read only up to its
-            # old size; one cut short fails at the first record it no longer holds (in RawReader).
+            # Only the file the Dataset saw: one replaced, rewritten, grown or cut since is refused
+            # here, so a later epoch never pairs its new records with another field's kept ones.
+            check_unchanged(name, info.path, info.seen, st, cut_ok=True)
             size = min(st.st_size, info.size)
             ident = identity_of(st, size)
             # The same file, unchanged, read in an earlier epoch or held by one still reading
@@ -157,12 +169,36 @@ class OpenFiles:
             self._evict()
         return f
 
+    def _open(self, name: str, info: FileInfo) -> int:
+        """A descriptor of `info`'s file; where the process is out of descriptors, the files
+        nobody holds are closed and the open tried once more, before the ReadError naming it."""
+        try:
+            return open_local(name, info.path)
+        except ReadError as e:
+            if not isinstance(e.__cause__, OSError) or e.__cause__.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            with self.lock:
+                idle = [(key, f) for key, f in self._files.items() if f.refs == 0]
+                for key, f in idle:
+                    del self._files[key]
+                    self._close_file(key[1], f)
+            if not idle:
+                e.add_note(f"stoker: this pass holds {len(self._files)} data files open, each in use")
+                raise
+        return open_local(name, info.path)
+
     def hold(self, epoch: int, name: str, infos: list[FileInfo]) -> list[OpenFile]:
-        """`acquire` of each raw file of `infos`: those open already in one lock round (a
-        global shuffle's batch reads from hundreds on W1-big), the others opened one by one. On
-        an error, what was held is let go. Give them back with `let_go`."""
+        """`acquire` of each raw file of `infos` (at most `hold_limit`): those open already in
+        one lock round (a global shuffle's batch reads from hundreds on W1-big), the others
+        opened one by one. On an error, what was held is let go. Give them back with `let_go`,
+        or with `released` of each and then `end_hold`."""
+        if len(infos) > self.hold_limit:
+            raise ValueError(f"a hold of {len(infos)} files exceeds hold_limit={self.hold_limit}")
         held: list[OpenFile | None] = [None] * len(infos)
         with self.lock:
+            while self._holding and self._holding + len(infos) > self._max_open:
+                self._room.wait()
+            self._holding += len(infos)
             for k, info in enumerate(infos):
                 held[k] = self._held_again(epoch, info.path)
         try:
@@ -180,6 +216,16 @@ class OpenFiles:
             for info, f in zip(infos, held, strict=True):
                 if f is not None:
                     self.released(epoch, info, f, False, counted=False)
+            self._end_hold(len(infos))
+
+    def end_hold(self, n: int) -> None:
+        """A `hold` of `n` files whose files were given back one by one (`released`) is over."""
+        with self.lock:
+            self._end_hold(n)
+
+    def _end_hold(self, n: int) -> None:
+        self._holding -= n
+        self._room.notify_all()
 
     def _evict(self) -> None:
         excess = len(self._files) - self._max_open

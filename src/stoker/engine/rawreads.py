@@ -102,6 +102,11 @@ class RawReader:
         """Runs `runs` (none empty) of local raw field `name` into `dst`: the files held,
         their sizes read and let go in one call or lock round each, the records copied (cast)
         by one `gather_runs`. A first visit of an uncast run reads with preadv, as `read` does."""
+        limit = self.files.hold_limit
+        if len(runs) > limit:  # a batch over more small files than a hold may keep open
+            for k in range(0, len(runs), limit):
+                self.read_runs(epoch, runs[k : k + limit], name, spec, dst)
+            return
         rb = spec.record_bytes
         infos = [self.catalog.files[run.group][name] for run in runs]
         held = self.files.hold(epoch, name, infos)
@@ -138,6 +143,7 @@ class RawReader:
             with self.files.lock:  # every run in one lock round
                 for run, info, f in zip(runs, infos, held, strict=True):
                     self.files.released(epoch, info, f, run.final)
+            self.files.end_hold(len(infos))
 
     @staticmethod
     def faulted(held: Sequence[OpenFile], e: OSError) -> int:

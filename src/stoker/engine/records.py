@@ -25,6 +25,7 @@ root dataset's group and record in the file.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import CorruptDataError, ReadError
 from ..io import remote
 from ..io.faults import cut_short, no_end, resized, short_stream
 from ..io.files import Catalog, FileInfo, open_local
@@ -44,7 +45,9 @@ from ..io.inflate import Inflater
 from ..io.reads import seek_read
 from ..io.remote import is_remote
 from ..io.seekpoints import SeekPoint
+from ..io.unchanged import check_unchanged
 from ..kernels import MapFault, copy_records, gather_records, gathers, guard_maps
+from ..machine import descriptor_limits
 from .decoded import KeptDecoded
 from .descriptors import pass_open_files
 from .openfiles import OpenFile, map_refused
@@ -58,8 +61,9 @@ __all__ = ["DEFAULT_CACHE_BYTES", "STREAM_SPLIT", "RecordReader"]
 # (4 bytes a record) take 16 KiB a group, so a million groups' labels fit; image files of
 # 64 MiB decoded: four at a time, enough for the loader's default cycle of 4 groups.
 DEFAULT_CACHE_BYTES = 256 << 20
-# Raw files a reader keeps mapped between reads (each costs a descriptor and address space,
-# no memory), at least; as many as a loader's pass keeps open where the descriptor limit allows
+# Raw files a reader keeps mapped between reads (each costs two descriptors and address space,
+# no memory), at least, within a quarter of the soft descriptor limit (a read of more groups
+# holds them a share at a time); as many as a loader's pass keeps open where the limit allows
 # (stoker.engine.descriptors.pass_open_files), least recently used ones closed beyond. A record subset's
 # global shuffle reads from most of its files in every batch, and with too few kept it maps
 # them again batch after batch (measured: benchmarks/results/access_history.md).
@@ -89,7 +93,9 @@ class RecordReader:
         self._lock = threading.Lock()
         self._decoding: dict[tuple[int, str], threading.Lock] = {}
         self._maps: OrderedDict[str, OpenFile] = OrderedDict()
-        self._max_mapped = max(MAX_MAPPED, pass_open_files())
+        # Two descriptors a mapped file (the file's and the copy mmap keeps): at most half the
+        # soft descriptor limit, the rest left to the loader and the caller's own files.
+        self._max_mapped = max(1, min(max(MAX_MAPPED, pass_open_files()), descriptor_limits()[0] // 4))
         self._finalizer = weakref.finalize(self, _close_all, self._maps)
 
     def close(self) -> None:
@@ -110,7 +116,7 @@ class RecordReader:
                 self._maps.move_to_end(info.path)
                 m.refs += 1
         if m is None:
-            fd = open_local(name, info.path)
+            fd = self._open(name, info)
             try:
                 self._check_size(name, spec, info, fd, local)
                 guard_maps()
@@ -147,11 +153,31 @@ class RecordReader:
             raise
         return m
 
+    def _open(self, name: str, info: FileInfo) -> int:
+        """A descriptor of `info`'s file; out of descriptors, the maps no read uses are closed and
+        the open tried once more, before the ReadError naming the file."""
+        try:
+            return open_local(name, info.path)
+        except ReadError as e:
+            if not isinstance(e.__cause__, OSError) or e.__cause__.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            with self._lock:
+                idle = [(p, m) for p, m in self._maps.items() if not m.refs]
+                for p, _ in idle:
+                    del self._maps[p]
+            if not idle:
+                raise
+            for _, m in idle:
+                m.close()
+        return open_local(name, info.path)
+
     def _check_size(self, name: str, spec: Field, info: FileInfo, fd: int, local: np.ndarray) -> None:
-        # On every read: a file cut short under a map would kill the process (SIGBUS).
-        size = os.fstat(fd).st_size
-        if size != info.size:
-            raise resized(name, spec, info, size, int(local.max()))
+        # On every read: a file cut short under a map would kill the process (SIGBUS); and the
+        # same fstat says whether it is still the file the Dataset saw.
+        st = os.fstat(fd)
+        if st.st_size != info.size:
+            raise resized(name, spec, info, st.st_size, int(local.max()))
+        check_unchanged(name, info.path, info.seen, st, cut_ok=True)
 
     def _release(self, info: FileInfo, m: OpenFile) -> None:
         with self._lock:
@@ -173,6 +199,21 @@ class RecordReader:
         else:
             order = np.lexsort((records, groups))
             parts = np.split(order, np.flatnonzero(np.diff(groups[order])) + 1)
+        # A read of more groups than may be mapped at once holds them a share of that at a time:
+        # every file of a part is held until its part is copied.
+        per = max(1, self._max_mapped // (2 * len(self.catalog.fields)))  # 2: room for a second reader thread
+        for k in range(0, len(parts), per):
+            self._read_parts(parts[k : k + per], groups, records, rows, out)
+
+    def _read_parts(
+        self,
+        parts: list[np.ndarray],
+        groups: np.ndarray,
+        records: np.ndarray,
+        rows: np.ndarray,
+        out: Mapping[str, np.ndarray],
+    ) -> None:
+        """`read_into` of the records `parts` (positions in `groups`, one group each) name."""
         # Local raw files' records are copied by one kernel call per field over their addresses
         # (stoker.kernels.gather_records), after every file is held and its size checked in
         # the order the files come; a record subset's global shuffle reads from most of its
@@ -267,24 +308,43 @@ class RecordReader:
 
     def _decoded(self, name: str, spec: Field, info: FileInfo, g: int, n: int) -> np.ndarray:
         key = (g, name)
-        arr = self._decoded_files.get(name, info.path, None)
+        arr = self._decoded_files.get(name, info.path, info.seen)
         if arr is not None:
+            self._check_kept(name, info)
             return arr
         with self._lock:
             lock = self._decoding.setdefault(key, threading.Lock())
         with lock:
-            arr = self._decoded_files.get(name, info.path, None)
+            arr = self._decoded_files.get(name, info.path, info.seen)
             if arr is None:
-                arr = self._decode_whole(name, spec, info, g, n)
-                self._decoded_files.put(name, info.path, None, arr)
+                arr = self._decode_whole(name, spec, info, g, n)  # its open checks the file
+                self._decoded_files.put(name, info.path, info.seen, arr)
         return arr
+
+    @staticmethod
+    def _check_kept(name: str, info: FileInfo) -> None:
+        """A stat per reuse of a decoded file: one changed since is refused, as opening it would be."""
+        if info.seen is None:  # a URL
+            return
+        try:
+            st = os.stat(info.path)
+        except OSError as e:
+            raise ReadError(
+                f"field {name!r}: cannot stat {info.path!r}: {e.strerror}", field=name, path=info.path
+            ) from e
+        check_unchanged(name, info.path, info.seen, st)
 
     def _decode_whole(self, name: str, spec: Field, info: FileInfo, g: int, n: int) -> np.ndarray:
         assert info.compression is not None
         buf = np.empty(n * spec.record_bytes, np.uint8)
         index_file = self.catalog.root().index_file(g, name)
         with Inflater(
-            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version
+            info.path,
+            info.compression,
+            field=name,
+            storage_options=spec.storage_options,
+            version=info.version,
+            seen=info.seen,
         ) as inf:
             got = inf.skip(spec.header_bytes) + inf.readinto(memoryview(buf))  # type: ignore[arg-type]
             if got < spec.header_bytes + len(buf):

@@ -1,11 +1,12 @@
 """Which files, paired how: globs expanded, groups aligned, record counts settled.
 
 A group is the i-th file of every field. Raw counts come from file sizes when the
-Dataset is built; compressed counts come from the gzip trailer when it agrees with a raw
-field, or, in a group with no raw field, when every compressed field is a gzip file proved
-to be a single member and their trailers agree on a count above zero (confirmed at the
-end of the stream while reading), and from decompressing the file when the group first
-opens otherwise. So opening many groups costs no decompression up front.
+Dataset is built; compressed counts come from the gzip trailer of a file proved to be a
+single member (a scan for a second member's header, without inflating) when the trailer
+agrees with a raw field, or, in a group with no raw field, when every compressed field is
+such a file and their trailers agree on a count above zero (confirmed at the end of the
+stream while reading), and from decompressing the file when the group first opens
+otherwise. So opening many groups costs no decompression up front.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ import os
 import re
 import stat
 import threading
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptDataError, PairingError, ReadError, SpecError
+from ..errors import CorruptDataError, PairingError, ReadError, SpecError, StokerError
 from ..machine import open_regular
 from ..spec import Field, shape_hint
 from .index import IndexLookup, apply_index, record_count, resolve_index_dir
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
 from .remote import Probe, Version, is_remote
 from .seekpoints import SeekPoint
+from .unchanged import Seen
 
 __all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
 
@@ -48,6 +51,16 @@ class FileInfo:
     records_hint: int | None
     # A remote object's ETag, version id, size and mtime, which every read of it is held to.
     version: Version | None = None
+    # A local file's device and inode (None: a URL), so that a file replaced since is told apart.
+    dev: int | None = None
+    ino: int | None = None
+
+    @property
+    def seen(self) -> Seen | None:
+        """(device, inode, size, mtime) of a local file as the Dataset saw it; None for a URL."""
+        if self.dev is None or self.ino is None:
+            return None
+        return (self.dev, self.ino, self.size, self.mtime_ns)
 
 
 # Bytes read per pread by the single-member scan: large enough that call overhead vanishes.
@@ -210,6 +223,28 @@ def _check_zlib_header(head: bytes) -> bool:
     return len(head) >= 2 and head[0] & 0x0F == 8 and (head[0] * 256 + head[1]) % 31 == 0
 
 
+# Bytes inflated to tell a gzip file with no compression suffix from raw records that start
+# with gzip's magic: random bytes fail a deflate decoder within a few bytes.
+_SNIFF_BYTES = 64 << 10
+
+
+def _inflates_as_gzip(fd: int, size: int) -> bool:
+    """Whether the file's first `_SNIFF_BYTES` inflate as gzip without error (a whole file that
+    small must also reach its member's end)."""
+    data = os.pread(fd, min(size, _SNIFF_BYTES), 0)
+    d = zlib.decompressobj(31)
+    try:
+        d.decompress(data, 1 << 20)
+    except zlib.error:
+        return False
+    return d.eof or size > _SNIFF_BYTES
+
+
+def _raw_fits(spec: Field, size: int) -> bool:
+    body = size - spec.header_bytes - spec.footer_bytes
+    return body >= 0 and body % spec.record_bytes == 0
+
+
 def _inspect(
     name: str, spec: Field, path: str, index: IndexLookup | None = None, probe: Probe | None = None
 ) -> FileInfo:
@@ -223,36 +258,69 @@ def _inspect(
         # no open, no header or trailer read; opening 10,000 groups costs one stat per file.
         vouched = _by_suffix(path) if spec.compression == "auto" else spec.compression
         if vouched is not None and index.matches(path, st, vouched):
-            return FileInfo(path, st.st_size, st.st_mtime_ns, vouched, None)
+            return FileInfo(path, st.st_size, st.st_mtime_ns, vouched, None, dev=st.st_dev, ino=st.st_ino)
     fd = open_local(name, path)
     try:
         head = os.pread(fd, 3, 0) if st.st_size else b""
-        return _classify(name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size))
+        info = _classify(
+            name, spec, path, st.st_size, st.st_mtime_ns, head, lambda: gzip_trailer_size(fd, st.st_size),
+            lambda: _inflates_as_gzip(fd, st.st_size),
+        )  # fmt: skip
+        return dataclasses.replace(info, dev=st.st_dev, ino=st.st_ino)
+    except OSError as e:
+        if isinstance(e, StokerError):
+            raise
+        raise ReadError(f"field {name!r}: cannot read {path!r}: {e.strerror}", field=name, path=path) from e
     finally:
         os.close(fd)
 
 
 def _classify(
-    name: str, spec: Field, path: str, size: int, mtime_ns: int, head: bytes, trailer: Callable[[], int | None]
+    name: str,
+    spec: Field,
+    path: str,
+    size: int,
+    mtime_ns: int,
+    head: bytes,
+    trailer: Callable[[], int | None],
+    inflates: Callable[[], bool] | None = None,
 ) -> FileInfo:
-    """Compression, and the record count or its estimate, from a file's size and first/last bytes."""
+    """Compression, and the record count or its estimate, from a file's size and first/last bytes.
+
+    `compression="auto"`: the suffix decides (`.gz`/`.gzip` gzip, `.zz`/`.zlib` zlib). With no
+    such suffix the file is raw, unless it starts with gzip's magic (`1f 8b 08`): then it is
+    gzip where raw records cannot fill it, or where its first bytes inflate as gzip
+    (`inflates`, None for a URL); otherwise it could be either, and a SpecError asks for
+    `compression=`. Each error of detection names the file and the `compression=` that fixes it.
+    """
     kind: str | None
+    why = f"compression={spec.compression!r}"
     if spec.compression == "auto":
         kind = _by_suffix(path)
-        # A gzip member announces itself; trust the bytes over a missing suffix.
+        why = f"compression='auto' and its suffix {_suffix(path)!r}"
         if kind is None and head[:3] == GZIP_MAGIC + b"\x08":
-            kind = "gzip"
+            if not _raw_fits(spec, size) or (inflates is not None and inflates()):
+                kind = "gzip"
+            else:
+                raise SpecError(
+                    f"field {name!r}: {path!r} has no compression suffix and starts with gzip's magic bytes "
+                    "1f 8b 08, but does not inflate as gzip and its size fits whole raw records; pass "
+                    "compression=None if it holds raw records (or compression='gzip' if it is a gzip file, "
+                    "to have its stream checked)",
+                    field=name, path=path,
+                )  # fmt: skip
     else:
         kind = spec.compression
     if kind == "gzip" and size and head[:2] != GZIP_MAGIC:
         raise CorruptDataError(
-            f"field {name!r}: {path!r} should be gzip but does not start with the gzip magic bytes "
-            f"1f 8b (found {head[:2].hex(' ')})",
+            f"field {name!r}: {path!r} should be gzip ({why}) but does not start with the gzip magic bytes "
+            f"1f 8b (found {head[:2].hex(' ')}); pass compression=None if it holds raw records",
             field=name, path=path, offset=0,
         )  # fmt: skip
     if kind == "zlib" and size and not _check_zlib_header(head):
         raise CorruptDataError(
-            f"field {name!r}: {path!r} should be zlib but has no valid zlib header (found {head[:2].hex(' ')})",
+            f"field {name!r}: {path!r} should be zlib ({why}) but has no valid zlib header "
+            f"(found {head[:2].hex(' ')}); pass compression=None if it holds raw records",
             field=name, path=path, offset=0,
         )  # fmt: skip
     hint: int | None = None
@@ -269,7 +337,8 @@ def _classify(
                 f"field {name!r}: {path!r} body is {body} bytes (file {size} - header "
                 f"{spec.header_bytes} - footer {spec.footer_bytes}), not a whole number of "
                 f"{spec.record_bytes}-byte records; the last {body % spec.record_bytes} bytes "
-                f"start at offset {spec.header_bytes + body - body % spec.record_bytes}",
+                f"start at offset {spec.header_bytes + body - body % spec.record_bytes}"
+                + ("; if it is compressed, pass compression='gzip' or 'zlib'" if spec.compression == "auto" else ""),
                 field=name, path=path, index=body // spec.record_bytes,
                 offset=spec.header_bytes + body - body % spec.record_bytes,
             )  # fmt: skip
@@ -281,9 +350,17 @@ def _classify(
             if body >= 0 and body % spec.record_bytes == 0:
                 hint = body // spec.record_bytes
     elif size == 0:
-        raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a zlib stream", field=name, path=path)
+        raise CorruptDataError(
+            f"field {name!r}: {path!r} is empty, not a zlib stream ({why}); pass compression=None to read "
+            "it as a raw file of no records",
+            field=name, path=path,
+        )  # fmt: skip
     if kind == "gzip" and size == 0:
-        raise CorruptDataError(f"field {name!r}: {path!r} is empty, not a gzip stream", field=name, path=path)
+        raise CorruptDataError(
+            f"field {name!r}: {path!r} is empty, not a gzip stream ({why}); pass compression=None to read "
+            "it as a raw file of no records",
+            field=name, path=path,
+        )  # fmt: skip
     return FileInfo(path, size, mtime_ns, kind, hint)
 
 
@@ -474,15 +551,22 @@ class Catalog:
 
     def _settle(self, g: int) -> int:
         infos = self.files[g]
-        # A gzip trailer holds only the last member's size, so it is trusted where a raw
-        # file's size confirms it, or, with no raw field, where _trailers_count proves it.
+        # A gzip trailer holds only the last member's size, so it is trusted only for a file
+        # proved a single member, and only where it agrees with a raw file's size or, with no
+        # raw field, with the other trailers (_trailers_count proves those). A multi-member file
+        # whose last member happens to hold the raw count would otherwise be read misaligned
+        # up to its end.
         raw = [i.records_hint for i in infos.values() if i.compression is None]
         known = raw[0] if raw else self._trailers_count(g)
         counts: dict[str, int | None] = {}
         for name, info in infos.items():
             if (g, name) in self._exact:
                 counts[name] = self._exact[(g, name)]
-            elif info.compression is None or (info.records_hint is not None and info.records_hint == known):
+            elif info.compression is None or (
+                info.records_hint is not None
+                and info.records_hint == known
+                and (not raw or one_gzip_member(info.path, info.size))
+            ):
                 counts[name] = info.records_hint
             else:
                 counts[name] = self._count_by_decompressing(name, info)
@@ -518,6 +602,11 @@ class Catalog:
         spec = self.fields[name]
         assert info.compression is not None
         total = decompressed_size(
-            info.path, info.compression, field=name, storage_options=spec.storage_options, version=info.version
+            info.path,
+            info.compression,
+            field=name,
+            storage_options=spec.storage_options,
+            version=info.version,
+            seen=info.seen,
         )
         return record_count(name, spec, info, total)

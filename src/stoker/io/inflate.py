@@ -20,6 +20,7 @@ from ..errors import CorruptDataError, ReadError, StaleIndexError, StokerError
 from ..machine import open_regular
 from .remote import RemoteReader, Version, is_remote
 from .seekpoints import CHECK_BYTES, PrimedInflate, SeekPoint, load_window, point_check, stale_point
+from .unchanged import Seen, check_unchanged
 
 _zlib: ModuleType
 try:  # pragma: no cover - which branch runs depends on the install
@@ -64,6 +65,7 @@ class Inflater:
         storage_options: Mapping[str, Any] | None = None,
         source: Any = None,
         version: Version | None = None,
+        seen: Seen | None = None,
     ) -> None:
         # `source`: where a URL's compressed bytes come from (`pread(n, offset)`, `close()`;
         # a loader's read-ahead, stoker.io.fetch), else a RemoteReader of its own, held to
@@ -71,6 +73,7 @@ class Inflater:
         # `start`: (compressed, decompressed) offset of a gzip member start or of the
         # stream start, or a SeekPoint at a deflate block boundary (stoker.seekpoints),
         # from which decoding may begin (a persistent index's seek point).
+        # `seen`: the local file as the Dataset saw it; another is a CorruptDataError (stoker.io.unchanged).
         self.path = path
         self.kind = kind
         self.field = field
@@ -83,6 +86,12 @@ class Inflater:
         except OSError as e:
             raise ReadError(f"cannot open {path!r} for field {field!r}: {e.strerror}", field=field, path=path) from e
         self._close_lock = threading.Lock()
+        if self._fd >= 0 and seen is not None:
+            try:
+                check_unchanged(field, path, seen, os.fstat(self._fd))
+            except BaseException:
+                self.close()
+                raise
         self._in_offset = start[0]  # compressed bytes read so far
         point = start if isinstance(start, SeekPoint) else None
         # A point an index vouches for: its check is verified before any byte from it is handed out.
@@ -312,12 +321,17 @@ class Inflater:
 
 
 def decompressed_size(
-    path: str, kind: str, *, field: str | None = None, storage_options: Mapping[str, Any] | None = None,
+    path: str,
+    kind: str,
+    *,
+    field: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     version: Version | None = None,
-) -> int:  # fmt: skip
+    seen: Seen | None = None,
+) -> int:
     """Decompress a whole file (a remote one at `version`) to count its bytes (validating CRCs
     and the end of stream)."""
-    with Inflater(path, kind, field=field, storage_options=storage_options, version=version) as inf:
+    with Inflater(path, kind, field=field, storage_options=storage_options, version=version, seen=seen) as inf:
         while inf.skip(1 << 30) == 1 << 30:
             pass
         return inf.produced

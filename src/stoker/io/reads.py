@@ -41,6 +41,7 @@ def seek_read(
                 inf = Inflater(
                     info.path, info.compression, field=name, start=points[k], storage_options=spec.storage_options,
                     version=info.version,
+                    seen=info.seen,
                 )  # fmt: skip
             want = target - inf.produced
             if inf.skip(want) != want:
