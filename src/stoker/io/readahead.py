@@ -14,7 +14,7 @@ Smaller datasets keep their pages: the next epoch reads them from memory.
 
 Gathers (`shuffle="global"`) of a dataset larger than half the RAM: every record is asked of
 the disk with `POSIX_FADV_WILLNEED` a few batches before it is copied (see
-stoker.loader._advising_ahead), and the files' maps are advised `MADV_RANDOM`. Left to page
+stoker.engine.pipeline.advising_ahead), and the files' maps are advised `MADV_RANDOM`. Left to page
 faults, a record missing from the cache was read by the kernel's read-around (`read_ahead_kb`
 around the fault, many times a record's bytes) and, once the kernel gave that up, a page per
 fault (measured: benchmarks/results/w1_big_history.md). Its pages are not
