@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import LoaderConfig
 from .engine.assembler import GROUP_KEY, INDEX_KEY, VALID_KEY
-from .engine.autotune import available_cores, wanted_prefetch
+from .engine.autotune import available_cores
 from .engine.budget import Budget, size
 from .engine.decoded import KeptDecoded
 from .engine.descriptors import keep_open
@@ -21,7 +21,7 @@ from .engine.maps import loader_kept_maps
 from .engine.pipeline import Autotune, Cursor, Pass, Pipeline, Report, Workers
 from .engine.stats import Counters, LoaderStats
 from .errors import SpecError
-from .io.readahead import drop_behind_for
+from .io.readahead import described, drop_behind_for
 from .io.remote import is_remote
 from .machine import default_memory_budget
 from .plan.batches import Plan, PlanConfig, default_block_length, default_cycle_length, pass_end
@@ -224,17 +224,20 @@ class Loader:
         Cheap enough to leave on (a few clock reads per batch). `print(loader.stats())`
         shows one screen; `stoker.doctor.verdict` says what limits the pipeline.
         """
+        held = self._counters.batches > 0 and self.autotune.held_down(
+            self.budget.parts, self.batch_bytes, self._pass_batches()
+        )
         return self._counters.snapshot(
             threads=self.threads, prefetch=self._shown_prefetch(), batch_size=self.config.batch_size,
             record_bytes={n: f.record_bytes for n, f in self.dataset.fields.items()},
             dtypes={n: self.dtypes[n].name for n in self.dataset.fields},
             tuning={
-                "readahead": self._readahead_said(),
+                "readahead": described(gathers=self.config.shuffle == "global", drop_behind=self.drop_behind),
                 **({"open files": self._open_files} if self._open_files else {}),
                 **({"autotune": self.tuning} if self.tuning else {}),
             },
             memory_budget=self.memory_budget, batch_bytes=self.batch_bytes, coalesced=self.budget.parts,
-            cycle_length=self.cycle_length, block_length=self.block_length, prefetch_limited=self._held_down(),
+            cycle_length=self.cycle_length, block_length=self.block_length, prefetch_limited=held,
             buffers_made=getattr(self._pipeline.pool, "allocated", 0),
         )  # fmt: skip
 
@@ -249,23 +252,6 @@ class Loader:
         """Batches that can be in flight: `prefetch`, and no more than the data holds."""
         data = self._pass_batches()
         return self.prefetch if data is None else min(self.prefetch, data)
-
-    def _held_down(self) -> bool:
-        """Whether memory_budget held a prefetch stoker chose below its default, with batches
-        delivered and more data than the prefetch it allowed (else there is nothing to hold)."""
-        if not self.autotune.tune_prefetch or self._counters.batches == 0:
-            return False
-        data, parts = self._pass_batches(), self.budget.parts
-        wanted = parts * wanted_prefetch(self.threads, parts * self.batch_bytes)
-        return self.prefetch < wanted and (data is None or data > self.prefetch)
-
-    def _readahead_said(self) -> str:
-        """What stoker.io.readahead does for this loader, in a few words (stats' `tuning`)."""
-        if self.config.shuffle != "global":
-            return "willneed ahead" + (", drop behind (larger than RAM/2)" if self.drop_behind else "")
-        if self.drop_behind:
-            return "willneed on each record a few batches ahead, maps MADV_RANDOM (larger than RAM/2)"
-        return "the kernel's read-around (fits in RAM/2)"
 
     def __repr__(self) -> str:
         return (

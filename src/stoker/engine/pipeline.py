@@ -27,7 +27,7 @@ from ..io.fetch import Fetcher
 from ..io.readahead import AHEAD_BYTES, Readahead
 from ..plan.batches import BatchPlan, coalesce, next_pass
 from .assembler import Assembler, Task, build_parts
-from .autotune import ThreadTuner
+from .autotune import ThreadTuner, wanted_prefetch
 from .decoded import KeptDecoded
 from .executor import (
     AlignedPool,
@@ -153,6 +153,15 @@ class Autotune:
                 self._executor.threads = self.climb.threads
         window = self.climb.prefetch_for(self.threads) if self.tune_prefetch else self.prefetch // units
         return self.climb, window
+
+    def held_down(self, units: int, batch_bytes: int, batches: int | None) -> bool:
+        """Whether memory_budget held a prefetch stoker chose below its default (`units` batches
+        of `batch_bytes` assembled together), where a pass of `batches` (None: unknown or
+        endless) holds more than the prefetch allowed (else there is nothing to hold)."""
+        if not self.tune_prefetch:
+            return False
+        wanted = units * wanted_prefetch(self.threads, units * batch_bytes)
+        return self.prefetch < wanted and (batches is None or batches > self.prefetch)
 
     def tuned(self, tuner: ThreadTuner, units: int) -> None:
         """Autotune stands at `tuner`'s worker count; once it is done, later passes start there."""
