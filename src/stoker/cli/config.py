@@ -1,18 +1,32 @@
-"""Field settings from `--field` words or a TOML config, and the Dataset they describe."""
+"""Where a command's fields come from: `--field` words, a `stoker.toml`, or a directory."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..dataset import Dataset
 from ..errors import SpecError
 from ..spec import Field
 
-__all__ = ["build_fields", "dataset_from_fields", "fields_from_config", "parse_field"]
+__all__ = [
+    "CONFIG_NAME",
+    "add_dir_args",
+    "add_field_args",
+    "build_fields",
+    "dataset_from_fields",
+    "directory_layout",
+    "field_specs",
+    "fields_from_config",
+    "parse_field",
+]
 
+CONFIG_NAME = "stoker.toml"
 _COMPRESSION_WORDS = {"gzip": "gzip", "zlib": "zlib", "none": None, "raw": None, "auto": "auto"}
 
 
@@ -88,3 +102,77 @@ def build_fields(specs: Sequence[Mapping[str, Any]]) -> dict[str, Field]:
             byte_order=s.get("byte_order"),
         )
     return fields
+
+
+def add_field_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--field",
+        action="append",
+        metavar="NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION]",
+        help="a field of the dataset, repeated for each field; SHAPE as 128x128x1, COMPRESSION "
+        "gzip, zlib, none or auto (default: no --field: DIR's fields)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="stoker.toml",
+        help="read [fields.NAME] tables from a TOML file (default: none; DIR/stoker.toml for a DIR)",
+    )
+
+
+def add_dir_args(p: argparse.ArgumentParser, what: str, *, inrez_help: str | None = None) -> None:
+    p.add_argument("dir", nargs="?", help=f"a directory with a stoker.toml, or written by `stoker sample` ({what})")
+    p.add_argument(
+        "--inrez",
+        type=int,
+        default=None,
+        help=inrez_help or "frame size of a sample DIR (default: its stoker.toml; 128 where it has none)",
+    )
+    p.add_argument(
+        "--pair-key",
+        default=None,
+        metavar="REGEX",
+        help="regex whose match must agree across a group's basenames "
+        "(default: the numbers in the basenames; '' turns the check off)",
+    )
+
+
+def field_specs(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """The fields `--field` or `--config` give, or None where neither is given."""
+    if args.config and args.field:
+        raise SpecError("give --field or --config, not both")
+    if args.config:
+        return fields_from_config(args.config)
+    if args.field:
+        return [parse_field(f) for f in args.field]
+    return None
+
+
+def directory_layout(
+    directory: Path, inrez: int | None, *, say_assumed: bool = False
+) -> tuple[list[dict[str, Any]], str]:
+    """(a directory's fields, a sentence saying where they came from): its `stoker.toml` unless
+    `--inrez` says otherwise, else the `stoker sample` layout, assumed (said on stderr where
+    `say_assumed`). A directory that is not there is a SpecError saying so, before any glob."""
+    if not directory.is_dir():
+        what = "not a directory" if directory.exists() else "no such directory"
+        raise SpecError(f"{what}: {directory}", path=str(directory))
+    config = directory / CONFIG_NAME
+    if inrez is None and config.is_file():
+        return fields_from_config(str(config)), f"from {config}"
+    given = inrez is not None
+    inrez = 128 if inrez is None else inrez
+    specs: list[dict[str, Any]] = [
+        {"name": "image", "files": str(directory / "img_*.bin"), "dtype": "int8", "shape": [inrez, inrez, 1]},
+        {"name": "label", "files": str(directory / "out_*.bin.gz"), "dtype": "float32", "compression": "gzip"},
+    ]
+    shape = f"{inrez}x{inrez}x1"
+    if given:
+        return specs, f"the `stoker sample` layout with --inrez {inrez} (image int8 {shape}, label float32 gzip)"
+    layout = (
+        f"{directory} has no {CONFIG_NAME}: assumed the `stoker sample` layout (img_*.bin int8 {shape}, "
+        "out_*.bin.gz float32 gzip); give another with --inrez N, --field NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION] "
+        "or --config FILE"
+    )
+    if say_assumed:
+        print(f"stoker: {layout}", file=sys.stderr)
+    return specs, layout
