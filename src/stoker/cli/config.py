@@ -1,8 +1,14 @@
-"""Where a command's fields come from: `--field` words, a `stoker.toml`, or a directory."""
+"""Where a command's fields come from: `--field` words, a `stoker.toml`, or a directory.
+
+`stoker.toml` is a format: its keys are checked here, so a misspelt one (`header_byte`) is an
+error naming the key, the file and the key it was probably meant to be, never a default quietly
+used in its place. docs/reference/stoker-toml.md documents every key.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import tomllib
@@ -16,6 +22,7 @@ from ..spec import Field
 
 __all__ = [
     "CONFIG_NAME",
+    "FIELD_KEYS",
     "add_dir_args",
     "add_field_args",
     "build_fields",
@@ -27,6 +34,17 @@ __all__ = [
 ]
 
 CONFIG_NAME = "stoker.toml"
+# The keys of a [fields.NAME] table: (the types TOML may give, what the docs call that type).
+FIELD_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "files": ((str, list), "a string or a list of strings"),
+    "dtype": ((str,), "a string"),
+    "shape": ((list, int), "a list of integers"),
+    "header_bytes": ((int,), "an integer"),
+    "footer_bytes": ((int,), "an integer"),
+    "compression": ((str,), "a string"),
+    "byte_order": ((str,), "a string"),
+}
+_TOP_KEYS = ("fields",)
 _COMPRESSION_WORDS = {"gzip": "gzip", "zlib": "zlib", "none": None, "raw": None, "auto": "auto"}
 
 
@@ -54,7 +72,15 @@ def parse_field(text: str) -> dict[str, Any]:
     return spec
 
 
+def _nearest(key: str, valid: Sequence[str]) -> str:
+    """`; did you mean X?` for the valid key nearest `key`, or the valid keys where none is near."""
+    near = difflib.get_close_matches(key, valid, n=1)
+    return f"did you mean {near[0]}?" if near else f"valid keys: {', '.join(valid)}"
+
+
 def fields_from_config(path: str) -> list[dict[str, Any]]:
+    """The fields of a `stoker.toml`, globs made relative to its directory; a SpecError naming
+    the file (and the table and key) for anything that is not the format."""
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
@@ -62,18 +88,35 @@ def fields_from_config(path: str) -> list[dict[str, Any]]:
         raise SpecError(f"cannot read config {path!r}: {e.strerror}", path=path) from e
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"config {path!r} is not valid TOML: {e}", path=path) from e
+    for key in doc:
+        if key not in _TOP_KEYS:
+            raise SpecError(f"config {path!r}: unknown key {key!r}; {_nearest(key, _TOP_KEYS)}", path=path)
     table = doc.get("fields")
     if not isinstance(table, Mapping) or not table:
         raise SpecError(f"config {path!r} has no [fields.NAME] tables", path=path)
     base = os.path.dirname(os.path.abspath(path))
     out = []
     for name, spec in table.items():
-        if not isinstance(spec, Mapping) or "files" not in spec or "dtype" not in spec:
+        if not isinstance(spec, Mapping):
+            raise SpecError(f"config {path!r}: fields.{name} must be a table [fields.{name}]", path=path, field=name)
+        for key, value in spec.items():
+            if key not in FIELD_KEYS:
+                raise SpecError(
+                    f"config {path!r}: unknown key {key!r} in [fields.{name}]; {_nearest(key, list(FIELD_KEYS))}",
+                    path=path,
+                    field=name,
+                )
+            types, said = FIELD_KEYS[key]
+            if isinstance(value, bool) or not isinstance(value, types):
+                raise SpecError(
+                    f"config {path!r}: [fields.{name}] {key} = {value!r} must be {said}", path=path, field=name
+                )
+        if "files" not in spec or "dtype" not in spec:
             raise SpecError(f"config {path!r}: [fields.{name}] needs files and dtype", path=path, field=name)
         files = spec["files"]
         if isinstance(files, str):
             files = files if os.path.isabs(files) else os.path.join(base, files)
-        elif isinstance(files, list):
+        else:
             files = [p if os.path.isabs(p) else os.path.join(base, p) for p in files]
         out.append({**spec, "name": name, "files": files})
     return out
@@ -95,7 +138,7 @@ def build_fields(specs: Sequence[Mapping[str, Any]]) -> dict[str, Field]:
         fields[s["name"]] = Field(
             s["files"],
             s["dtype"],
-            tuple(s.get("shape", ())),
+            tuple(s.get("shape", ())) if not isinstance(s.get("shape"), int) else s["shape"],
             header_bytes=int(s.get("header_bytes", 0)),
             footer_bytes=int(s.get("footer_bytes", 0)),
             compression=compression,
