@@ -28,13 +28,16 @@ $(STAMP): pyproject.toml setup.py src/stoker/_kernels.c $(CONSTRAINTS) | $(BIN)/
 venv: $(STAMP)
 
 $(DEMO_BIN)/python:
+	@echo "make demo: creating the lean venv $(DEMO_VENV)"
 	$(PY) -m venv $(DEMO_VENV) || python3 -m venv $(DEMO_VENV)
 
 $(DEMO_STAMP): pyproject.toml setup.py src/stoker/_kernels.c $(CONSTRAINTS) | $(DEMO_BIN)/python
+	@echo "make demo: installing stoker with numpy and isal into $(DEMO_VENV), compiling its copy kernels (about a minute)"
 	$(DEMO_BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[fast]'
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
+	@echo "make demo: stoker bench on a generated sample (written once into the cache, then reused)"
 	$(DEMO_BIN)/stoker bench
 
 test: $(STAMP) docs

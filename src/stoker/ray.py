@@ -121,8 +121,8 @@ def check_ray_version(version: str) -> None:
     if m is None or (int(m.group(1)), int(m.group(2))) < MIN_RAY:
         need = ".".join(map(str, MIN_RAY))
         raise ImportError(
-            f"stoker.ray needs ray[data]>={need}, found ray {version}: pip install 'stoker[ray]' "
-            f"(or 'ray[data]>={need}')"
+            f"stoker.ray needs ray[data]>={need}, found ray {version}: pip install 'ray[data]>={need}' "
+            "(stoker's ray extra)"
         )
 
 

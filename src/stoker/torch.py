@@ -118,6 +118,23 @@ def _pinned_factory(pooled: int) -> Allocator:
     return PinnedPool(pooled)
 
 
+def _check_available(device: torch.device | None) -> None:
+    """Refuse a CUDA device this process cannot use now, rather than fail at the first batch."""
+    if device is None or device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise SpecError(
+            f"device={str(device)!r}, but CUDA is not available to PyTorch here (torch.cuda.is_available() is "
+            "False: a CPU-only build, no GPU or no driver): pass device=None to keep batches on the CPU, or "
+            "install a CUDA build of PyTorch"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise SpecError(
+            f"device={str(device)!r}, but PyTorch sees {torch.cuda.device_count()} CUDA device(s) "
+            f"(cuda:0..cuda:{torch.cuda.device_count() - 1}; CUDA_VISIBLE_DEVICES may hide the others)"
+        )
+
+
 def _torch_dtypes(loader: Loader, cast_on_device: Mapping[str, Any] | None) -> dict[str, torch.dtype]:
     if cast_on_device is None:
         return {}
@@ -148,7 +165,8 @@ def to_torch(
     Args:
         loader: a stoker Loader (`ds.loader(...)`).
         device: where tensors go (`"cuda"`, `"cuda:1"`, ...); None keeps them on the
-            CPU, zero-copy over stoker's buffers.
+            CPU, zero-copy over stoker's buffers. A CUDA device this process cannot use is a
+            SpecError here, not at the first batch.
         pin_memory: assemble batches in CUDA pinned memory (asynchronous copies). Without
             CUDA this warns once and does nothing else: batches stay where they are.
         cast_on_device: `{field: torch.dtype}` cast after the copy to `device` (on the
@@ -184,6 +202,7 @@ class TorchLoader(UserPosition):
             self.device = None if device is None else torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise SpecError(f"device={device!r} is not a torch device") from e
+        _check_available(self.device)
         self.loader = loader
         self.cast_on_device = _torch_dtypes(loader, cast_on_device)
         self.pin_memory = False

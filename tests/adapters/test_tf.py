@@ -263,14 +263,14 @@ def test_native_dataset_refuses_bad_epochs(sample: stoker.Dataset, epochs: objec
         native_dataset(sample, 16, epochs=epochs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("shuffle", [False, "files"])  # zipped streams; the group's stream read whole
-@pytest.mark.parametrize("block", [1, None])  # the extra records as blocks of their own; in the group's one block
-def test_native_dataset_fails_on_a_stream_longer_than_its_trailer_says(
-    tmp_path: Path, block: int | None, shuffle: bool | str
+@pytest.mark.parametrize("shuffle", [False, "files"])
+def test_native_dataset_refuses_a_multi_member_stream_whose_last_trailer_matches_its_partner(
+    tmp_path: Path, shuffle: bool | str
 ) -> None:
-    """Two gzip members, the last one's trailer saying 1 record as the image file holds: the
-    loader trusts it and finds 2 more at the stream's end; so must native_dataset, not cut
-    the group at its shortest field (tf.data's zip) and yield the first record alone."""
+    """Two gzip members, the last one's trailer saying 1 record as the image file holds: a
+    trailer is trusted only for a file proved one member, so this one is counted (3 records)
+    and the group is a PairingError before any record, for native_dataset as for the loader,
+    never cut at its shortest field (tf.data's zip) with the first record yielded alone."""
     np.arange(4, dtype=np.uint8).tofile(tmp_path / "img_0.bin")
     (tmp_path / "out_0.bin.gz").write_bytes(
         gzip.compress(np.float32([1, 2]).tobytes()) + gzip.compress(np.float32([3]).tobytes())
@@ -279,9 +279,31 @@ def test_native_dataset_fails_on_a_stream_longer_than_its_trailer_says(
         image=stoker.Field(str(tmp_path / "img_*.bin"), "uint8", (4,)),
         label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
     )
-    assert len(ds) == 1  # the trailer agrees with the images: trusted until the stream's end
-    with pytest.raises(stoker.CorruptDataError, match="out_0.bin.gz"):
+    with pytest.raises(stoker.PairingError, match=r"3 records in '[^']*out_0\.bin\.gz'"):
+        native_dataset(ds, 8, shuffle=shuffle, seed=1)  # type: ignore[arg-type]
+    with pytest.raises(stoker.PairingError, match="out_0.bin.gz"):
         list(ds.loader(8))
+
+
+@pytest.mark.parametrize("shuffle", [False, "files"])  # zipped streams; the group's stream read whole
+@pytest.mark.parametrize("block", [1, None])  # the extra records as blocks of their own; in the group's one block
+def test_native_dataset_fails_on_a_stream_longer_than_the_dataset_counted(
+    tmp_path: Path, block: int | None, shuffle: bool | str
+) -> None:
+    """A label stream that grew a member after the Dataset counted it (native_dataset reads
+    through TensorFlow's own file ops, not stoker's opens): the graph finds the records past the
+    count at the stream's end and fails naming the file, rather than cut the group at its
+    shortest field (tf.data's zip) and yield the first record alone."""
+    np.arange(4, dtype=np.uint8).tofile(tmp_path / "img_0.bin")
+    (tmp_path / "out_0.bin.gz").write_bytes(gzip.compress(np.float32([1]).tobytes()))
+    ds = stoker.Dataset(
+        image=stoker.Field(str(tmp_path / "img_*.bin"), "uint8", (4,)),
+        label=stoker.Field(str(tmp_path / "out_*.bin.gz"), "float32"),
+    )
+    assert len(ds) == 1
+    (tmp_path / "out_0.bin.gz").write_bytes(
+        gzip.compress(np.float32([1, 2]).tobytes()) + gzip.compress(np.float32([3]).tobytes())
+    )
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"field \\?'label\\?': file\] \[[^]]*out_0\.bin\.gz\]"):
         list(native_dataset(ds, 8, block_length=block, shuffle=shuffle, seed=1).as_numpy_iterator())  # type: ignore[arg-type]
 

@@ -216,6 +216,18 @@ def test_to_torch_rejects_unknown_fields_and_non_dtypes(sample: stoker.Dataset) 
             to_torch(loader, device="warp-drive")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent (CI has no GPU)")
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_to_torch_on_cuda_without_cuda_is_refused_when_built_naming_the_fix(
+    sample: stoker.Dataset, pin_memory: bool
+) -> None:
+    with sample.loader(8) as loader:
+        with pytest.raises(stoker.SpecError, match=r"CUDA is not available.*pass device=None"):
+            to_torch(loader, "cuda", pin_memory=pin_memory)
+        with pytest.raises(stoker.SpecError, match="CUDA is not available"):
+            loader.to_torch(torch.device("cuda:1"))
+
+
 @pytest.mark.parametrize("k", [0, 1, 5, 9])
 def test_to_torch_resumes_exactly_after_any_batch(sample: stoker.Dataset, k: int) -> None:
     def make() -> stoker.Loader:

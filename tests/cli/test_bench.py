@@ -1,4 +1,4 @@
-"""stoker.cli.bench children and `stoker bench`: real child processes on real files."""
+"""stoker.cli.contenders (the children `stoker bench` runs) and `stoker bench`: real child processes on real files."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from stoker.cli import dataset_from_fields, main
-from stoker.cli.bench import (
+from stoker.cli.ceiling import _Tally
+from stoker.cli.contenders import (
     CEILING_LOOPS,
     _drain_until,
-    _Tally,
     batch_rows,
     burn,
     child_json,

@@ -99,6 +99,7 @@ def _mistake(argv: list[str], capsys) -> str:
 
 
 def test_missing_files_print_spec_error_naming_the_glob(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()  # a directory with no files of the layout (none at all: test_cli_habits.py)
     err = _mistake(["inspect", str(tmp_path / "empty"), "--inrez", "8"], capsys)
     assert err.startswith("SpecError: ") and str(tmp_path / "empty" / "img_*.bin") in err
 
@@ -161,7 +162,7 @@ def test_bench_on_a_tiny_dataset_prints_records_per_second_and_the_ceiling_ratio
     assert "records/s" in out
     assert "stoker / ceiling: median" in out
     assert "ceiling:mmap_stream" in out and "ceiling:mmap_kept" in out
-    assert "1 alternated rounds of 0.3s, each after 0.2s of warm-up" in out
+    assert "1 alternated round of 0.3s, each after 0.2s of warm-up" in out
     first = re.search(r"first batch after ([\d,]+) ms \(rounds ([\d,]+)\.\.([\d,]+)\): start-up", out)
     assert first is not None, out
     assert 0 <= int(first[1].replace(",", "")) < 60_000  # measured, in milliseconds

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stoker import cli
 from stoker.cli import build_parser, main
+from stoker.cli.output import Progress
 from stoker.io.index import INDEX_NAME
 
 SMALL = ["--pairs", "2", "--records", "50", "--inrez", "8"]
@@ -119,7 +119,7 @@ def test_sample_and_index_print_quiet_lines_elsewhere(
     assert len(lines) == 1 and re.fullmatch(
         r"sample: 4/4 pairs \(100%\) after \d+\.\ds", lines[0]
     )  # fast: the end only
-    monkeypatch.setattr(cli._Progress, "LINE_SECONDS", 0.0)  # a slow run: a line per step, no bar
+    monkeypatch.setattr(Progress, "LINE_SECONDS", 0.0)  # a slow run: a line per step, no bar
     assert main(["index", str(tmp_path / "d")]) == 0
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(" after ")[0] for line in lines] == [

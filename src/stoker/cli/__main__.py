@@ -1,5 +1,5 @@
 """`python -m stoker.cli`: the `stoker` command."""
 
-from . import main
+from .main import main
 
 raise SystemExit(main())

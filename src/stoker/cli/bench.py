@@ -1,414 +1,355 @@
-"""Measure stoker against the machine's own ceiling on the same files, in the same run.
+"""`stoker bench`: stream a dataset with stoker and with the machine's ceiling loops on the same
+files, in alternated rounds, and report records/s, the ratio and a verdict.
 
-Each contender runs in a fresh child process (`python -m stoker.cli.bench CONTENDER JSON`)
-so one cannot warm or starve the other through shared state; rounds alternate the
-contenders because this kind of machine drifts by tens of percent within a minute.
-
-The ceiling is the fastest of a few simple loops over the raw bytes of the widest raw
-field, one thread per core, each producing resident ndarrays of the loader's output
-dtype, batch by batch. A buffer reused per thread (the output, the staging buffer) is memory
-as stoker's batches get (`output_buffer`: page aligned, huge pages advised):
-
-- `mmap_cast`: `np.copyto` with casting straight from a memory map of the file into
-  an output buffer reused per thread (one pass);
-- `mmap_cast_fresh`: the same into a fresh `np.empty` per batch;
-- `preadv_cast`: whole-batch `os.preadv` into a staging buffer, then `np.copyto`;
-- `mmap_stream`: `stoker.kernels.cast_into` (the compiled cast stoker itself uses, with
-  streaming stores; a plain `memcpy` when no cast) straight from a memory map into an
-  output buffer reused per thread. Without the compiled kernels it is `mmap_cast` again.
-- `mmap_kept`: `mmap_stream` with each file mapped once for the whole run instead of at
-  every visit, so a file read again finds its pages mapped already (no page faults, no
-  unmapping). stoker keeps its maps across
-  epochs the same way where the dataset fits the page cache.
-
-For a compressed field the ceiling is `inflate_cast`: each file inflated front to back, a
-batch at a time, by the fastest inflate installed (isal, else zlib) straight into a reused
-staging buffer, then cast into the output by `stoker.kernels.cast_into` (no engine, no
-pairing, no checks).
-With `evict` in the config, every file's pages are dropped from the page cache first
-(cold-cache runs: the ceiling is then a cold read plus the cast).
-
-`warmup` in a config (seconds, for stoker and the ceiling alike) runs the contender that
-long before its timed `seconds` begin, so both are measured in their steady state: the
-start-up (threads, first maps of the files, first touch of new buffers, decoding the label
-files, autotune's first window) is left out of both. `warmup: true` leaves out stoker's
-first batch only.
+The contenders themselves (the child processes, the ceiling loops) are `stoker.cli.contenders`;
+their names are re-exported here, and `python -m stoker.cli.bench CONTENDER JSON` still runs one.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import mmap
+import argparse
 import os
-import statistics
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..engine.executor import AlignedPool
-from ..kernels import cast_into
-from ..spec import resolve_dtype
+from ..errors import SpecError
+from ..machine import available_cores, cores_phrase
+from ..spec import resolve_cast
+from .config import add_dir_args, add_field_args, dataset_from_fields, directory_layout, field_specs
+from .contenders import (
+    CEILING_LOOPS,
+    COMPRESSED_CEILING_LOOPS,
+    Measurement,
+    batch_rows,
+    burn,
+    child_json,
+    child_main,
+    evict_page_cache,
+    measure,
+    output_buffer,
+    run_child,
+    summarize,
+)
+from .output import Progress, counted
+from .sample import cached_sample
+
+_evict_page_cache = evict_page_cache  # the name benchmarks/harness.py imports
 
 __all__ = [
     "CEILING_LOOPS",
     "COMPRESSED_CEILING_LOOPS",
+    "JUDGE_MIN_BATCHES",
+    "JUDGE_STARTUP_TIMES",
     "Measurement",
+    "add_parser",
     "batch_rows",
     "burn",
+    "cache_dir",
     "child_json",
+    "evict_page_cache",
     "measure",
     "output_buffer",
+    "run",
     "run_child",
     "summarize",
 ]
 
+# A verdict needs a steady state: a timed window of at least this many of stoker's batches, and
+# warm-up and window together this many times its start-up (iter() to the first batch) or more;
+# the stats a verdict reads span all three, and a run mostly start-up blames what start-up costs.
+JUDGE_MIN_BATCHES = 32
+JUDGE_STARTUP_TIMES = 5
+# `benchmarks/compare.py` is the checkout's, not the package's: looked for here, under the
+# current directory, unless --benchmarks names the folder.
+COMPARE_SCRIPT = Path("benchmarks") / "compare.py"
 
-@dataclass(frozen=True)
-class Measurement:
-    contender: str
-    records: int
-    seconds: float
-    bytes_read: int
-    stats: dict[str, Any] | None = None  # stoker's loader.stats().to_dict(), for stoker contenders
-    cpu_seconds: float = 0.0
-    # stoker: from iter(loader) to its first batch (threads, file maps, the first new buffers).
-    first_batch_seconds: float | None = None
-
-    @property
-    def records_per_s(self) -> float:
-        return self.records / self.seconds
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes_read / self.seconds / 1e6
+EXAMPLES = """\
+examples:
+  stoker bench                         # a ~1 GiB sample, written once into ~/.cache/stoker, against the ceiling
+  stoker bench data/                   # a directory: its stoker.toml (or the `stoker sample` layout)
+  stoker bench --config data/stoker.toml --batch-size 512 --cast image=float16
+  stoker bench --field 'x=data/*.bin:uint8:64x64x3' --rounds 5 --seconds 5
+  stoker bench --compare --workloads W1,W3    # tf.data, DataLoader and Grain beside stoker (from a checkout)
+"""
 
 
-class _Tally:
-    """Records a ceiling thread makes, counted from the first batch done at or after `begin`."""
-
-    __slots__ = ("base", "begun", "ended", "n")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.base = 0
-        self.begun: float | None = None
-        self.ended = 0.0
-
-    def add(self, k: int, begin: float, until: float) -> bool:
-        """Count `k` records; True once the timed window is over."""
-        self.n += k
-        now = time.perf_counter()
-        if self.begun is None and now >= begin:
-            self.begun, self.base = now, self.n
-        self.ended = now
-        return now >= until
+def cache_dir() -> Path:
+    """Where `stoker bench` keeps its generated sample: $STOKER_CACHE, else the user's cache
+    directory ($XDG_CACHE_HOME/stoker, else ~/.cache/stoker), as the TF bridge's cache."""
+    given = os.environ.get("STOKER_CACHE")
+    if given:
+        return Path(given)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stoker"
 
 
-def output_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A ceiling loop's reused buffer: memory as stoker's own batches get (page aligned, advised
-    to use transparent huge pages from 2 MiB, stoker.engine.executor.HUGE_PAGE_MIN_BYTES), since a
-    ceiling on plain malloc'd memory reads too low (measured: benchmarks/results/w1_history.md)."""
-    return AlignedPool(0).array(shape, dtype)
-
-
-def _ceiling_worker(
-    paths: Sequence[str], header: int, shape: tuple[int, ...], src_dt: np.dtype, out_dt: np.dtype,
-    batch: int, loop: str, begin: float, until: float, tallies: list[_Tally],
-) -> None:  # fmt: skip
-    rb = int(np.prod(shape)) * src_dt.itemsize
-    out = output_buffer((batch, *shape), out_dt)
-    staging = output_buffer((batch * rb,), np.dtype(np.uint8))
-    tally = _Tally()
-    tallies.append(tally)
-    if loop == "inflate_cast":
-        from ..io.inflate import Inflater
-
-        while time.perf_counter() < until:
-            for p in paths:
-                with Inflater(p, "zlib" if p.endswith((".zz", ".zlib")) else "gzip") as inf:
-                    inf.skip(header)
-                    while time.perf_counter() < until:
-                        k = inf.readinto(memoryview(staging)) // rb  # type: ignore[arg-type]
-                        if k == 0:
-                            break
-                        cast_into(out[:k], staging[: k * rb].view(src_dt).reshape(k, *shape))
-                        if tally.add(k, begin, until):
-                            break
-                if time.perf_counter() >= until:
-                    break
-        return
-    kept: dict[str, mmap.mmap] = {}
-    while time.perf_counter() < until:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                records = (size - header) // rb
-                if loop == "mmap_kept":
-                    m = kept.get(p)
-                    if m is None:
-                        m = kept[p] = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-                else:
-                    m = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if loop != "preadv_cast" else None
-                for i in range(0, records, batch):
-                    k = min(batch, records - i)
-                    if loop == "mmap_cast_fresh":
-                        out = np.empty((batch, *shape), out_dt)
-                    if m is not None:
-                        src = np.frombuffer(m, src_dt, count=k * rb // src_dt.itemsize, offset=header + i * rb)
-                        if loop in ("mmap_stream", "mmap_kept"):
-                            cast_into(out[:k], src.reshape(k, *shape))
-                        else:
-                            np.copyto(out[:k], src.reshape(k, *shape), casting="unsafe")
-                        del src
-                    else:
-                        view = memoryview(staging)[: k * rb]  # type: ignore[arg-type]
-                        os.preadv(fd, [view], header + i * rb)
-                        np.copyto(out[:k], staging[: k * rb].view(src_dt).reshape(k, *shape), casting="unsafe")
-                    if tally.add(k, begin, until):
-                        break
-                if m is not None and loop != "mmap_kept":
-                    m.close()
-            finally:
-                os.close(fd)
-            if time.perf_counter() >= until:
-                break
-    for m in kept.values():
-        m.close()
-
-
-CEILING_LOOPS = ("mmap_cast", "mmap_cast_fresh", "preadv_cast", "mmap_stream", "mmap_kept")
-COMPRESSED_CEILING_LOOPS = ("inflate_cast",)
-
-
-def _run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
-    threads = cfg["threads"]
-    paths = cfg["paths"]
-    tallies: list[_Tally] = []
-    failed: list[BaseException] = []
-
-    def run(*args: Any) -> None:
-        try:
-            _ceiling_worker(*args)
-        except BaseException as e:
-            failed.append(e)
-
-    if cfg.get("evict"):
-        _evict_page_cache(paths)
-    # Before the clock starts: "bfloat16" imports ml_dtypes, which took longer than a short
-    # timed window (a ceiling of zero records).
-    out_dtype = resolve_dtype(cfg["out_dtype"])
-    src_dtype = resolve_dtype(cfg["src_dtype"])
-    start = time.perf_counter()
-    begin = start + _warmup_seconds(cfg)
-    until = begin + cfg["seconds"]
-    workers = [
-        threading.Thread(
-            target=run,
-            args=(
-                paths[i::threads] or paths,
-                cfg["header"],
-                tuple(cfg["shape"]),
-                src_dtype,
-                out_dtype,
-                cfg["batch"],
-                cfg["loop"],
-                begin,
-                until,
-                tallies,
-            ),
+def _run_compare(args: argparse.Namespace) -> int:
+    """`stoker bench --compare`: benchmarks/compare.py of a checkout of stoker's repository."""
+    script = Path(args.benchmarks) / "compare.py" if args.benchmarks else COMPARE_SCRIPT
+    if not script.is_file() and args.benchmarks:
+        raise SpecError(
+            f"--compare: {script} is not there; --benchmarks names the benchmarks folder of a checkout of "
+            "stoker's repository",
+            path=str(script),
         )
-        for i in range(threads)
-    ]
-    for w in workers:
-        w.start()
-    time.sleep(max(0.0, begin - time.perf_counter()))
-    cpu = time.process_time()
-    for w in workers:
-        w.join()
-    cpu = time.process_time() - cpu
-    # Each thread counts from its first batch done in the timed window; the window is from
-    # the earliest such batch to the last batch done.
-    timed = [t for t in tallies if t.begun is not None]
-    records = sum(t.n - t.base for t in timed)
-    elapsed = max(t.ended for t in timed) - min(t.begun for t in timed if t.begun is not None) if timed else 0.0
-    if not records:  # nothing done in the window (no records in the files): the whole run's pace, zero
-        elapsed = time.perf_counter() - start
-    if failed:  # a loop that cannot run on these files says why, not "no record in the window"
-        raise failed[0]
-    rb = int(np.prod(cfg["shape"])) * src_dtype.itemsize
-    return {"records": records, "seconds": elapsed, "bytes_read": records * rb, "cpu_seconds": cpu}
+    if not script.is_file():
+        raise SpecError(
+            "--compare needs a checkout of stoker's repository (benchmarks/compare.py); run it from there",
+            path=str(script),
+        )
+    rounds = 5 if args.rounds is None else args.rounds  # the minimum for a comparison with peers
+    argv = [sys.executable, str(script), "--rounds", str(rounds), "--seconds", str(args.seconds),
+            "--warmup", str(args.warmup)]  # fmt: skip
+    if args.workloads:
+        argv += ["--workloads", args.workloads]
+    return subprocess.run(argv, check=False).returncode
 
 
-def _warmup_seconds(cfg: dict[str, Any]) -> float:
-    """The config's warm-up in seconds (`true`: none beyond stoker's first batch)."""
-    w = cfg.get("warmup") or 0
-    return 0.0 if w is True else float(w)
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse numbers no measurement can be made with, before any child process starts."""
+    for flag, value, ok, need in (
+        ("--rounds", args.rounds, args.rounds is None or args.rounds >= 1, "at least 1"),
+        ("--seconds", args.seconds, args.seconds > 0, "more than 0"),
+        ("--warmup", args.warmup, args.warmup >= 0, "0 or more"),
+        ("--batch-size", args.batch_size, args.batch_size >= 1, "at least 1"),
+    ):
+        if not ok:
+            raise SpecError(f"stoker bench {flag} {value:g}: must be {need}")
 
 
-def batch_rows(batch: Any) -> int:
-    """Records in a batch: a dict of arrays or tensors (its first field), or a tuple (its first item)."""
-    first = batch[0] if isinstance(batch, list | tuple) else next(iter(batch.values()))
-    return int(first.shape[0])
+def _dtype_arg(dtype: np.dtype) -> str:
+    """A dtype as the ceiling's child process reads it back (stoker.spec.resolve_dtype)."""
+    return dtype.name if dtype.kind == "V" else dtype.str  # ml_dtypes' bfloat16: '<V2' would lose it
 
 
-def burn(seconds: float) -> None:
-    """Keep this thread on the CPU for `seconds`, as a training step on the host would."""
-    end = time.thread_time() + seconds
-    x = 0
-    while time.thread_time() < end:
-        for i in range(1000):
-            x += i
+def _parse_cast(text: str | None) -> str | dict[str, str] | None:
+    """`--cast`: one dtype for every field, `NAME=DTYPE[,NAME=DTYPE]` (the loader's cast map),
+    or `none` (the stored dtypes: None)."""
+    if text is None or text in ("none", "None", ""):
+        return None
+    if "=" not in text:
+        return text
+    cast: dict[str, str] = {}
+    for item in text.split(","):
+        name, sep, dtype = item.partition("=")
+        if not sep or not name.strip() or not dtype.strip():
+            raise SpecError(f"--cast {text!r}: {item!r} is not NAME=DTYPE (or give one dtype for every field)")
+        cast[name.strip()] = dtype.strip()
+    return cast
 
 
-def _drain_until(batches: Iterator[Any], until: float, busy: float) -> None:
-    """Take batches until `until` (each followed by `busy` seconds of work), holding none after.
+def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The fields to measure: --field/--config, a DIR, else the generated sample in cache_dir()."""
+    specs = field_specs(args)
+    if specs is not None:
+        if args.dir:
+            raise SpecError("give a DIR or --field/--config, not both")
+        return specs
+    if args.dir:
+        return directory_layout(Path(args.dir), args.inrez, say_assumed=True)[0]
+    inrez = 128 if args.inrez is None else args.inrez
+    writing = Progress(args.pairs, "sample", "pairs")
+    directory = cached_sample(
+        cache_dir() / f"sample-{args.pairs}x{args.records}x{inrez}",
+        pairs=args.pairs, records=args.records, inrez=inrez, progress=lambda done, total: writing.step(),
+    )  # fmt: skip
+    return directory_layout(directory, None)[0]
 
-    A batch still referenced when the clock starts, as a loop variable left over from the
-    warm-up would be, keeps the buffer it shares with the batches assembled beside it: the pool
-    then made a fresh one inside the timed window, a stall of a first touch the loader would not
-    have paid. A training loop holds no batch across its steps either.
-    """
-    for _ in batches:
-        if busy:
-            burn(busy)
-        if time.perf_counter() >= until:
-            break
 
-
-def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
-    from .config import dataset_from_fields
-
-    ds = dataset_from_fields(cfg["fields"])
-    total_bytes = sum(f.record_bytes for f in ds.fields.values())
-    n = 0
-    cold = bool(cfg.get("evict"))
-    if cold:
-        _evict_page_cache([i.path for infos in ds.files for i in infos.values()])
-    busy = float(cfg.get("busy_ms") or 0) / 1000
-    shuffle: Any = cfg.get("shuffle") or False
-    # pass_per_epoch: `for epoch ...: for batch in loader` (PyTorch's way, and Keras' fit over
-    # to_tf): each epoch is a new pass, its start-up timed with the rest.
-    per_epoch = bool(cfg.get("pass_per_epoch"))
-    # Cold: one epoch at most, since a second one would find the first one's pages cached.
-    with ds.loader(
-        cfg["batch"],
-        epochs=1 if cold or per_epoch else None,
-        cast=cfg["cast"] or None,
-        threads=cfg.get("threads"),
-        prefetch=cfg.get("prefetch"),
-        cycle_length=cfg.get("cycle_length"),
-        block_length=cfg.get("block_length"),
-        shuffle=shuffle,
-        seed=0 if shuffle else None,
-        **({"memory_budget": cfg["memory_budget"]} if cfg.get("memory_budget") else {}),  # else the loader's default
-    ) as loader:
-
-        def epoch_after_epoch() -> Iterator[dict[str, np.ndarray]]:
-            while True:
-                yield from loader
-
-        began = time.perf_counter()
-        batches = epoch_after_epoch() if per_epoch and not cold else iter(loader)
-        first: float | None = None
-        if cfg.get("warmup"):  # start-up and first batch excluded, as peers' benchmarks do
-            next(batches)
-            first = time.perf_counter() - began
-            # A warm-up in seconds: the steady state is timed, as the ceiling's is.
-            warm_until = began + _warmup_seconds(cfg)
-            if time.perf_counter() < warm_until:
-                _drain_until(batches, warm_until, busy)
-        cpu = time.process_time()
-        start = time.perf_counter()
-        until = start + cfg["seconds"]
-        for batch in batches:
-            if first is None:
-                first = time.perf_counter() - began
-            n += batch_rows(batch)
-            if busy:
-                burn(busy)
-            if time.perf_counter() >= until:
-                break
-        elapsed = time.perf_counter() - start
-        stats = loader.stats().to_dict()
-    return {
-        "records": n, "seconds": elapsed, "bytes_read": n * total_bytes, "stats": stats,
-        "cpu_seconds": time.process_time() - cpu, "first_batch_seconds": first,
+def run(args: argparse.Namespace) -> int:
+    _check_numbers(args)
+    if args.compare:
+        given = [f for f, v in (("--threads", args.threads), ("--prefetch", args.prefetch),
+                                ("--memory-budget", args.memory_budget), ("--cycle-length", args.cycle_length),
+                                ("--block-length", args.block_length)) if v is not None]  # fmt: skip
+        if given:
+            raise SpecError(
+                f"stoker bench --compare runs every contender in its own best configuration; {', '.join(given)} "
+                "set stoker's loader for a run without --compare"
+            )
+        return _run_compare(args)
+    rounds = 3 if args.rounds is None else args.rounds
+    specs = _specs(args)
+    ds = dataset_from_fields(specs, pair_key=args.pair_key)
+    cast = _parse_cast(args.cast)
+    settings = {"threads": args.threads, "prefetch": args.prefetch, "memory_budget": args.memory_budget,
+                "cycle_length": args.cycle_length, "block_length": args.block_length}  # fmt: skip
+    # Its argument checks (cast, threads, prefetch, memory_budget, interleave) here, not in a
+    # child's traceback.
+    ds.loader(args.batch_size, cast=cast, **{k: v for k, v in settings.items() if v is not None}).close()
+    # `warmup: True` at least: stoker's window starts after its first batch, never at iter().
+    contenders: dict[str, dict[str, Any]] = {
+        "stoker": {"fields": specs, "batch": args.batch_size, "cast": cast, "seconds": args.seconds,
+                   "warmup": args.warmup or True, "pair_key": args.pair_key, **settings},
     }  # fmt: skip
+    widest = max(ds.fields, key=lambda n: ds.fields[n].record_bytes)
+    if not args.no_ceiling:
+        f = ds.fields[widest]
+        out_dtype = _dtype_arg(resolve_cast(ds.fields, cast)[widest])
+        paths = [i[widest].path for i in ds.files]
+        # The widest field bounds the copy; compressed, its decompression bounds it instead.
+        compressed = any(i[widest].compression is not None for i in ds.files)
+        for loop in ("inflate_cast",) if compressed else ("mmap_kept", "mmap_stream", "preadv_cast"):
+            contenders[f"ceiling:{loop}"] = {
+                "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": _dtype_arg(f.dtype),
+                "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": available_cores(),
+                "seconds": args.seconds, "warmup": args.warmup,
+            }  # fmt: skip
+    shown = ", ".join(f"{k}={v}" for k, v in cast.items()) if isinstance(cast, dict) else cast or "none"
+    print(f"{ds!r}: {counted(len(ds), 'record')}; batch {args.batch_size}, cast {shown}; "
+          f"{counted(rounds, 'alternated round')} of {args.seconds:g}s, each after {args.warmup:g}s of warm-up",
+          flush=True)  # fmt: skip
+    bar = Progress(rounds * len(contenders), "bench", "runs")
+    done: dict[str, list[Measurement]] = {name: [] for name in contenders}
 
+    def finished(r: int, m: Measurement) -> None:
+        done[m.contender].append(m)
+        bar.step(m.contender)
 
-def _evict_page_cache(paths: Sequence[str]) -> None:
-    """Drop the files' pages from the page cache (no root needed), for cold-cache runs."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def child_json(name: str, args: Sequence[str], *, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `python args...` in a fresh process and return the JSON object on the last line it
-    prints; a RuntimeError naming `name`, with the end of its stderr, if it fails. Every
-    benchmark child (this module's and the scripts' under benchmarks/) is run this way.
-
-    `env`: variables set for the child on top of this process's environment.
-    """
-    proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, check=False,
-        env=None if env is None else {**os.environ, **env},
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark child {name!r} failed:\n{proc.stderr[-2000:]}")
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
-
-
-def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
-    """Run one contender for `cfg['seconds']` in a fresh process and return its figures."""
-    out = child_json(contender, ["-m", "stoker.cli.bench", contender, json.dumps(cfg)])
-    return Measurement(
-        contender, out["records"], out["seconds"], out["bytes_read"], out.get("stats"), out.get("cpu_seconds", 0.0),
-        out.get("first_batch_seconds"),
-    )  # fmt: skip
-
-
-def measure(
-    contenders: dict[str, dict[str, Any]], *, rounds: int, on_result: Callable[[int, Measurement], None] | None = None
-) -> dict[str, list[Measurement]]:
-    """Alternate every contender once per round, `rounds` times."""
-    results: dict[str, list[Measurement]] = {name: [] for name in contenders}
-    for r in range(rounds):
-        order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
-        for name in order:
-            kind = "stoker" if name.startswith("stoker") else "ceiling"
-            m = run_child(kind, contenders[name])
-            m = dataclasses.replace(m, contender=name)
-            results[name].append(m)
-            if on_result is not None:
-                on_result(r, m)
-    return results
-
-
-def summarize(values: Sequence[float]) -> tuple[float, float, float]:
-    """(median, min, max)."""
-    return statistics.median(values), min(values), max(values)
-
-
-def _child_main(argv: Sequence[str]) -> int:
-    contender, raw = argv
-    cfg = json.loads(raw)
-    out = _run_stoker(cfg) if contender == "stoker" else _run_ceiling(cfg)
-    print(json.dumps(out))
+    try:
+        measure(contenders, rounds=rounds, on_result=finished)
+    except KeyboardInterrupt:
+        whole = min(len(ms) for ms in done.values())
+        print(f"\ninterrupted: {counted(whole, 'round')} of {rounds} finished", flush=True)
+        if whole:
+            _report({name: ms[:whole] for name, ms in done.items()}, widest, args)
+        return 130
+    _report(done, widest, args)
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(_child_main(sys.argv[1:]))
+def _report(results: dict[str, list[Measurement]], widest: str, args: argparse.Namespace) -> None:
+    """The table of every contender's rounds, stoker over the ceiling, and the verdict."""
+    from ..doctor import verdict
+    from ..engine.stats import LoaderStats
+
+    rounds = len(results["stoker"])
+    print(f"{'contender':<22} {'records/s (median)':>19} {'min':>10} {'max':>10} {'MB/s':>8}")
+    for name, ms in results.items():
+        med, lo, hi = summarize([m.records_per_s for m in ms])
+        mb = summarize([m.mb_per_s for m in ms])[0]
+        print(f"{name:<22} {med:>19,.0f} {lo:>10,.0f} {hi:>10,.0f} {mb:>8,.0f}")
+    ceilings = [k for k in results if k.startswith("ceiling")]
+    # Per round: stoker over the best ceiling loop of that same round (a round whose ceiling
+    # loops made no record in their timed window, files with no records, gives no ratio).
+    best = [max(results[c][r].records_per_s for c in ceilings) for r in range(rounds)] if ceilings else []
+    ratios = [results["stoker"][r].records_per_s / b for r, b in enumerate(best) if b > 0]
+    ratio: float | None = None
+    if ceilings and not ratios:
+        print("stoker / ceiling: not measured (the ceiling loops made no record in their timed window)")
+    elif ceilings:
+        med, lo, hi = summarize(ratios)
+        ratio = med
+        loops = ", ".join(c.split(":", 1)[1] for c in ceilings)
+        print(f"stoker / ceiling: median {med:.2f} (rounds {lo:.2f}..{hi:.2f}): {med:.0%} of ceiling "
+              f"(ceiling: field {widest!r} on the same files, {loops})")  # fmt: skip
+    else:
+        print("ceiling not measured (--no-ceiling)")
+    # The stoker round at the median rate stands for the run: its stage split and CPU.
+    runs = sorted(results["stoker"], key=lambda m: m.records_per_s)
+    median_run = runs[len(runs) // 2]
+    if not median_run.stats:
+        return
+    stats = LoaderStats.from_dict(median_run.stats)
+    # Its timed rate, as the table counts it: the stats' own rate spans the loader's start-up
+    # and warm-up too, and reads lower.
+    print(f"stoker (median round): {median_run.records_per_s:,.0f} records/s, {median_run.mb_per_s:,.0f} MB/s; "
+          f"CPU {stats.cpu_utilization:.0%} of {cores_phrase(stats.cores)}; {stats.settings}")  # fmt: skip
+    print(f"you waited on stoker {stats.wait_fraction:.0%} of the loop; stoker waited on you "
+          f"{stats.consumer_fraction:.0%}")  # fmt: skip
+    firsts = [m.first_batch_seconds for m in results["stoker"] if m.first_batch_seconds is not None]
+    if firsts:
+        med, lo, hi = summarize(firsts)
+        print(f"first batch after {med * 1000:,.0f} ms (rounds {lo * 1000:,.0f}..{hi * 1000:,.0f}): "
+              "start-up, from iter(loader): threads, file maps, the first new buffers")  # fmt: skip
+    print(stats.stage_split)
+    if stats.busy_split:
+        print(stats.busy_split)
+    short = _too_short(median_run, args.batch_size, args.warmup)
+    print(f"verdict: {short or verdict(stats, ratio)}")
+
+
+def _too_short(run: Measurement, batch_size: int, warmup: float) -> str | None:
+    """Why the median round cannot be judged (what its stats span mostly start-up), or None."""
+    batches = -(-run.records // batch_size)
+    startup = run.first_batch_seconds or 0.0
+    if batches >= JUDGE_MIN_BATCHES and warmup + run.seconds >= JUDGE_STARTUP_TIMES * startup:
+        return None
+    return (
+        f"too short to judge: the timed window held {counted(batches, 'batch', 'batches')} in {run.seconds:.2f}s "
+        f"after a start-up of {startup * 1000:,.0f} ms and {warmup:g}s of warm-up; a verdict needs "
+        f"{JUDGE_MIN_BATCHES} batches or more, and warm-up and window together {JUDGE_STARTUP_TIMES}x the start-up "
+        "or longer: give more --seconds or --warmup"
+    )
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench",
+        help="stream the dataset and compare with the machine's ceiling on the same files",
+        description="Stream the dataset with stoker and with plain loops that only read and cast "
+        "the widest field (the ceiling), in alternated rounds; print records/s, the ratio and "
+        "a verdict. Without DIR, --field or --config: a generated sample, written once into "
+        "$XDG_CACHE_HOME/stoker (else ~/.cache/stoker; $STOKER_CACHE overrides both).",
+        epilog=EXAMPLES,
+    )
+    add_dir_args(
+        p,
+        "default: a generated sample",
+        inrez_help="frame size of a sample DIR without a stoker.toml, or of the generated sample (default: 128)",
+    )
+    add_field_args(p)
+    p.add_argument("--batch-size", type=int, default=256, help="records per batch (default: 256)")
+    p.add_argument(
+        "--cast",
+        default="float32",
+        help="output dtype of every field, or NAME=DTYPE[,NAME=DTYPE] per field ('none' to keep stored types) "
+        "(default: float32)",
+    )
+    p.add_argument("--rounds", type=int, default=None, help="alternated rounds (default: 3; 5 with --compare)")
+    p.add_argument("--seconds", type=float, default=3.0, help="timed seconds per contender per round (default: 3)")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds each contender runs before it is timed: its steady state is measured (default: 1)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="stoker's worker threads (default: autotuned)")
+    p.add_argument("--prefetch", type=int, default=None, help="batches in flight (default: from memory_budget)")
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        help="the loader's memory_budget, e.g. 1GiB (default: a quarter of the memory this process "
+        "may use, at least 512MiB, and of the address space `ulimit -v` leaves: "
+        "stoker.machine.default_memory_budget)",
+    )
+    p.add_argument("--cycle-length", type=int, default=None, help="files read side by side (default: min(files, 4))")
+    p.add_argument("--block-length", type=int, default=None,
+                   help="records read from a file before the next (default: ~4 MiB of the widest field)")  # fmt: skip
+    p.add_argument("--no-ceiling", action="store_true", help="measure stoker alone (default: off)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="run benchmarks/compare.py of a checkout of stoker's repository: tf.data, DataLoader, Grain and "
+        "stoker per workload (default: off)",
+    )
+    p.add_argument(
+        "--benchmarks",
+        metavar="DIR",
+        default=None,
+        help="with --compare: the checkout's benchmarks folder (default: ./benchmarks)",
+    )
+    p.add_argument(
+        "--workloads", help="with --compare: comma-separated subset of W1,W1-int8,W1-cold,W2,W3,W1-busy (default: all)"
+    )
+    p.add_argument("--pairs", type=int, default=16, help="generated sample's pairs (default: 16)")
+    p.add_argument("--records", type=int, default=4096, help="generated sample's records per file (default: 4096)")
+    p.set_defaults(run=run)
+    return p
+
+
+if __name__ == "__main__":  # a contender's child process, as `python -m stoker.cli.contenders`
+    raise SystemExit(child_main(sys.argv[1:]))

@@ -318,7 +318,7 @@ def client(url: str, options: Mapping[str, Any] | None, *, connections: int = CO
         import fsspec
         from fsspec.utils import tokenize
     except ImportError as e:  # pragma: no cover - depends on the install
-        raise SpecError(f"{url!r} needs fsspec: pip install 'stoker[remote]'", path=url) from e
+        raise SpecError(f"{url!r} needs fsspec: pip install fsspec s3fs (stoker's remote extra)", path=url) from e
     protocol = fsspec.core.split_protocol(url)[0] or "file"
     try:
         cls = fsspec.get_filesystem_class(protocol)

@@ -1,0 +1,5 @@
+"""`python -m stoker`: the `stoker` command."""
+
+from .cli.main import main
+
+raise SystemExit(main())
