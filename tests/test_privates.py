@@ -19,6 +19,8 @@ ALLOWED = {
     ("io/remote.py", "_info"): "s3fs: the HEAD of one object, without listing its directory",
     ("io/remote.py", "_call_s3"): "s3fs: a ranged GET with the object's ETag as a precondition",
     ("io/remote.py", "_strip_protocol"): "fsspec: the bucket path of a URL, as the filesystem spells it",
+    ("cli/main.py", "_SubParsersAction"): "argparse: the type of add_subparsers()'s action, not exported",
+    ("cli/main.py", "_option_string_actions"): "argparse: a parser's options by spelling, for a did-you-mean hint",
 }
 
 
