@@ -1,0 +1,315 @@
+"""A manifest of a dataset in object storage: what every rank would otherwise rediscover.
+
+`write_index(ds, index_dir=DIR)` (or `stoker index URL --index-dir DIR`) over a Dataset whose
+fields are URLs writes one JSON object, `DIR/stoker-manifest.json` (DIR a local directory or
+itself a URL): per field its patterns and record layout, and per group and field the object's
+URL, size, mtime, ETag and version id, its record count and, for a gzip/zlib object, its
+decompressed size and the start of every gzip member, each checked as the local index's
+entries are (`stoker.io.index.entry_check`, a CRC-32 of the values written with them), plus a
+build id (a hash of the whole body) that is checked when it is read.
+
+`Dataset(..., index_dir=DIR)` over fields that are all URLs reads that one object and builds
+from it alone: no listing, no `info`, no header or trailer read, so building a Dataset on
+10,000 ranks costs 10,000 GETs of one object instead of 10,000 x (listings + an `info` and two
+ranged GETs per object). Every read is then held to the manifest's ETag/version id (see
+`stoker.io.remote.Version`): an object replaced since the manifest was written is a
+`stoker.errors.StaleIndexError` naming the object and the manifest, before any of its bytes is
+handed on. A manifest written for other fields (names, patterns or record layout) is refused
+naming the field that differs; `index="ignore"` never reads it.
+
+Written atomically: a local manifest through a temporary file, fsync and rename; a remote one
+by one PUT of the whole object, which a store makes visible whole or not at all.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PairingError, ReadError, SpecError, StaleIndexError
+from . import seekpoints
+from .index import entry_check, parse_entry, record_count
+from .inflate import Inflater
+from .remote import Version, attempt, client, is_remote
+
+if TYPE_CHECKING:
+    from ..spec import Field
+    from .files import Catalog, FileInfo
+
+__all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "Manifest", "load_manifest", "manifest_path", "write_manifest"]
+
+MANIFEST_NAME = "stoker-manifest.json"
+MANIFEST_VERSION = 1
+_FORMAT = "stoker-manifest"
+# Objects scanned at once by write_manifest: each is one stream of ranged GETs, so the store's
+# latency, not this machine, bounds a lone stream.
+_SCANS = 16
+
+
+def manifest_path(index_dir: str) -> str:
+    """The manifest file (or object) in `index_dir`."""
+    return (
+        index_dir.rstrip("/") + "/" + MANIFEST_NAME if is_remote(index_dir) else os.path.join(index_dir, MANIFEST_NAME)
+    )
+
+
+def _layout(spec: Field) -> dict[str, Any]:
+    """What of a field the manifest's entries depend on: a Dataset whose fields differ is refused."""
+    files = [spec.files] if isinstance(spec.files, str) else list(spec.files)
+    return {
+        "files": files,
+        "record_bytes": spec.record_bytes,
+        "header_bytes": spec.header_bytes,
+        "footer_bytes": spec.footer_bytes,
+        "compression": spec.compression,
+    }
+
+
+def _body_bytes(fields: Any, groups: Any) -> bytes:
+    return json.dumps({"fields": fields, "groups": groups}, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _entry_crc(entry: Mapping[str, Any]) -> int:
+    """CRC-32 of what entry_check does not bind: the URL, its version and its record count."""
+    text = "\0".join(str(entry.get(k)) for k in ("url", "etag", "version_id", "compression", "records", "check"))
+    return zlib.crc32(text.encode())
+
+
+def _all_remote(fields: Mapping[str, Field]) -> bool:
+    return bool(fields) and all(
+        is_remote(p) for spec in fields.values() for p in ([spec.files] if isinstance(spec.files, str) else spec.files)
+    )
+
+
+def _options(fields: Mapping[str, Field]) -> Mapping[str, Any] | None:
+    """The storage options a remote manifest is read and written with: its first field's."""
+    return next(iter(fields.values())).storage_options if fields else None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A manifest read and checked: where it is, and its entries per group and field."""
+
+    path: str
+    groups: list[dict[str, dict[str, Any]]]
+
+    def paths(self) -> dict[str, list[str]]:
+        """Each field's URLs in pairing order, as globbing them would give."""
+        names = list(self.groups[0]) if self.groups else []
+        return {n: [g[n]["url"] for g in self.groups] for n in names}
+
+    def files(self, fields: Mapping[str, Field]) -> list[dict[str, FileInfo]]:
+        """The catalog's FileInfo of every group and field, their reads held to the manifest's versions."""
+        from .files import FileInfo  # files.py imports this module
+
+        out = []
+        for entries in self.groups:
+            infos = {}
+            for name in fields:
+                e = entries[name]
+                version = Version(e["size"], e["mtime_ns"], e["etag"], e["version_id"], manifest=self.path)
+                infos[name] = FileInfo(e["url"], e["size"], e["mtime_ns"], e["compression"], e["records"], version)
+            out.append(infos)
+        return out
+
+    def apply(self, catalog: Catalog) -> None:
+        """Give `catalog` the exact counts and member starts of its compressed objects."""
+        for g, infos in enumerate(catalog.files):
+            for name, info in infos.items():
+                if info.compression is None:
+                    continue
+                entry = self.groups[g][name]
+                total, points = parse_entry(self.path, info, entry, name)
+                records = record_count(name, catalog.fields[name], info, total, source=" (per its manifest)")
+                if records != entry["records"]:
+                    raise _refused(self.path, f"group {g} field {name!r} gives {entry['records']} records for "
+                                   f"{info.path!r}, its decompressed size {total}")  # fmt: skip
+                catalog.set_indexed(g, name, records, points)
+
+
+def _refused(path: str, why: str) -> StaleIndexError:
+    return StaleIndexError(
+        f"manifest {path!r} {why}; write it again with `stoker index URL --index-dir DIR` or stoker.write_index(ds, "
+        "index_dir=DIR)",
+        path=path,
+    )
+
+
+def _read(path: str, options: Mapping[str, Any] | None) -> bytes | None:
+    """The manifest's bytes; None where there is none."""
+    if not is_remote(path):
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise _refused(path, f"cannot be read ({e.strerror})") from e
+    c, p = client(path, options)
+    try:
+        # start=0: one GET (s3fs would otherwise HEAD it first, to split a large object)
+        return bytes(c.run(attempt(path, "read", lambda: c.call("cat_file", p, start=0), field=None)))
+    except ReadError as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            return None
+        raise
+
+
+def load_manifest(index_dir: str | None, fields: Mapping[str, Field], mode: str) -> Manifest | None:
+    """The manifest in `index_dir` for `fields` (all URLs), checked; None where the fields are
+    not all remote, no index_dir is given, `mode` is not "auto", or there is no manifest.
+
+    Refused with a StaleIndexError naming it where it is not well formed, its build id does not
+    match its body, or it was written for other fields.
+    """
+    if index_dir is None or mode != "auto" or not _all_remote(fields):
+        return None
+    path = manifest_path(index_dir)
+    data = _read(path, _options(fields))
+    if data is None:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise _refused(path, f"cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        raise _refused(path, "is not a stoker manifest")
+    if doc.get("version") != MANIFEST_VERSION:
+        raise _refused(path, f"has format version {str(doc.get('version'))[:40]}, this stoker reads {MANIFEST_VERSION}")
+    written, groups = doc.get("fields"), doc.get("groups")
+    if not isinstance(written, dict) or not isinstance(groups, list):
+        raise _refused(path, "is not a stoker manifest")
+    if doc.get("build") != hashlib.sha256(_body_bytes(written, groups)).hexdigest()[:32]:
+        raise _refused(path, "does not match its build id: it was changed after it was written")
+    want = {n: _layout(s) for n, s in fields.items()}
+    if set(written) != set(want):
+        raise _refused(path, f"was written for fields {sorted(written)}, not this Dataset's {sorted(want)} (keep "
+                       "each dataset's manifest in its own index_dir)")  # fmt: skip
+    for name, layout in want.items():
+        if written[name] != layout:
+            raise _refused(path, f"was written for field {name!r} as {written[name]}, not as this Dataset's {layout}")
+    for g, entries in enumerate(groups):
+        if not isinstance(entries, dict) or set(entries) != set(want):
+            raise _refused(path, f"group {g} does not hold every field")
+        for name, entry in entries.items():
+            if not _well_formed(entry) or entry.get("crc") != _entry_crc(entry):
+                raise _refused(path, f"group {g} field {name!r} is malformed or was changed after it was written")
+    return Manifest(path, groups)
+
+
+def _well_formed(e: Any) -> bool:
+    if not isinstance(e, dict) or not isinstance(e.get("url"), str) or not is_remote(e["url"]):
+        return False
+    ints = all(type(e.get(k)) is int and e[k] >= 0 for k in ("size", "mtime_ns", "records"))
+    names = all(e.get(k) is None or isinstance(e[k], str) for k in ("etag", "version_id"))
+    return ints and names and e.get("compression") in (None, "gzip", "zlib")
+
+
+def _scan(name: str, spec: Field, info: FileInfo) -> tuple[int, list[tuple[int, int, int]]]:
+    """(decompressed size, (compressed, decompressed, check) of each member) of a compressed
+    object, by decoding it once at the version the Dataset was built on."""
+    assert info.compression is not None
+    heads = seekpoints.Heads()
+    found: list[tuple[int, int, int]] = []
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with Inflater(info.path, info.compression, field=name, storage_options=spec.storage_options,
+                  version=info.version) as inf:  # fmt: skip
+        while True:
+            at = inf.produced
+            n = inf.readinto(view)
+            for c, d in inf.members[len(found) :]:
+                found.append((c, d, heads.add(d)))
+            heads.feed(view[:n], at)
+            if n < len(buf):
+                break
+        total = inf.produced
+    members = [(c, d, seekpoints.point_check(c, 0, d, total, heads.crcs[k])) for c, d, k in found]
+    return total, members
+
+
+def _entry(name: str, spec: Field, info: FileInfo) -> dict[str, Any]:
+    version = info.version or Version(info.size, info.mtime_ns)
+    e: dict[str, Any] = {
+        "url": info.path, "size": info.size, "mtime_ns": info.mtime_ns, "etag": version.etag,
+        "version_id": version.version_id, "compression": info.compression,
+    }  # fmt: skip
+    if info.compression is None:
+        assert info.records_hint is not None
+        e["records"] = info.records_hint
+    else:
+        total, members = _scan(name, spec, info)
+        e["records"] = record_count(name, spec, info, total)
+        e["decompressed_bytes"] = total
+        e["members"] = [list(m) for m in members]
+        e["check"] = entry_check(info.size, info.mtime_ns, total, members, (), None)
+    e["crc"] = _entry_crc(e)
+    return e
+
+
+def write_manifest(catalog: Catalog, index_dir: str, *, progress: Callable[[str], None] | None = None) -> str:
+    """Write the manifest of `catalog` (every field remote) into `index_dir`; returns its path or URL.
+
+    Every compressed object is decoded once (`_SCANS` at a time), its reads held to the
+    version the Dataset was built on, so an object replaced meanwhile fails the write.
+    """
+    if not _all_remote(catalog.fields):
+        raise SpecError("a manifest covers datasets whose fields are all URLs; index local files with write_index")
+    names = list(catalog.fields)
+    jobs = [(g, n) for g in range(catalog.num_groups) for n in names]
+    groups: list[dict[str, dict[str, Any]]] = [{} for _ in range(catalog.num_groups)]
+    with concurrent.futures.ThreadPoolExecutor(_SCANS) as pool:
+        running = {pool.submit(_entry, n, catalog.fields[n], catalog.files[g][n]): (g, n) for g, n in jobs}
+        for done in concurrent.futures.as_completed(running):
+            g, n = running[done]
+            groups[g][n] = done.result()
+            if progress is not None:
+                progress(catalog.files[g][n].path)
+    for g, entries in enumerate(groups):
+        counts = {n: e["records"] for n, e in entries.items()}
+        if len(set(counts.values())) > 1:
+            detail = "; ".join(f"field {n!r}: {c} records in {entries[n]['url']!r}" for n, c in counts.items())
+            raise PairingError(f"group {g} has different record counts per field: {detail}", field=names[0],
+                               path=entries[names[0]]["url"])  # fmt: skip
+    fields = {n: _layout(s) for n, s in catalog.fields.items()}
+    body = _body_bytes(fields, groups)
+    doc = {"format": _FORMAT, "version": MANIFEST_VERSION, "build": hashlib.sha256(body).hexdigest()[:32],
+           "fields": fields, "groups": groups}  # fmt: skip
+    data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    path = manifest_path(index_dir)
+    if is_remote(path):
+        c, p = client(path, _options(catalog.fields))
+        c.run(attempt(path, "write", lambda: c.call("pipe_file", p, data), field=None))
+    else:
+        _write_local(path, data)
+    return path
+
+
+def _write_local(path: str, data: bytes) -> None:
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".stoker-manifest.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise seekpoints.cannot_write_index(path, e, "manifest") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        seekpoints.readable_by_all(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise seekpoints.cannot_write_index(path, e, "manifest") from e
+        raise
