@@ -245,7 +245,9 @@ class CountingProxy:
                     proxy.requests.append((self.command, self.path))
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                # One upstream connection per client connection, kept alive as the client's is.
+                conn = getattr(self, "_upstream", None) or http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                self._upstream = conn
                 try:
                     conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                     for k, v in self.headers.items():
@@ -254,8 +256,10 @@ class CountingProxy:
                     conn.endheaders(body)
                     resp = conn.getresponse()
                     data = resp.read()
-                finally:
+                except BaseException:
                     conn.close()
+                    self._upstream = None
+                    raise
                 self.send_response_only(resp.status, resp.reason)
                 for k, v in resp.getheaders():  # a HEAD's Content-Length is the object's size: kept
                     if k.lower() not in ("transfer-encoding", "connection") and (
@@ -269,6 +273,12 @@ class CountingProxy:
                     self.wfile.write(data)
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+            def finish(self) -> None:
+                super().finish()
+                conn = getattr(self, "_upstream", None)
+                if conn is not None:
+                    conn.close()
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

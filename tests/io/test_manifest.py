@@ -182,10 +182,15 @@ def test_a_manifest_changed_after_it_was_written_is_refused(tmp_path: Path) -> N
     base = _memory_data(3)
     stoker.write_index(stoker.Dataset(_fields(base)), index_dir=str(tmp_path))
     path = tmp_path / MANIFEST_NAME
-    doc = json.loads(path.read_text())
+    head, body = gzip.decompress(path.read_bytes()).split(b"\n", 1)
+    doc = json.loads(body)
     doc["groups"][1]["image"]["records"] += 1
-    path.write_text(json.dumps(doc))
+    path.write_bytes(gzip.compress(head + b"\n" + json.dumps(doc).encode()))
     with pytest.raises(stoker.StaleIndexError, match="build id") as e:
+        stoker.Dataset(_fields(base), index_dir=str(tmp_path))
+    assert e.value.path == str(path)
+    path.write_bytes(b"not a manifest")
+    with pytest.raises(stoker.StaleIndexError, match="cannot be read") as e:
         stoker.Dataset(_fields(base), index_dir=str(tmp_path))
     assert e.value.path == str(path)
 

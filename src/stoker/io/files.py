@@ -437,8 +437,9 @@ class Catalog:
             )  # fmt: skip
         self.num_groups = next(iter(lengths.values()))
         names = list(self.fields)
-        keys = {name: _keys(paths[name], pair_key, name) for name in names}
-        for g in range(self.num_groups):
+        # A manifest's groups were paired when it was written (10,000s of basenames not parsed again).
+        keys = {name: _keys(paths[name], pair_key, name) for name in names} if not manifest else {}
+        for g in range(self.num_groups if keys else 0):
             first = names[0]
             for other in names[1:]:
                 a, b = keys[first][g], keys[other][g]

@@ -1,12 +1,13 @@
 """A manifest of a dataset in object storage: what every rank would otherwise rediscover.
 
 `write_index(ds, index_dir=DIR)` (or `stoker index URL --index-dir DIR`) over a Dataset whose
-fields are URLs writes one JSON object, `DIR/stoker-manifest.json` (DIR a local directory or
+fields are URLs writes one object, `DIR/stoker-manifest.json.gz` (DIR a local directory or
 itself a URL): per field its patterns and record layout, and per group and field the object's
 URL, size, mtime, ETag and version id, its record count and, for a gzip/zlib object, its
-decompressed size and the start of every gzip member, each checked as the local index's
-entries are (`stoker.io.index.entry_check`, a CRC-32 of the values written with them), plus a
-build id (a hash of the whole body) that is checked when it is read.
+decompressed size and the start of every gzip member with the local index's checks (a CRC-32
+of the entry's values, `stoker.io.index.entry_check`, and one of each member's first KiB).
+It is gzip-compressed JSON: a line naming the format and the build id (a hash of the body),
+then the body, whose hash is checked before it is parsed.
 
 `Dataset(..., index_dir=DIR)` over fields that are all URLs reads that one object and builds
 from it alone: no listing, no `info`, no header or trailer read, so building a Dataset on
@@ -15,7 +16,8 @@ ranged GETs per object). Every read is then held to the manifest's ETag/version 
 `stoker.io.remote.Version`): an object replaced since the manifest was written is a
 `stoker.errors.StaleIndexError` naming the object and the manifest, before any of its bytes is
 handed on. A manifest written for other fields (names, patterns or record layout) is refused
-naming the field that differs; `index="ignore"` never reads it.
+naming the field that differs; `index="ignore"` never reads it. The groups were paired when it
+was written (its `pair_key` is not applied again).
 
 Written atomically: a local manifest through a temporary file, fsync and rename; a remote one
 by one PUT of the whole object, which a store makes visible whole or not at all.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import gzip
 import hashlib
 import json
 import os
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "Manifest", "load_manifest", "manifest_path", "write_manifest"]
 
-MANIFEST_NAME = "stoker-manifest.json"
+MANIFEST_NAME = "stoker-manifest.json.gz"
 MANIFEST_VERSION = 1
 _FORMAT = "stoker-manifest"
 # Objects scanned at once by write_manifest: each is one stream of ranged GETs, so the store's
@@ -77,12 +80,6 @@ def _body_bytes(fields: Any, groups: Any) -> bytes:
     return json.dumps({"fields": fields, "groups": groups}, separators=(",", ":"), sort_keys=True).encode()
 
 
-def _entry_crc(entry: Mapping[str, Any]) -> int:
-    """CRC-32 of what entry_check does not bind: the URL, its version and its record count."""
-    text = "\0".join(str(entry.get(k)) for k in ("url", "etag", "version_id", "compression", "records", "check"))
-    return zlib.crc32(text.encode())
-
-
 def _all_remote(fields: Mapping[str, Field]) -> bool:
     return bool(fields) and all(
         is_remote(p) for spec in fields.values() for p in ([spec.files] if isinstance(spec.files, str) else spec.files)
@@ -107,16 +104,30 @@ class Manifest:
         return {n: [g[n]["url"] for g in self.groups] for n in names}
 
     def files(self, fields: Mapping[str, Field]) -> list[dict[str, FileInfo]]:
-        """The catalog's FileInfo of every group and field, their reads held to the manifest's versions."""
+        """The catalog's FileInfo of every group and field, their reads held to the manifest's
+        versions; a StaleIndexError naming the manifest where an entry is not well formed."""
         from .files import FileInfo  # files.py imports this module
 
         out = []
-        for entries in self.groups:
+        for g, entries in enumerate(self.groups):
             infos = {}
             for name in fields:
-                e = entries[name]
-                version = Version(e["size"], e["mtime_ns"], e["etag"], e["version_id"], manifest=self.path)
-                infos[name] = FileInfo(e["url"], e["size"], e["mtime_ns"], e["compression"], e["records"], version)
+                try:
+                    e = entries[name]
+                    url, size, mtime, etag, vid, kind, records = (
+                        e["url"], e["size"], e["mtime_ns"], e["etag"], e["version_id"], e["compression"], e["records"]
+                    )  # fmt: skip
+                    ok = (
+                        type(url) is str and is_remote(url) and type(size) is int and type(mtime) is int
+                        and type(records) is int and min(size, mtime, records) >= 0 and kind in (None, "gzip", "zlib")
+                        and (etag is None or type(etag) is str) and (vid is None or type(vid) is str)
+                    )  # fmt: skip
+                except (KeyError, TypeError):
+                    ok = False
+                if not ok:
+                    raise _refused(self.path, f"has a malformed entry for group {g} field {name!r}")
+                version = Version(size, mtime, etag, vid, manifest=self.path)
+                infos[name] = FileInfo(url, size, mtime, kind, records, version)
             out.append(infos)
         return out
 
@@ -177,18 +188,23 @@ def load_manifest(index_dir: str | None, fields: Mapping[str, Field], mode: str)
     if data is None:
         return None
     try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as e:
+        head, _, body = gzip.decompress(data).partition(b"\n")
+        doc = json.loads(head)
+    except (OSError, EOFError, zlib.error, ValueError, RecursionError) as e:
         raise _refused(path, f"cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         raise _refused(path, "is not a stoker manifest")
     if doc.get("version") != MANIFEST_VERSION:
         raise _refused(path, f"has format version {str(doc.get('version'))[:40]}, this stoker reads {MANIFEST_VERSION}")
-    written, groups = doc.get("fields"), doc.get("groups")
-    if not isinstance(written, dict) or not isinstance(groups, list):
-        raise _refused(path, "is not a stoker manifest")
-    if doc.get("build") != hashlib.sha256(_body_bytes(written, groups)).hexdigest()[:32]:
+    if doc.get("build") != hashlib.sha256(body).hexdigest()[:32]:
         raise _refused(path, "does not match its build id: it was changed after it was written")
+    try:
+        content = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise _refused(path, f"cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
+    written, groups = content.get("fields"), content.get("groups")
+    if not isinstance(written, dict) or not isinstance(groups, list) or not all(type(g) is dict for g in groups):
+        raise _refused(path, "is not a stoker manifest")
     want = {n: _layout(s) for n, s in fields.items()}
     if set(written) != set(want):
         raise _refused(path, f"was written for fields {sorted(written)}, not this Dataset's {sorted(want)} (keep "
@@ -196,21 +212,7 @@ def load_manifest(index_dir: str | None, fields: Mapping[str, Field], mode: str)
     for name, layout in want.items():
         if written[name] != layout:
             raise _refused(path, f"was written for field {name!r} as {written[name]}, not as this Dataset's {layout}")
-    for g, entries in enumerate(groups):
-        if not isinstance(entries, dict) or set(entries) != set(want):
-            raise _refused(path, f"group {g} does not hold every field")
-        for name, entry in entries.items():
-            if not _well_formed(entry) or entry.get("crc") != _entry_crc(entry):
-                raise _refused(path, f"group {g} field {name!r} is malformed or was changed after it was written")
     return Manifest(path, groups)
-
-
-def _well_formed(e: Any) -> bool:
-    if not isinstance(e, dict) or not isinstance(e.get("url"), str) or not is_remote(e["url"]):
-        return False
-    ints = all(type(e.get(k)) is int and e[k] >= 0 for k in ("size", "mtime_ns", "records"))
-    names = all(e.get(k) is None or isinstance(e[k], str) for k in ("etag", "version_id"))
-    return ints and names and e.get("compression") in (None, "gzip", "zlib")
 
 
 def _scan(name: str, spec: Field, info: FileInfo) -> tuple[int, list[tuple[int, int, int]]]:
@@ -251,7 +253,6 @@ def _entry(name: str, spec: Field, info: FileInfo) -> dict[str, Any]:
         e["decompressed_bytes"] = total
         e["members"] = [list(m) for m in members]
         e["check"] = entry_check(info.size, info.mtime_ns, total, members, (), None)
-    e["crc"] = _entry_crc(e)
     return e
 
 
@@ -279,11 +280,10 @@ def write_manifest(catalog: Catalog, index_dir: str, *, progress: Callable[[str]
             detail = "; ".join(f"field {n!r}: {c} records in {entries[n]['url']!r}" for n, c in counts.items())
             raise PairingError(f"group {g} has different record counts per field: {detail}", field=names[0],
                                path=entries[names[0]]["url"])  # fmt: skip
-    fields = {n: _layout(s) for n, s in catalog.fields.items()}
-    body = _body_bytes(fields, groups)
-    doc = {"format": _FORMAT, "version": MANIFEST_VERSION, "build": hashlib.sha256(body).hexdigest()[:32],
-           "fields": fields, "groups": groups}  # fmt: skip
-    data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    body = _body_bytes({n: _layout(s) for n, s in catalog.fields.items()}, groups)
+    head = {"format": _FORMAT, "version": MANIFEST_VERSION, "build": hashlib.sha256(body).hexdigest()[:32]}
+    # A line of JSON saying what follows, then the body it hashes: checked without parsing it twice.
+    data = gzip.compress(json.dumps(head, sort_keys=True).encode() + b"\n" + body, 6, mtime=0)
     path = manifest_path(index_dir)
     if is_remote(path):
         c, p = client(path, _options(catalog.fields))
