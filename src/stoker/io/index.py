@@ -519,7 +519,7 @@ def write_index(
 
         if where is None:
             raise SpecError("a Dataset of URLs is indexed into a manifest: pass index_dir=DIR (a directory or URL)")
-        return [write_manifest(catalog, where, progress=progress)]
+        return [write_manifest(catalog, where, spacing=spacing, progress=progress)]
     local = [(g, n, info) for g, infos in enumerate(catalog.files) for n, info in infos.items()
              if not is_remote(info.path)]  # fmt: skip
     homes: dict[str, str] = {}

@@ -39,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PairingError, ReadError, SpecError, StaleIndexError
 from . import seekpoints
-from .index import entry_check, parse_entry, record_count
+from .index import IndexEntry, parse_entry, record_count
 from .inflate import Inflater
-from .remote import Version, attempt, client, is_remote
+from .remote import PART_BYTES, RemoteReader, Version, attempt, client, is_remote
 
 if TYPE_CHECKING:
     from ..spec import Field
@@ -238,7 +238,48 @@ def _scan(name: str, spec: Field, info: FileInfo) -> tuple[int, list[tuple[int, 
     return total, members
 
 
-def _entry(name: str, spec: Field, info: FileInfo) -> dict[str, Any]:
+def _download(name: str, spec: Field, info: FileInfo, into: str) -> str:
+    """The object, at the version the Dataset was built on, copied into a file in `into`."""
+    reader = RemoteReader(info.path, spec.storage_options, size=info.size, field=name, version=info.version)
+    fd, tmp = tempfile.mkstemp(prefix=".stoker-manifest.", suffix=".object", dir=into)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            at = 0
+            while chunk := reader.pread(PART_BYTES, at):
+                f.write(chunk)
+                at += len(chunk)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        reader.close()
+    return tmp
+
+
+def _with_points(name: str, spec: Field, info: FileInfo, home: str, spacing: int) -> IndexEntry:
+    """The local index's entry of a compressed object (member starts and block seek points every
+    `spacing` decompressed bytes), its windows written in `home` beside the manifest, as
+    `stoker.io.index.scan` makes them for a local file."""
+    assert info.compression is not None
+    with tempfile.TemporaryDirectory(prefix=".stoker-manifest.", dir=home) as scratch:
+        copy = _download(name, spec, info, scratch)
+        found = seekpoints.scan_file(copy, info.compression, spacing=spacing, field=name)
+    total = found.decompressed_bytes
+    points: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
+    windows = build = None
+    if found.points:
+        windows, build, spans = seekpoints.write_windows(
+            home, os.path.basename(info.path), info.size, info.mtime_ns, [p[3] for p in found.points]
+        )
+        points = tuple(
+            (c, b, d, off, n, crc, seekpoints.point_check(c, b, d, total, head))
+            for (c, b, d, _, head), (off, n, crc) in zip(found.points, spans, strict=True)
+        )
+    members = tuple((c, d, seekpoints.point_check(c, 0, d, total, head)) for c, d, head in found.members)
+    return IndexEntry(info.size, info.mtime_ns, info.compression, total, members, points, windows, build)
+
+
+def _entry(name: str, spec: Field, info: FileInfo, home: str | None, spacing: int) -> dict[str, Any]:
     version = info.version or Version(info.size, info.mtime_ns)
     e: dict[str, Any] = {
         "url": info.path, "size": info.size, "mtime_ns": info.mtime_ns, "etag": version.etag,
@@ -247,28 +288,48 @@ def _entry(name: str, spec: Field, info: FileInfo) -> dict[str, Any]:
     if info.compression is None:
         assert info.records_hint is not None
         e["records"] = info.records_hint
+        return e
+    if home is not None and seekpoints.available():  # block seek points, their windows beside the manifest
+        entry = _with_points(name, spec, info, home, spacing)
     else:
         total, members = _scan(name, spec, info)
-        e["records"] = record_count(name, spec, info, total)
-        e["decompressed_bytes"] = total
-        e["members"] = [list(m) for m in members]
-        e["check"] = entry_check(info.size, info.mtime_ns, total, members, (), None)
-    return e
+        entry = IndexEntry(info.size, info.mtime_ns, info.compression, total, tuple(members))
+    records = record_count(name, spec, info, entry.decompressed_bytes)
+    doc = entry.to_json(records)
+    del doc["size"], doc["mtime_ns"], doc["compression"]  # the object's, above
+    return {**e, **doc}
 
 
-def write_manifest(catalog: Catalog, index_dir: str, *, progress: Callable[[str], None] | None = None) -> str:
+def write_manifest(
+    catalog: Catalog,
+    index_dir: str,
+    *,
+    spacing: int = seekpoints.SPACING,
+    progress: Callable[[str], None] | None = None,
+) -> str:
     """Write the manifest of `catalog` (every field remote) into `index_dir`; returns its path or URL.
 
     Every compressed object is decoded once (`_SCANS` at a time), its reads held to the
-    version the Dataset was built on, so an object replaced meanwhile fails the write.
+    version the Dataset was built on, so an object replaced meanwhile fails the write. Where
+    `index_dir` is a local directory, each compressed object also gets a seek point every
+    `spacing` decompressed bytes, its windows in a file beside the manifest (as the local index
+    keeps them); in a remote `index_dir` the manifest holds member starts only.
     """
     if not _all_remote(catalog.fields):
         raise SpecError("a manifest covers datasets whose fields are all URLs; index local files with write_index")
+    home = None if is_remote(index_dir) else index_dir
+    if home is not None:
+        try:
+            os.makedirs(home, exist_ok=True)
+        except OSError as e:
+            raise seekpoints.cannot_write_index(manifest_path(home), e, "manifest") from e
     names = list(catalog.fields)
     jobs = [(g, n) for g in range(catalog.num_groups) for n in names]
     groups: list[dict[str, dict[str, Any]]] = [{} for _ in range(catalog.num_groups)]
     with concurrent.futures.ThreadPoolExecutor(_SCANS) as pool:
-        running = {pool.submit(_entry, n, catalog.fields[n], catalog.files[g][n]): (g, n) for g, n in jobs}
+        running = {
+            pool.submit(_entry, n, catalog.fields[n], catalog.files[g][n], home, spacing): (g, n) for g, n in jobs
+        }
         for done in concurrent.futures.as_completed(running):
             g, n = running[done]
             groups[g][n] = done.result()
