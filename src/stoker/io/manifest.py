@@ -16,7 +16,8 @@ ranged GETs per object). Every read is then held to the manifest's ETag/version 
 `stoker.io.remote.Version`): an object replaced since the manifest was written is a
 `stoker.errors.StaleIndexError` naming the object and the manifest, before any of its bytes is
 handed on. A manifest written for other fields (names, patterns or record layout) is refused
-naming the field that differs; `index="ignore"` never reads it. The groups were paired when it
+naming the field that differs; `index="ignore"` and `index="rebuild"` never read it (the
+Dataset is built by listing, and `write_index` of it writes the manifest anew). The groups were paired when it
 was written (its `pair_key` is not applied again).
 
 Written atomically: a local manifest through a temporary file, fsync and rename; a remote one
