@@ -39,3 +39,21 @@ def test_index_of_a_url_writes_a_manifest_the_dataset_is_built_from(
     with ds.loader(5, shuffle="global", seed=1) as loader:
         got = ids_of(list(loader))
     assert sorted(got.tolist()) == list(range(12))
+
+
+def test_index_of_url_fields_given_with_field(tmp_path: Path) -> None:
+    """`--field NAME=URL:DTYPE[:SHAPE]`: the URL's own ':' is not taken for the dtype's."""
+    fs = fsspec.filesystem("memory")
+    base = "memory://cli-manifest-fields/data"
+    for g in range(2):
+        ids = np.arange(g * 4, g * 4 + 4, dtype="<u4")
+        fs.pipe(f"{base}/img_{g:04d}.bin", ids.tobytes())
+        fs.pipe(f"{base}/out_{g:04d}.bin.gz", gzip.compress(ids.astype("<f4").tobytes()))
+    argv = ["index", "--field", f"image={base}/img_*.bin:int8:2x2x1", "--field", f"label={base}/out_*.bin.gz:float32"]
+    assert main([*argv, "--index-dir", str(tmp_path)]) == 0
+    ds = stoker.Dataset(
+        image=stoker.Field(f"{base}/img_*.bin", "int8", (2, 2, 1)),
+        label=stoker.Field(f"{base}/out_*.bin.gz", "float32"),
+        index_dir=tmp_path,
+    )
+    np.testing.assert_array_equal(ids_of([ds.read([1, 6])]), [1, 6])
