@@ -224,3 +224,18 @@ def test_ray_script_writes_whole_pass_rates_and_the_consumer_floor_to_a_table_na
     assert f"| {floor} / local, steady records/s | " in text and f"| {floor} / local, whole passes | " in text
     assert "2 GiB object store" in text and not (tmp_path / "ray.md").exists()
     assert (tmp_path / "ray-256_history.md").read_text().count(f"| {floor} | ") == 1
+
+
+@pytest.mark.remote
+def test_manifest_script_counts_each_rank_s_requests_with_and_without_the_manifest(tmp_path: Path) -> None:
+    """benchmarks/manifest.py end to end, small: its own SeaweedFS, two ranks per contender."""
+    _script("manifest.py", "--pairs", "12", "--ranks", "2", "--out", str(tmp_path))
+    text = (tmp_path / "manifest.md").read_text()
+    assert "Command: `python benchmarks/manifest.py --pairs 12 --ranks 2 --out " in text
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():  # the per-rank table's rows (the first of each name)
+        cells = line.strip("| ").split(" | ")
+        rows.setdefault(cells[0], cells)
+    assert rows["manifest"][6] == "1"  # requests to build and count: the manifest's GET
+    assert int(rows["listing"][6].replace(",", "")) >= 12 * 2 * 3  # an info and two GETs per object at least
+    assert (tmp_path / "manifest_history.md").exists()

@@ -220,6 +220,87 @@ class DelayProxy:
             self._thread.join(10)
 
 
+class CountingProxy:
+    """An HTTP proxy on 127.0.0.1 that forwards every request to ``upstream`` as it came (its Host
+    header too, so SigV4 signatures hold) and counts it: ``requests`` lists (method, path?query)
+    of each, in arrival order. Threads of its own; ``close()`` stops it."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        import http.client
+        import http.server
+
+        proxy = self
+        self.upstream = upstream
+        self.requests: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                with proxy._lock:
+                    proxy.requests.append((self.command, self.path))
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                # One upstream connection per client connection, kept alive as the client's is.
+                conn = getattr(self, "_upstream", None) or http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                self._upstream = conn
+                try:
+                    conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    for k, v in self.headers.items():
+                        if k.lower() not in ("connection", "expect"):
+                            conn.putheader(k, v)
+                    conn.endheaders(body)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                except BaseException:
+                    conn.close()
+                    self._upstream = None
+                    raise
+                self.send_response_only(resp.status, resp.reason)
+                for k, v in resp.getheaders():  # a HEAD's Content-Length is the object's size: kept
+                    if k.lower() not in ("transfer-encoding", "connection") and (
+                        k.lower() != "content-length" or self.command == "HEAD"
+                    ):
+                        self.send_header(k, v)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+            def finish(self) -> None:
+                super().finish()
+                conn = getattr(self, "_upstream", None)
+                if conn is not None:
+                    conn.close()
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="test-count-proxy", daemon=True)
+        self._thread.start()
+
+    def take(self) -> list[tuple[str, str]]:
+        """The requests counted since the last take (and forget them)."""
+        with self._lock:
+            out, self.requests = self.requests, []
+        return out
+
+    def close(self) -> None:
+        """Stop serving and join the thread; idempotent."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(10)
+        self._server.server_close()
+
+
 def _serve_delay_proxy(upstream: str, delay_s: float) -> None:
     """``python s3server.py delay-proxy HOST:PORT SECONDS``: print the port, serve until stdin closes
     (a process of its own, so its copies do not take the GIL from the process it measures)."""

@@ -56,7 +56,7 @@ def parse_field(text: str) -> dict[str, Any]:
     parts = rest.split(":")
     # The glob may itself hold ':'; dtype, shape and compression are the known tail words.
     tail: list[str] = []
-    while len(parts) > 1 and len(tail) < 3:
+    while len(parts) > 1 and len(tail) < 3 and not parts[-1].startswith("//"):  # '//': a URL's, after its scheme
         tail.insert(0, parts.pop())
     files = ":".join(parts)
     if not tail:

@@ -30,7 +30,12 @@ def run(args: argparse.Namespace) -> int:
     if specs is None:
         if not args.dir:
             raise SpecError("index needs a sample DIR, --field NAME=GLOB:DTYPE[:SHAPE][:COMPRESSION] or --config")
-        specs, _ = directory_layout(Path(args.dir), args.inrez, say_assumed=True)
+        if "://" in args.dir:  # a sample in a bucket, indexed into a manifest: its layout, joined as text (not Path)
+            specs, _ = directory_layout(Path(), 128 if args.inrez is None else args.inrez)
+            for spec in specs:
+                spec["files"] = args.dir.rstrip("/") + "/" + os.path.basename(spec["files"])
+        else:
+            specs, _ = directory_layout(Path(args.dir), args.inrez, say_assumed=True)
     t = time.perf_counter()
     # The index on disk is what is being rewritten: never read it (it may be stale or old).
     ds = dataset_from_fields(specs, pair_key=args.pair_key, index="ignore")

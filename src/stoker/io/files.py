@@ -29,6 +29,7 @@ from ..machine import open_regular
 from ..spec import Field, shape_hint
 from .index import IndexLookup, apply_index, record_count, resolve_index_dir
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
+from .manifest import load_manifest
 from .remote import Probe, Version, is_remote
 from .seekpoints import SeekPoint
 from .unchanged import Seen
@@ -422,7 +423,9 @@ class Catalog:
         # Where the persistent index lives (None: beside the data); see stoker.io.index.
         self.index_dir = resolve_index_dir(index_dir)
         lookup = IndexLookup(index, self.index_dir)
-        paths = {name: expand_files(name, spec) for name, spec in self.fields.items()}
+        # Fields that are all URLs, with a manifest in index_dir: built from it alone (no listing, no probe).
+        manifest = load_manifest(self.index_dir, self.fields, index)
+        paths = manifest.paths() if manifest else {name: expand_files(name, spec) for name, spec in self.fields.items()}
         lengths = {name: len(p) for name, p in paths.items()}
         if len(set(lengths.values())) > 1:
             detail = ", ".join(f"{n!r}: {c} files (first {paths[n][0]!r})" for n, c in lengths.items())
@@ -434,8 +437,9 @@ class Catalog:
             )  # fmt: skip
         self.num_groups = next(iter(lengths.values()))
         names = list(self.fields)
-        keys = {name: _keys(paths[name], pair_key, name) for name in names}
-        for g in range(self.num_groups):
+        # A manifest's groups were paired when it was written (10,000s of basenames not parsed again).
+        keys = {name: _keys(paths[name], pair_key, name) for name in names} if not manifest else {}
+        for g in range(self.num_groups if keys else 0):
             first = names[0]
             for other in names[1:]:
                 a, b = keys[first][g], keys[other][g]
@@ -446,11 +450,11 @@ class Catalog:
                         "(pass pair_key=REGEX to choose what must agree, or pair_key='' to disable)",
                         field=other, path=paths[other][g],
                     )  # fmt: skip
-        probes = {name: _probe_remote(name, self.fields[name], paths[name]) for name in names}
-        self.files: list[dict[str, FileInfo]] = [
+        probes = {name: _probe_remote(name, self.fields[name], paths[name]) for name in names} if not manifest else {}
+        self.files: list[dict[str, FileInfo]] = manifest.files(self.fields) if manifest else [
             {n: _inspect(n, self.fields[n], paths[n][g], lookup, probes[n].get(paths[n][g])) for n in names}
             for g in range(self.num_groups)
-        ]
+        ]  # fmt: skip
         self._counts: list[int | None] = [None] * self.num_groups
         self._lock = threading.Lock()
         # From a persistent index that matches the file (see stoker.io.index): exact counts of
@@ -461,6 +465,8 @@ class Catalog:
         indexed, self.index_pins = apply_index(self, lookup)
         for (g, n), (records, points) in indexed.items():
             self.set_indexed(g, n, records, points)
+        if manifest:
+            manifest.apply(self)
         for g, infos in enumerate(self.files):
             raw = {
                 n: i.records_hint if i.compression is None else self._exact[(g, n)]

@@ -148,7 +148,7 @@ def resolve_index_dir(index_dir: str | os.PathLike[str] | None) -> str | None:
     path = os.fspath(index_dir)
     if not isinstance(path, str) or not path:
         raise SpecError(f"index_dir={index_dir!r} must be a non-empty directory path")
-    return os.path.abspath(path)
+    return path if is_remote(path) else os.path.abspath(path)  # a URL: where a remote dataset's manifest lives
 
 
 def index_home(data_dir: str, index_dir: str | None = None) -> str:
@@ -486,8 +486,12 @@ def write_index(
     index_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     wait: float = indexlock.WRITE_WAIT,
-) -> list[Path]:
+) -> list[Path | str]:
     """Index every local file of `dataset` (decompressing each compressed file once); returns the files written.
+
+    A Dataset whose fields are all URLs gets a manifest instead, in `index_dir` (a directory or
+    a URL; required): one object that a Dataset built with the same `index_dir` is built from
+    alone (see stoker.io.manifest); its path or URL is returned.
 
     Existing entries of other files in the same index file are kept. `spacing`: decompressed
     bytes between seek points inside a member or zlib stream. `index_dir`: where the index
@@ -511,6 +515,12 @@ def write_index(
         raise SpecError(f"{wait=} must be a non-negative, finite number of seconds")
     catalog = dataset.catalog.root()
     where = resolve_index_dir(index_dir) if index_dir is not None else catalog.index_dir
+    if catalog.fields and all(is_remote(i.path) for infos in catalog.files for i in infos.values()):
+        from .manifest import write_manifest  # it builds on this module's entries
+
+        if where is None:
+            raise SpecError("a Dataset of URLs is indexed into a manifest: pass index_dir=DIR (a directory or URL)")
+        return [write_manifest(catalog, where, spacing=spacing, progress=progress)]
     local = [(g, n, info) for g, infos in enumerate(catalog.files) for n, info in infos.items()
              if not is_remote(info.path)]  # fmt: skip
     homes: dict[str, str] = {}
@@ -525,7 +535,8 @@ def write_index(
             entries[(g, n)] = scan(n, info, homes[os.path.dirname(os.path.abspath(info.path))], spacing=spacing)
             if progress is not None:
                 progress(info.path)
-        return [Path(p) for p in _save(catalog, entries, where)]
+        written: list[Path | str] = [Path(p) for p in _save(catalog, entries, where)]
+        return written
 
 
 class IndexLookup:

@@ -46,11 +46,12 @@ import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import CorruptDataError, ReadError, SpecError
+from ..errors import CorruptDataError, ReadError, SpecError, StaleIndexError
 
 __all__ = [
     "PART_BYTES", "RETRY", "Client", "Probe", "RemoteReader", "Retry", "Version", "client", "expand", "get_range",
@@ -137,6 +138,8 @@ class Version:
     mtime_ns: int
     etag: str | None = None
     version_id: str | None = None
+    # The manifest this version was taken from (stoker.io.manifest), named where it no longer holds.
+    manifest: str | None = dataclass_field(default=None, compare=False)
 
     @classmethod
     def of(cls, info: Mapping[str, Any]) -> Version:
@@ -349,10 +352,20 @@ def _read_error(
     )
 
 
-def changed(url: str, version: Version, now: str, *, field: str | None, offset: int | None) -> CorruptDataError:
-    """The error for a read of `url` that found the object no longer at `version`."""
+def changed(
+    url: str, version: Version, now: str, *, field: str | None, offset: int | None
+) -> CorruptDataError | StaleIndexError:
+    """The error for a read of `url` that found the object no longer at `version`: a
+    StaleIndexError naming the manifest where the version came from one."""
     where = f" (reading byte offset {offset})" if offset is not None else ""
     prefix = f"field {field!r}: " if field is not None else ""
+    if version.manifest is not None:
+        return StaleIndexError(
+            f"{prefix}{url!r} changed since its manifest {version.manifest!r} was written{where}: it was "
+            f"{version.describe()}, now {now}; no byte of the new object was handed on: write the manifest again "
+            "with `stoker index URL --index-dir DIR` or stoker.write_index(ds, index_dir=DIR)",
+            field=field, path=url, offset=offset,
+        )  # fmt: skip
     return CorruptDataError(
         f"{prefix}{url!r} changed since the Dataset was built{where}: it was {version.describe()}, now {now}; "
         "no byte of the new object was handed on (it would pair with the other fields' old records): "
