@@ -161,7 +161,7 @@ def test_fused_loader_equals_the_transforms_applied_by_hand(
         plain.extend(epoch_batches)
     expected = by_hand(plain, make(), 11)
     with frames.loader(8, transform=make(), threads=3, **kw) as loader:
-        assert loader._stage is not None and loader._stage.direct == direct
+        assert loader.stage is not None and loader.stage.direct == direct
         got = [dict(b) for b in loader]
     assert_same_batches(expected, got)
 

@@ -199,32 +199,17 @@ class Dataset:
                 None = 16, fewer where half of what prefetch leaves of `memory_budget` cannot
                 hold 16 parts. Never changes what is delivered.
         """
+        from .config import LoaderConfig
         from .loader import Loader
 
-        return Loader(
-            self,
-            batch_size,
-            epochs=epochs,
-            drop_remainder=drop_remainder,
-            cycle_length=cycle_length,
-            block_length=block_length,
-            cast=cast,
-            threads=threads,
-            prefetch=prefetch,
-            memory_budget=memory_budget,
-            with_index=with_index,
-            shuffle=shuffle,
-            seed=seed,
-            window=window,
-            reshuffle_each_iteration=reshuffle_each_iteration,
-            shard=shard,
-            even=even,
-            state=state,
-            pad_last=pad_last,
-            transform=transform,
-            workers=workers,
-            num_parallel_reads=num_parallel_reads,
-        )
+        config = LoaderConfig(
+            batch_size=batch_size, epochs=epochs, drop_remainder=drop_remainder, cycle_length=cycle_length,
+            block_length=block_length, cast=cast, threads=threads, prefetch=prefetch, memory_budget=memory_budget,
+            with_index=with_index, shuffle=shuffle, seed=seed, window=window,
+            reshuffle_each_iteration=reshuffle_each_iteration, shard=shard, even=even, pad_last=pad_last,
+            transform=transform, workers=workers, num_parallel_reads=num_parallel_reads,
+        )  # fmt: skip
+        return Loader(self, config, state=state)
 
     # -- random access and subsets (see stoker.dataset) --------------------------------
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
@@ -281,11 +266,16 @@ class Dataset:
         """
         return split(self, fractions, seed=seed, by=by)
 
-    def _subset_key(self) -> str | None:
+    @property
+    def catalog(self) -> Catalog:
+        """The files as stoker.io sees them (groups, counts, seek points): what the engine reads."""
+        return self._catalog
+
+    def subset_key(self) -> str | None:
         """What distinguishes a subset in a resume fingerprint (None: the whole dataset)."""
         return None
 
-    def _assembler(
+    def assembler(
         self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *, batch_size: int,
         with_index: bool, fused: Any = None,
     ) -> Assembler:  # fmt: skip
@@ -466,6 +456,11 @@ class Subset(Dataset):
         self._catalog = _CatalogView(root._catalog, groups, records)
 
     @property
+    def catalog(self) -> _CatalogView:
+        """The root's files seen through this subset: its groups, and per group all records or some."""
+        return self._catalog
+
+    @property
     def groups(self) -> tuple[Group, ...]:
         """Every group of the subset, `index` being its group number in the root dataset."""
         view = self._catalog
@@ -474,13 +469,13 @@ class Subset(Dataset):
             for v in range(view.num_groups)
         )
 
-    def _subset_key(self) -> str:
+    def subset_key(self) -> str:
         h = hashlib.sha256(np.ascontiguousarray(self._catalog.groups, np.int64).tobytes())
         for selected in self._catalog.records:
             h.update(b"*" if selected is None else b"[" + np.ascontiguousarray(selected, np.int64).tobytes() + b"]")
         return h.hexdigest()[:16]
 
-    def _assembler(
+    def assembler(
         self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *, batch_size: int,
         with_index: bool, fused: Any = None,
     ) -> Assembler:  # fmt: skip

@@ -275,7 +275,7 @@ def _memory_verdict(stats: LoaderStats, where: str) -> str | None:
     )
     fields = max(1, len(stats.record_bytes))
     # Counted in what the engine hands out: one buffer per field for each assembly of
-    # `coalesced` batches (stoker.loader.COALESCE_BYTES), where prefetch is a multiple of it.
+    # `coalesced` batches (stoker.engine.budget.COALESCE_BYTES), where prefetch is a multiple of it.
     k = max(1, stats.coalesced)
     assemblies = -(-stats.batches // k)
     # Beyond the first fill: a buffer for each assembly in flight, a wake-up's worth the consumer

@@ -163,7 +163,7 @@ def slow_path_warning() -> None:
 
 def file_sizes(fds: list[int]) -> list[int]:
     """`file_size` of each descriptor, in one call where the kernels are built (a global
-    shuffle's batch checks every file it reads from: hundreds on W1-big)."""
+    shuffle's batch checks every file it reads from: hundreds on W1-big, benchmarks/w1_big.py)."""
     return _kernels.file_sizes(fds) if _kernels is not None else [os.fstat(fd).st_size for fd in fds]
 
 

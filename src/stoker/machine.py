@@ -132,7 +132,7 @@ def memory_budget_for(memory: int, room: int | None = None) -> int:
     where it is unknown, 0), and no more than a quarter of `room`, the address space left under
     the process's limits (None: unlimited).
 
-    A fixed 512 MiB held W1's batch of 1024 to a prefetch of 3 on a 16-core host, where each
+    A fixed 512 MiB held a batch of 1024 of W1 (benchmarks/w1.py) to a prefetch of 3 on a 16-core host, where each
     worker needs a batch to fill. tf.data's autotune lets its buffers take half of the RAM;
     stoker takes a quarter, leaving the rest to the page cache that holds the files it reads
     and to the framework's own host memory. It is a bound, not an allocation: the default

@@ -327,7 +327,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
                     "to bfloat16 where the batch is consumed (stoker.ray.iter_batches(..., cast=...))",
                     field=name,
                 )
-        self._root: Catalog = ds._catalog.root()
+        self._root: Catalog = ds.catalog.root()
         self._with_index = with_index
         self._align = align
         self._per_task = per_task
@@ -342,7 +342,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
 
     def _units(self, ds: Dataset) -> list[_Unit]:
         if isinstance(ds, Subset):
-            view = ds._catalog
+            view = ds.catalog
             pairs = [(int(g), view.records[v]) for v, g in enumerate(view.groups)]
         else:
             pairs = [(g, None) for g in range(self._root.num_groups)]
@@ -413,7 +413,7 @@ class StokerDatasource(_import_ray_data()):  # type: ignore[misc]
 
     def default_tasks(self) -> int:
         """Read tasks when none are asked for: Ray's own estimate without its floor of
-        `DataContext.read_op_min_num_blocks` (200), which would cut W1's 16 files (1 GiB) into
+        `DataContext.read_op_min_num_blocks` (200), which would cut W1's 16 files (benchmarks/w1.py, 1 GiB) into
         200 tasks of 5 MiB, each paying Ray's per-task costs (measured: see
         benchmarks/results/ray.md). One task per target-size block of output, and at least two
         per CPU of the cluster (or of this machine, before `ray.init`)."""

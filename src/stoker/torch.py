@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from .config import LoaderConfig
 from .dataset import Dataset
 from .engine.executor import AlignedPool
 from .errors import SpecError, StateError
@@ -207,7 +208,7 @@ class TorchLoader(UserPosition):
         self.pin_memory = False
         if pin_memory:
             if torch.cuda.is_available():
-                loader.allocator_factory = _pinned_factory
+                loader.use_allocator(_pinned_factory)
                 self.pin_memory = True
             else:
                 warnings.warn(PIN_MEMORY_NO_CUDA, RuntimeWarning, stacklevel=3)
@@ -433,10 +434,11 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
         threads = self.threads or max(1, default_threads() // workers)
         shard = worker_shard(self.shard, worker, workers)
         even_over = self.shard[1] if workers > 1 else None
-        return Loader(
-            self.dataset, self.batch_size, shard=shard, even_over=even_over, epochs=epochs, threads=threads,
+        config = LoaderConfig(
+            batch_size=self.batch_size, shard=shard, even_over=even_over, epochs=epochs, threads=threads,
             **self.loader_kwargs,
         )  # fmt: skip
+        return Loader(self.dataset, config)
 
     @property
     def epoch(self) -> int:
@@ -470,7 +472,7 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
         epochs = None if self.epochs is None else first + self.epochs
         loader = self._make_loader(worker, workers, epochs=epochs)
         try:
-            loader.load_state_dict(state if state is not None else loader._state_dict_at((first, 0)))
+            loader.load_state_dict(state if state is not None else loader.state_at((first, 0)))
             self._loader = loader
             self._position = loader.position
             for batch in loader:
@@ -498,8 +500,8 @@ class StokerIterableDataset(torch.utils.data.IterableDataset[TensorBatch]):
         if self._loader is None:
             worker, workers = self._worker()
             with self._make_loader(worker, workers, epochs=1) as loader:
-                return loader._state_dict_at((self._epochs.peek(worker, workers), 0))
-        return self._loader._state_dict_at(self._position)
+                return loader.state_at((self._epochs.peek(worker, workers), 0))
+        return self._loader.state_at(self._position)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The next `iter()` in this process resumes right after the batch `state` was saved at."""

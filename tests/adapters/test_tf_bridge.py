@@ -255,7 +255,7 @@ def test_tensors_dropped_inside_a_graph_return_their_buffers_by_the_next_batch_a
     # Two fields, a window of a few batches: arrays released only at the end would make ~288.
     assert len(addresses) <= 24, len(addresses)
     gc.collect()
-    pool = loader._pool.inner  # type: ignore[union-attr]  # record_allocations wraps the loader's pool
+    pool = loader._pipeline.pool.inner  # type: ignore[union-attr]  # record_allocations wraps the loader's pool
     assert isinstance(pool, AlignedPool)
     assert len(pool._out) == len(pool._dropped)  # every array handed out has been let go
 

@@ -84,7 +84,7 @@ def test_to_torch_on_cpu_is_zero_copy_over_stokers_buffers(sample: stoker.Datase
     # Guard: fails if a copy sneaks into the CPU path (torch.tensor, .clone, ascontiguousarray...).
     RecordingPool.addresses = Allocations()
     loader = sample.loader(16)
-    loader.allocator_factory = lambda pooled: RecordingPool(pooled)
+    loader.use_allocator(lambda pooled: RecordingPool(pooled))
     with to_torch(loader) as batches:
         for b in batches:
             for name, t in b.items():
@@ -101,7 +101,7 @@ def test_bfloat16_batches_become_torch_bfloat16_tensors_on_stokers_buffers(sampl
         expected = [dict(b) for b in plain]
     RecordingPool.addresses = Allocations()
     loader = sample.loader(16, cast="bfloat16")
-    loader.allocator_factory = lambda pooled: RecordingPool(pooled)
+    loader.use_allocator(lambda pooled: RecordingPool(pooled))
     seen = 0
     with to_torch(loader) as batches:
         for b, e in zip(batches, expected, strict=True):
@@ -152,10 +152,10 @@ def test_pin_memory_without_cuda_warns_and_leaves_batches_as_they_are(sample: st
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only behaviour")
     loader = sample.loader(32)
-    factory = loader.allocator_factory
+    factory = loader.allocator
     with pytest.warns(RuntimeWarning, match="pin_memory=True has no effect"):
         batches = loader.to_torch(pin_memory=True)
-    assert loader.allocator_factory is factory and batches.pin_memory is False
+    assert loader.allocator is factory and batches.pin_memory is False
     with batches:
         got = list(batches)
     with sample.loader(32) as again:
@@ -177,7 +177,7 @@ def test_pinned_pool_recycles_a_buffer_only_once_every_view_is_gone(
     del view
     assert pool.array((4, 8), np.dtype(np.float32)).ctypes.data == address
     loader = sample.loader(16, epochs=2, memory_budget=16 * 300 * 6, prefetch=2)
-    loader.allocator_factory = stoker.torch.PinnedPool
+    loader.use_allocator(stoker.torch.PinnedPool)
     with sample.loader(16, epochs=2) as plain:
         expected = [dict(b) for b in plain]
     with loader.to_torch() as batches:

@@ -251,7 +251,7 @@ def test_split_is_disjoint_complete_and_deterministic(ds: stoker.Dataset, by: st
         round(units * 0.2),
         units - round(units * 0.7) - round(units * 0.2),
     ]
-    assert any(p._subset_key() != o._subset_key() for p, o in zip(parts.values(), other.values(), strict=True))
+    assert any(p.subset_key() != o.subset_key() for p, o in zip(parts.values(), other.values(), strict=True))
 
 
 def test_split_validates_fractions_and_seed(ds: stoker.Dataset) -> None:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stoker
-from stoker.loader import Loader
+from stoker.loader import Loader, LoaderConfig
 from stoker.torch import worker_shard
 from tests.helpers.indexed import ids_of, write_dataset
 
@@ -27,13 +27,15 @@ def _epochs_ids(ds: stoker.Dataset, rank: tuple[int, int], workers: int, mode: s
     for w in range(workers):
         loader = Loader(
             ds,
-            shard=worker_shard(rank, w, workers),
-            even_over=rank[1] if workers > 1 else None,
-            even=mode == "even",
-            pad_last=mode == "pad_last",
-            with_index=True,
-            epochs=2,
-            **kw,  # type: ignore[arg-type]
+            LoaderConfig(
+                shard=worker_shard(rank, w, workers),
+                even_over=rank[1] if workers > 1 else None,
+                even=mode == "even",
+                pad_last=mode == "pad_last",
+                with_index=True,
+                epochs=2,
+                **kw,  # type: ignore[arg-type]
+            ),
         )
         with loader:
             per_epoch = len(loader)  # batches never span epochs

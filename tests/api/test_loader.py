@@ -650,7 +650,7 @@ def test_the_next_pass_starts_on_the_batch_buffers_of_the_last(tmp_path: Path) -
         return lambda pooled: Counting(pooled)
 
     loader = ds.loader(4, threads=2, prefetch=3, cast="float32")
-    loader.allocator_factory = counting(0)
+    loader.use_allocator(counting(0))
     expected = [{k: v.copy() for k, v in b.items()} for b in loader]
     first = len(made[0])
     assert 0 < first <= 3 * (3 + 2 + 2)  # three fields: a window of batches, the workers', the consumer's
@@ -659,7 +659,7 @@ def test_the_next_pass_starts_on_the_batch_buffers_of_the_last(tmp_path: Path) -
             for k in want:
                 np.testing.assert_array_equal(got[k], want[k])
     assert len(made[0]) == first  # every later pass ran on the first pass's buffers
-    loader.allocator_factory = counting(1)  # as an adapter asking for pinned memory does
+    loader.use_allocator(counting(1))  # as an adapter asking for pinned memory does
     assert len(list(loader)) == len(expected) and made[1] and len(made[0]) == first
     loader.close()
 
@@ -670,12 +670,12 @@ def test_a_thread_climb_not_finished_in_a_pass_goes_on_in_the_next(tmp_path: Pat
     loader = ds.loader(4, cast="float32")  # threads chosen by measuring
     first = iter(loader)
     next(first)  # the climb is still in its start-up window
-    climb = loader._climb
+    climb = loader.autotune.climb
     assert climb is not None and not climb.done
     second = iter(loader)  # closes the first pass
     next(second)
-    assert loader._climb is climb and second._tuner is climb  # type: ignore[attr-defined]
-    assert loader._executor.threads == climb.threads  # type: ignore[attr-defined]
+    assert loader.autotune.climb is climb and second._tuner is climb  # type: ignore[attr-defined]
+    assert loader._pipeline.executor.threads == climb.threads  # type: ignore[attr-defined]
     loader.close()
     assert wait_no_stoker_threads() == []
 
@@ -732,9 +732,9 @@ def test_an_executor_of_ones_own_runs_the_passes_through_the_protocol_alone(tmp_
 
     ds = build(tmp_path, [13, 7, 21], {"image": IMG, "label": LAB_GZ})
     executor = Recording()
-    from stoker.loader import Loader
+    from stoker.loader import Loader, LoaderConfig
 
-    with Loader(ds, 4, executor=executor, with_index=True) as loader:
+    with Loader(ds, LoaderConfig(batch_size=4, executor=executor, with_index=True)) as loader:
         check_batches(ds, list(loader), epochs=1)
         it = iter(loader)
         next(it)

@@ -1,4 +1,4 @@
-"""Small batches assembled several at a time (stoker.loader.COALESCE_BYTES): the same batches,
+"""Small batches assembled several at a time (stoker.engine.budget.COALESCE_BYTES): the same batches,
 in the same order, with the same errors at the same batches, as when each is assembled alone.
 
 A loader given ``prefetch=`` assembles batches one at a time, so it is the reference here.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import stoker
-import stoker.loader as sl
+import stoker.engine.pipeline as sl
 from stoker.engine.executor import ALIGNMENT
 from stoker.plan.batches import BatchPlan, Gather, Run, coalesce
 from stoker.testing import assert_same_batches

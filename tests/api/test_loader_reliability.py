@@ -424,7 +424,7 @@ def _mappings(path: Path) -> int:
 
 @pytest.mark.parametrize("drop_behind", [False, True])
 def test_maps_of_finished_files_are_kept_for_the_next_epoch_only_while_the_dataset_fits_in_ram(
-    tmp_path: Path, drop_behind: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop_behind: bool
 ) -> None:
     write_dataset(tmp_path, [40, 40], PAIR)
     ds = _pair_ds(tmp_path)
@@ -432,8 +432,9 @@ def test_maps_of_finished_files_are_kept_for_the_next_epoch_only_while_the_datas
     fds = _fd_count()
     # One group at a time, 4 batches each, one worker a batch ahead: when the second batch of
     # group 1 arrives, group 0 of this epoch is done and the next epoch has not begun.
+    # True: as for a dataset larger than half the RAM.
+    monkeypatch.setattr(stoker.loader, "drop_behind_for", lambda raw_bytes: drop_behind)
     loader = ds.loader(10, epochs=2, cycle_length=1, cast="float32", threads=1, prefetch=1, with_index=True)
-    loader.drop_behind = drop_behind  # True: as for a dataset larger than half the RAM
     first = tmp_path / "img_0000.bin"
     got = []
     with loader:
@@ -691,8 +692,8 @@ def test_uncast_runs_copy_from_a_kept_map_after_the_first_epoch_and_read_with_pr
     ds = _pair_ds(tmp_path)
     ref = reference(ds)
     reads = _count_image_preadv(monkeypatch, {str(tmp_path / f"img_{g:04d}.bin") for g in range(2)})
+    monkeypatch.setattr(stoker.loader, "drop_behind_for", lambda raw_bytes: drop_behind)
     loader = ds.loader(10, epochs=2, cycle_length=1, threads=1, prefetch=1, with_index=True)
-    loader.drop_behind = drop_behind
     with loader:
         got = list(loader)
     assert len(got) == 16

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import stoker
+import stoker.loader
 from stoker import kernels
 from stoker.doctor import verdict
 from stoker.engine.autotune import ThreadTuner
@@ -157,10 +158,13 @@ def test_stats_accumulate_over_passes_and_stay_readable_after_close(pair_ds: sto
 
 
 @pytest.mark.parametrize("cast", [None, "float32"])
-def test_dropping_pages_behind_the_reader_changes_no_record(tmp_path: Path, cast: str | None) -> None:
+def test_dropping_pages_behind_the_reader_changes_no_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cast: str | None
+) -> None:
     ds = build(tmp_path, [700, 300, 900], {"wide": WIDE_RAW, "label": LAB_GZ})
+    # As for a dataset larger than half the RAM.
+    monkeypatch.setattr(stoker.loader, "drop_behind_for", lambda raw_bytes: True)
     loader = ds.loader(64, cast=cast, with_index=True, epochs=2)
-    loader.drop_behind = True  # as for a dataset larger than half the RAM
     with loader:
         check_batches(ds, loader, cast={"wide": cast} if cast else None, epochs=2)
         assert "drop behind" in loader.stats().tuning["readahead"]
@@ -327,8 +331,9 @@ def test_global_shuffle_larger_than_ram_asks_for_records_ahead_and_changes_none(
 
     monkeypatch.setattr(stoker.engine.openfiles, "open_local", counting)
     # One worker: two opening a file at once keep one and close the other (a second open).
+    # As for a dataset larger than half the RAM.
+    monkeypatch.setattr(stoker.loader, "drop_behind_for", lambda raw_bytes: True)
     loader = ds.loader(16, cast=cast, with_index=True, epochs=2, shuffle="global", seed=2, threads=1)
-    loader.drop_behind = True  # as for a dataset larger than half the RAM
     with loader:
         it = iter(loader)
         batches = [next(it)]
@@ -350,13 +355,13 @@ def test_advising_ahead_asks_for_every_batch_once_and_in_time(tmp_path: Path) ->
     """Task k asks for batch k + depth (the first task for itself and the depth after it), so
     every batch is asked for once, never after its own task; a planning error still comes after
     every task planned before it."""
-    from stoker.loader import _advising_ahead
+    from stoker.engine.pipeline import advising_ahead
 
     ds = build(tmp_path, [40, 25], {"wide": WIDE_RAW})
     plans = list(ds.loader(8, shuffle="global", seed=1, epochs=2)._plan.batches(2))
     assert len(plans) == 18
     for depth in (1, 3, len(plans) - 1, len(plans), len(plans) + 2):
-        tasks = list(_advising_ahead((stoker.engine.assembler.Task(p) for p in plans), depth))
+        tasks = list(advising_ahead((stoker.engine.assembler.Task(p) for p in plans), depth))
         assert [t.plan for t in tasks] == plans
         asked = [(k, plans.index(p)) for k, t in enumerate(tasks) for p in t.ahead]
         assert sorted(j for _, j in asked) == list(range(len(plans)))
@@ -367,7 +372,7 @@ def test_advising_ahead_asks_for_every_batch_once_and_in_time(tmp_path: Path) ->
         raise ValueError("planning failed at batch 5")
 
     for depth in (3, 9):
-        gen = _advising_ahead(failing(), depth)
+        gen = advising_ahead(failing(), depth)
         got = [next(gen) for _ in range(5)]
         assert [t.plan for t in got] == plans[:5]
         assert sorted(plans.index(p) for t in got for p in t.ahead) == list(range(5))
@@ -821,7 +826,7 @@ def test_workers_blocked_at_low_cpu_are_per_batch_bound_and_runnable_ones_cpu_st
     )
     assert gil.blocked_share == pytest.approx(0.9)
     got = verdict(gil, 0.3)
-    assert s.coalesced > 1  # batches of 16 x 8 KiB are assembled together (stoker.loader.COALESCE_BYTES)
+    assert s.coalesced > 1  # batches of 16 x 8 KiB are assembled together (stoker.engine.budget.COALESCE_BYTES)
     assert got.startswith(
         f"per-batch work limits you: {s.batches / s.seconds:,.0f} batches/s of 16 records, "
         f"assembled {s.coalesced} at a time at 30%"
@@ -1062,8 +1067,8 @@ def test_the_default_prefetch_leaves_the_pool_room_to_recycle_as_many_batches(
         assert "holds less than one batch" in str(e)  # 1024 rows of 8 KiB exceed 1MiB and 5MiB
         return
     with loader:
-        pool = loader._spare_bytes - loader._kept_decoded.limit
-        if loader._fits < 2:  # one batch in flight at least, whatever is left to recycle
+        pool = loader.budget.spare(loader.prefetch) - loader._kept_decoded.limit
+        if loader.budget.fits < 2:  # one batch in flight at least, whatever is left to recycle
             assert loader.prefetch == 1
         else:
             assert loader.prefetch * loader.batch_bytes <= pool
@@ -1096,11 +1101,11 @@ def test_buffers_made_anew_are_counted_and_named_when_the_pool_cannot_recycle_th
 def test_batches_kept_from_assemblies_are_named_as_buffers_made_anew(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Small batches assembled together (stoker.loader.COALESCE_BYTES, lowered here so a short
+    # Small batches assembled together (stoker.engine.budget.COALESCE_BYTES, lowered here so a short
     # run holds many assemblies): one buffer per field for each, and a batch kept keeps its own.
-    import stoker.loader
+    import stoker.engine.budget
 
-    monkeypatch.setattr(stoker.loader, "COALESCE_BYTES", 1 << 20)
+    monkeypatch.setattr(stoker.engine.budget, "COALESCE_BYTES", 1 << 20)
     ds = build(tmp_path, [400] * 2, {"wide": WIDE_RAW, "label": LAB_GZ})
     with ds.loader(16, threads=2, epochs=8) as loader:
         for _ in loader:  # each batch dropped before the next: recycled

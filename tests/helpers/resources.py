@@ -21,7 +21,7 @@ BASELINE: set[threading.Thread] = set()
 
 class Allocations:
     """The buffers an allocator handed out: ``address in`` it is True for any address inside one
-    (a batch assembled with others is a view into theirs, see stoker.loader.COALESCE_BYTES);
+    (a batch assembled with others is a view into theirs, see stoker.engine.budget.COALESCE_BYTES);
     ``len()`` counts the distinct buffers."""
 
     def __init__(self) -> None:
@@ -40,7 +40,7 @@ class Allocations:
 def record_allocations(loader: stoker.Loader) -> Allocations:
     """Make ``loader`` record every buffer its allocator hands out; returns the record it fills."""
     addresses = Allocations()
-    make = loader.allocator_factory
+    make = loader.allocator
 
     class Recording:
         def __init__(self, pooled: int) -> None:
@@ -54,7 +54,7 @@ def record_allocations(loader: stoker.Loader) -> Allocations:
         def clear(self) -> None:
             self.inner.clear()
 
-    loader.allocator_factory = Recording
+    loader.use_allocator(Recording)
     return addresses
 
 

@@ -541,7 +541,7 @@ def test_num_parallel_reads_must_be_a_positive_integer_and_fit_the_memory_budget
             ds.loader(4, num_parallel_reads=64, memory_budget="8MiB")
         with ds.loader(4, memory_budget="8MiB", with_index=True) as small:  # the default shrinks to what fits
             assert 1 <= small.num_parallel_reads < fetch.DEFAULT_PARALLEL_READS
-            assert small.num_parallel_reads * small._part_bytes <= (8 << 20) // 2
+            assert small.num_parallel_reads * small.budget.part_bytes <= (8 << 20) // 2
             check_batches(local, list(small))
         with ds.loader(4) as default:
             assert default.num_parallel_reads == fetch.DEFAULT_PARALLEL_READS

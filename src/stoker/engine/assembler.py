@@ -301,7 +301,7 @@ class Assembler:
         A batch of many short runs (small files, or records of each file's tail) paid each run's
         file acquisition, size check, copy call and release as a call of its own, per field,
         a large share of a worker's time on small groups. For a batch of one run
-        (W1's) the per-run path below is already one call per field.
+        (W1's, benchmarks/w1.py) the per-run path below is already one call per field.
         """
         plan = task.plan
         runs = [run for run in plan.runs if run.count]  # an empty run only says a file is done

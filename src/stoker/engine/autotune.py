@@ -59,7 +59,7 @@ __all__ = [
     "wanted_prefetch",
 ]
 
-# Short enough to settle within the first second of a W1-sized pass, long enough that a
+# Short enough to settle within the first second of a pass the size of W1's (benchmarks/w1.py), long enough that a
 # window holds many batches (a loaded 2-core machine drifts between single batches).
 MIN_BATCHES = 8
 MIN_SECONDS = 0.15
@@ -310,9 +310,10 @@ class ThreadTuner:
         """Try half the workers when they keep less than HALVE_BELOW of a core each busy.
 
         Threads that wait on the GIL gain nothing from more of their kind and lose to the hand-offs:
-        on 16 cores, W1's workers spent most of their time waiting for it (see MIN_HALVING). Workers
-        that wait on a cold disk look the same from here, so the next window decides: a halving that
-        runs slower than noise is taken back and the climb goes on from the count before it.
+        on 16 cores, the workers of W1 (benchmarks/w1.py) spend most of their time waiting for it
+        (see MIN_HALVING). Workers that wait on a cold disk look the same from here, so the next
+        window decides: a halving that runs slower than noise is taken back and the climb goes on
+        from the count before it.
         """
         if self.threads < MIN_HALVING or busy >= HALVE_BELOW * self.threads:
             return False

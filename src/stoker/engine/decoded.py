@@ -28,7 +28,8 @@ __all__ = ["KEPT_DECODED_BYTES", "VERIFY_WHOLE_BYTES", "KeptDecoded", "Whole", "
 # are verified at their end. Not higher: a whole-decoded file is written to memory once and
 # read back for the batches, where a streamed run is inflated into a cache-hot staging buffer
 # and cast straight away; and the first batch of a group would wait for all of its file
-# (W2's 64 MiB gzip frames: every new cycle of groups stalled for seconds while whole).
+# (with the 64 MiB gzip frames of W2, benchmarks/compare.py's gzip images, every new cycle of
+# groups would stall for seconds while whole).
 VERIFY_WHOLE_BYTES = 8 << 20
 # Whole-decoded files kept across epochs by a pass, or by a loader for all its passes (within
 # its memory_budget there: see Loader), at most this many bytes (KeptDecoded).
@@ -121,7 +122,7 @@ class WholeFiles:
         """The group's file of `name` decoded whole: kept from an earlier epoch, or decoded now.
 
         One decode at a time per file: epochs overlap when they are short (several batches
-        assembled together can be a whole epoch, see stoker.loader.COALESCE_BYTES), and the
+        assembled together can be a whole epoch, see stoker.engine.budget.COALESCE_BYTES), and the
         next epoch's stream then waits for this one's decode and finds it kept.
         """
         with self._lock:

@@ -6,13 +6,14 @@ from __future__ import annotations
 from ..kernels import maps_hold_descriptors
 from ..machine import descriptor_limits, max_map_count, set_soft_descriptor_limit
 
-__all__ = ["max_kept_maps", "max_open_files", "pass_open_files", "raise_open_files"]
+__all__ = ["keep_open", "max_kept_maps", "max_open_files", "pass_open_files", "raise_open_files"]
 
 # Open raw files kept across runs; a group's files close after its last run, this bounds
 # what early breaks and dropped remainders leave open. At least this many, and as many as the
 # descriptor limit allows (max_open_files, at most _MAX_OPEN_FILES): a global shuffle's batch
-# reads from most of the dataset's files, and with 64 open W1-big's 415 files were opened,
-# mapped and unmapped again batch after batch (see raise_open_files).
+# reads from most of the dataset's files, and with 64 open the 415 files of W1-big (a dataset
+# larger than RAM, benchmarks/w1_big.py) are opened, mapped and unmapped again batch after batch
+# (see raise_open_files).
 _MAX_OPEN = 64
 _MAX_OPEN_FILES = 1024
 # Kept maps where they hold no descriptor (max_kept_maps): at most this many, and a quarter of
@@ -38,7 +39,7 @@ def raise_open_files(wanted: int) -> tuple[int, int] | None:
     `wanted` files (at most _MAX_OPEN_FILES); (old soft limit, new) where it was raised.
 
     A global shuffle's batch reads from most of the dataset's files, and a pass keeps at most
-    `max_open_files()` of them open: under the usual soft limit of 1024, 256 of W1-big's 415,
+    `max_open_files()` of them open: under the usual soft limit of 1024, 256 of W1-big's 415 (benchmarks/w1_big.py),
     so every batch opened, mapped and unmapped again the files that had been closed (measured:
     benchmarks/results/w1_big_history.md). The soft limit is there for programs that use `select()`, which
     cannot watch a descriptor numbered 1024 or more; only the files stoker opens beyond that
@@ -64,3 +65,18 @@ def max_kept_maps() -> int:
     if maps_hold_descriptors():
         return max_open_files()
     return max(0, min(_MAX_KEPT_MAPS, max_map_count() // 4))
+
+
+def keep_open(wanted: int) -> str:
+    """Raise the soft descriptor limit so a pass keeps `wanted` raw files open at once (a global
+    shuffle reads from most of them in every batch); what was done, or why not, in a few words
+    for stats' `tuning` ("" where nothing needed doing)."""
+    raised, kept = raise_open_files(wanted), pass_open_files()
+    if raised is not None:
+        return f"descriptor soft limit raised from {raised[0]} to {raised[1]} to keep {wanted} open"
+    if kept < wanted:
+        return (
+            f"{kept} of {wanted} open at once, the others reopened as batches need them "
+            "(at most a quarter of the descriptor limit, and 1024)"
+        )
+    return ""

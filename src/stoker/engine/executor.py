@@ -351,7 +351,7 @@ class _State(Generic[T, R]):
     posting `arrived` (C code), one store to `stop`, `_thread.start_new_thread`. It never enters a
     threading.Condition: its `__enter__` and `wait` are Python code that a KeyboardInterrupt
     can leave holding the lock (an interrupt lands there often), after
-    which every worker blocks on it forever, the bug this design replaced. It never calls
+    which every worker would block on it forever. It never calls
     Thread.start either (which waits on an Event the same way). Workers, which never see a
     KeyboardInterrupt, start the threads, leave by themselves once `stop` is set or their
     OrderedMap is gone, and the last one out runs the cleanups (closing files).

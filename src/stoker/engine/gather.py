@@ -117,8 +117,8 @@ class Gatherer:
         Records of local raw files and of compressed files held in memory are copied by one
         kernel call over their addresses: per group there is only the file to hold and its size
         to check (one call per group was a large share of a worker's time), and the files are
-        held, their sizes read and let go in one call or lock round each (W1-big's batches read
-        from ~190 of its 415 files). Remote files and seek points are read group by group.
+        held, their sizes read and let go in one call or lock round each (the batches of W1-big,
+        benchmarks/w1_big.py, read from ~190 of its 415 files). Remote files and seek points are read group by group.
         """
         rb = spec.record_bytes
         direct = gathers(dst, spec.dtype)  # the kernel copies this field's records

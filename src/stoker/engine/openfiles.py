@@ -189,7 +189,7 @@ class OpenFiles:
 
     def hold(self, epoch: int, name: str, infos: list[FileInfo]) -> list[OpenFile]:
         """`acquire` of each raw file of `infos` (at most `hold_limit`): those open already in
-        one lock round (a global shuffle's batch reads from hundreds on W1-big), the others
+        one lock round (a global shuffle's batch reads from hundreds on W1-big, benchmarks/w1_big.py), the others
         opened one by one. On an error, what was held is let go. Give them back with `let_go`,
         or with `released` of each and then `end_hold`."""
         if len(infos) > self.hold_limit:

@@ -265,7 +265,7 @@ class LoaderStats:
     batch_bytes: int = 0  # bytes of one delivered batch, every field's buffer together
     buffers_made: int = 0  # batch buffers the loader's pool has made anew (not recycled) so far
     prefetch_limited: bool = False  # stoker chose prefetch, and memory_budget held it below its default
-    # Batches assembled together, as one, and delivered one by one (stoker.loader.COALESCE_BYTES).
+    # Batches assembled together, as one, and delivered one by one (stoker.engine.budget.COALESCE_BYTES).
     coalesced: int = 1
     # Runs (stretches of one group's records) per assembly read by runs, and the loader's
     # interleave: each run costs its own per-field work, so blocks shorter than an assembly

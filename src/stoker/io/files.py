@@ -462,7 +462,9 @@ class Catalog:
         self._exact: dict[tuple[int, str], int] = {}
         self.seek_points: dict[tuple[int, str], tuple[SeekPoint, ...]] = {}
         # Held while the catalog lives: no re-index removes the windows files its seek points name.
-        self.index_pins = apply_index(self, lookup)
+        indexed, self.index_pins = apply_index(self, lookup)
+        for (g, n), (records, points) in indexed.items():
+            self.set_indexed(g, n, records, points)
         if manifest:
             manifest.apply(self)
         for g, infos in enumerate(self.files):

@@ -475,7 +475,8 @@ def _save(catalog: Catalog, entries: Mapping[tuple[int, str], IndexEntry], index
 class Indexable(Protocol):
     """What write_index reads of a Dataset: its catalog (io sits below the Dataset and never imports it)."""
 
-    _catalog: Catalog
+    @property
+    def catalog(self) -> Catalog: ...
 
 
 def write_index(
@@ -512,7 +513,7 @@ def write_index(
         raise SpecError(f"{spacing=} must be a positive number of bytes")
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait < float("inf"):
         raise SpecError(f"{wait=} must be a non-negative, finite number of seconds")
-    catalog = dataset._catalog.root()
+    catalog = dataset.catalog.root()
     where = resolve_index_dir(index_dir) if index_dir is not None else catalog.index_dir
     if catalog.fields and all(is_remote(i.path) for infos in catalog.files for i in infos.values()):
         from .manifest import write_manifest  # it builds on this module's entries
@@ -584,16 +585,22 @@ class IndexLookup:
         return False
 
 
-def apply_index(catalog: Catalog, lookup: IndexLookup) -> list[Pin]:
-    """Give `catalog` the counts and seek points of matching index entries (see module doc);
-    returns the Pins that keep the windows files they name on disk while the catalog holds them.
+# What an index says of a file: `(group, field) -> (records, seek points)`.
+Indexed = dict[tuple[int, str], tuple[int, tuple[SeekPoint, ...]]]
+
+
+def apply_index(catalog: Catalog, lookup: IndexLookup) -> tuple[Indexed, list[Pin]]:
+    """The counts and seek points of matching index entries (see module doc), for the catalog
+    to record (`Catalog.set_indexed`), and the Pins that keep the windows files they name on
+    disk while the catalog holds them.
 
     Runs once per file of a Dataset being opened, so it stays on plain dicts: one index
     file per directory, entries checked field by field.
     """
     mode = lookup.mode
+    indexed: Indexed = {}
     if mode == "ignore":
-        return []
+        return indexed, []
     todo: list[tuple[int, str, FileInfo, str]] = []  # rebuild: files to scan, with their index file
     vouched = lookup.vouched
     for g, infos in enumerate(catalog.files):
@@ -635,30 +642,31 @@ def apply_index(catalog: Catalog, lookup: IndexLookup) -> list[Pin]:
             if parsed is None:  # rebuild: missing, stale or malformed
                 todo.append((g, name, info, path))
             else:
-                _set_indexed(catalog, g, name, info, parsed)
+                indexed[(g, name)] = _whole_records(catalog, g, name, info, parsed)
     if not todo:
-        return _pins_in_use(catalog, lookup)
+        return indexed, _pins_in_use(indexed, lookup)
     homes = {os.path.dirname(path): os.path.dirname(os.path.abspath(info.path)) for _, _, info, path in todo}
     for home, data_dir in sorted(homes.items()):  # every directory written, checked before any file is scanned
         ensure_writable(home, data_dir)
     with indexlock.writing(homes):
-        _pins_in_use(catalog, lookup)  # before the save: the windows this rebuild replaces are not kept for it
+        _pins_in_use(indexed, lookup)  # before the save: the windows this rebuild replaces are not kept for it
         rebuilt = {}
         for g, name, info, path in todo:
             entry = rebuilt[(g, name)] = scan(name, info, os.path.dirname(path))
-            _set_indexed(catalog, g, name, info, parse_entry(path, info, entry.to_json(0), name))
+            parsed = parse_entry(path, info, entry.to_json(0), name)
+            indexed[(g, name)] = _whole_records(catalog, g, name, info, parsed)
         _save(catalog, rebuilt, lookup.index_dir)
         for home in homes:  # an index written just now: its readers file exists from here on
             if not lookup.pins[home].held:
                 lookup.pins[home] = indexlock.pin(home)
-        return _pins_in_use(catalog, lookup)
+        return indexed, _pins_in_use(indexed, lookup)
 
 
-def _pins_in_use(catalog: Catalog, lookup: IndexLookup) -> list[Pin]:
-    """The lookup's Pins, each naming the windows files the catalog's seek points use in its
+def _pins_in_use(indexed: Indexed, lookup: IndexLookup) -> list[Pin]:
+    """The lookup's Pins, each naming the windows files the seek points found use in its
     directory; those naming none are let go (a Dataset of raw files pins nothing)."""
     used: dict[str, set[str]] = {}
-    for points in catalog.seek_points.values():
+    for _, points in indexed.values():
         for point in points:
             if point.window is not None:
                 home, name = os.path.split(point.window.path)
@@ -668,15 +676,16 @@ def _pins_in_use(catalog: Catalog, lookup: IndexLookup) -> list[Pin]:
     return [p for p in lookup.pins.values() if p.names and p.held]
 
 
-def _set_indexed(
+def _whole_records(
     catalog: Catalog, g: int, name: str, info: FileInfo, parsed: tuple[int, tuple[SeekPoint, ...]]
-) -> None:
+) -> tuple[int, tuple[SeekPoint, ...]]:
+    """The records and seek points of an entry's `(bytes, seek points)`, checked to be whole records."""
     total, points = parsed
     spec = catalog.fields[name]
     records, rest = divmod(total - spec.header_bytes - spec.footer_bytes, spec.record_bytes)
     if rest or records < 0:
         _not_whole_records(name, spec, info, total, points[0])
-    catalog.set_indexed(g, name, records, points)
+    return records, points
 
 
 def _not_whole_records(name: str, spec: Field, info: FileInfo, total: int, start: SeekPoint) -> None:

@@ -14,7 +14,7 @@ Smaller datasets keep their pages: the next epoch reads them from memory.
 
 Gathers (`shuffle="global"`) of a dataset larger than half the RAM: every record is asked of
 the disk with `POSIX_FADV_WILLNEED` a few batches before it is copied (see
-stoker.loader._advising_ahead), and the files' maps are advised `MADV_RANDOM`. Left to page
+stoker.engine.pipeline.advising_ahead), and the files' maps are advised `MADV_RANDOM`. Left to page
 faults, a record missing from the cache was read by the kernel's read-around (`read_ahead_kb`
 around the fault, many times a record's bytes) and, once the kernel gave that up, a page per
 fault (measured: benchmarks/results/w1_big_history.md). Its pages are not
@@ -39,7 +39,7 @@ import numpy as np
 from ..kernels import willneed_records
 from ..machine import address_space_room, physical_memory
 
-__all__ = ["AHEAD_BYTES", "Readahead", "drop_behind_for"]
+__all__ = ["AHEAD_BYTES", "Readahead", "described", "drop_behind_for"]
 
 # Not tuned by measurement yet: 16 MiB ahead of each file of the interleave cycle is a
 # few runs of ~1 MiB in flight per file, small beside the page cache.
@@ -62,6 +62,16 @@ def drop_behind_for(raw_bytes: int) -> bool:
     ram = physical_memory()
     room = address_space_room()
     return (bool(ram) and raw_bytes > ram // 2) or (room is not None and raw_bytes > room // 2)
+
+
+def described(*, gathers: bool, drop_behind: bool) -> str:
+    """What this module does for a loader, in a few words (its stats' `tuning`): `gathers` for a
+    global shuffle's random reads, `drop_behind` for a dataset larger than RAM/2."""
+    if not gathers:
+        return "willneed ahead" + (", drop behind (larger than RAM/2)" if drop_behind else "")
+    if drop_behind:
+        return "willneed on each record a few batches ahead, maps MADV_RANDOM (larger than RAM/2)"
+    return "the kernel's read-around (fits in RAM/2)"
 
 
 class Readahead:

@@ -38,7 +38,7 @@ __all__ = [
 
 # measured: reads of 256 KiB..1 MiB reach the same copy speed as larger ones on page-cached
 # files, but each run also costs a fixed share of Python and locking per field, so a run
-# covers a whole W1 batch: 4 MiB per run of the widest field (measured:
+# covers a whole batch of W1 (benchmarks/w1.py): 4 MiB per run of the widest field (measured:
 # benchmarks/results/w1_history.md).
 TARGET_READ_BYTES = 4 << 20
 # Four groups open at once mixes groups within a batch while keeping each read large and

@@ -220,7 +220,7 @@ def native_dataset(
             return tf.data.Dataset.zip(parts)
         return _counted(parts, row, block, {n: f.record_bytes for n, f in fields.items() if compressed[n]})
 
-    # Each block a batch (batch_size == block, every group a whole number of blocks, W1's
+    # Each block a batch (batch_size == block, every group a whole number of blocks, W1's (benchmarks/w1.py)
     # layout): the blocks are the batches, so no rebatch, and the cast is in the decode.
     # Otherwise cast on whichever side of rebatch holds the narrower dtype, so rebatch's one
     # copy moves the fewest bytes (int8 -> float32 images: 4x fewer).

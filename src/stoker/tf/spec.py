@@ -27,7 +27,7 @@ def element_spec(loader: Loader) -> dict[str, tf.TensorSpec]:
     the batch size is the batch dimension (static with drop_remainder, else None).
     """
     batch = loader.batch_size if loader.drop_remainder else None
-    stage = loader._stage
+    stage = loader.stage
     if stage is None or stage.exact:
         return {
             name: tf.TensorSpec((batch, *loader.shapes[name]), tf.as_dtype(dtype))
