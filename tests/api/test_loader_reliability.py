@@ -38,6 +38,7 @@ import stoker.engine.descriptors
 import stoker.engine.maps
 import stoker.engine.openfiles
 import stoker.loader
+from stoker.cli.config import fields_from_config
 from tests.helpers import REPO, indexed
 from tests.helpers.data import (
     IMG,
@@ -1249,6 +1250,10 @@ def test_the_error_messages_the_docs_quote_are_real(tmp_path: Path, monkeypatch:
     say(dataset)
     loader = ds.loader(32, epochs=None, shuffle="global", seed=1)
     say(lambda: ds.loader(32, epochs=None, shuffle="global", seed=2, state=loader.state_dict()))
+    Path("data/stoker.toml").write_text(
+        '[fields.image]\nfiles = "img_*.bin"\ndtype = "int8"\nshape = [128, 128, 1]\nheader_byte = 16\n'
+    )
+    say(lambda: fields_from_config("data/stoker.toml"))
     quoted = _quoted_messages()
     assert quoted, "the README and docs/ quote no error message"
     assert [m for m in quoted if m not in said] == []
