@@ -71,7 +71,7 @@ def test_inflate_ceiling_counts_the_records_it_decodes(tmp_path: Path) -> None:
 def test_every_raw_ceiling_loop_copies_whole_records_of_every_file(sample: Path, loop: str) -> None:
     paths = sorted(str(p) for p in sample.glob("img_*.bin"))
     cfg = {"paths": paths, "header": 0, "shape": [16, 16, 1], "src_dtype": "|i1", "out_dtype": "float32",
-           "batch": 16, "loop": loop, "threads": 2, "seconds": 0.2}  # fmt: skip
+           "batch": 16, "loop": loop, "threads": 2, "seconds": 1.0}  # fmt: skip
     m = run_child("ceiling", cfg)
     # Each thread reads its own files front to back, again and again (mmap_kept: mapped once).
     assert m.records > 2 * 64 and m.bytes_read == m.records * 16 * 16
