@@ -17,6 +17,7 @@ from .engine.assembler import GROUP_KEY, INDEX_KEY, Assembler, Parts, Task
 from .engine.records import STREAM_SPLIT, RecordReader
 from .errors import RecordIndexError, SpecError
 from .io.files import Catalog, FileInfo, Group
+from .io.views import CatalogView
 from .plan.order import Permutation
 from .spec import Field, resolve_cast
 
@@ -327,17 +328,7 @@ def locate(ds: Dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def to_root(ds: Dataset, groups: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(group, record) of `ds` as (group, record in the file) of its root dataset."""
-    if not isinstance(ds, Subset):
-        return groups, records
-    view = ds._catalog
-    root_records = records.copy()
-    order = np.argsort(groups, kind="stable")
-    bounds = np.flatnonzero(np.diff(groups[order])) + 1
-    for part in np.split(order, bounds) if len(order) else []:
-        selected = view.records[int(groups[part[0]])]
-        if selected is not None:
-            root_records[part] = selected[records[part]]
-    return view.groups[groups], root_records
+    return ds.catalog.to_root(groups, records)
 
 
 def _in_range(value: Any, n: int, what: str) -> tuple[np.ndarray, int | None]:
@@ -408,36 +399,6 @@ def read_one(ds: Dataset, i: Any) -> dict[str, np.ndarray]:
     return {n: a[0, ...] for n, a in batch.items()}
 
 
-class _CatalogView(Catalog):
-    """The root catalog seen through a subset: its groups, and per group all records or some."""
-
-    def __init__(self, root: Catalog, groups: np.ndarray, records: Sequence[np.ndarray | None]) -> None:
-        # Not Catalog.__init__: a view shares the root's files and settled counts.
-        self.fields = root.fields
-        self._root = root
-        self.groups = groups
-        self.records = list(records)
-        self.num_groups = len(groups)
-        self.files = [root.files[int(g)] for g in groups]
-        self.seek_points = {
-            (v, name): root.seek_points[(int(g), name)]
-            for v, g in enumerate(groups)
-            for name in self.fields
-            if (int(g), name) in root.seek_points
-        }
-        self._lock = threading.Lock()
-
-    def count(self, g: int) -> int:
-        selected = self.records[g]
-        return len(selected) if selected is not None else self._root.count(int(self.groups[g]))
-
-    def settled(self) -> bool:
-        return all(r is not None for r in self.records) or self._root.settled()
-
-    def root(self) -> Catalog:
-        return self._root
-
-
 class Subset(Dataset):
     """Some groups of a root Dataset and, per group, all or some of its records (in file order).
 
@@ -446,17 +407,17 @@ class Subset(Dataset):
     Its global indices run over its own records, group by group.
     """
 
-    _catalog: _CatalogView
+    _catalog: CatalogView
 
     def __init__(self, root: Dataset, groups: np.ndarray, records: Sequence[np.ndarray | None]) -> None:
         # Not Dataset.__init__: no globbing or counting again, the root did that.
         self.root = root
         self.fields = root.fields
         self.pair_key = root.pair_key
-        self._catalog = _CatalogView(root._catalog, groups, records)
+        self._catalog = CatalogView(root._catalog, groups, records)
 
     @property
-    def catalog(self) -> _CatalogView:
+    def catalog(self) -> CatalogView:
         """The root's files seen through this subset: its groups, and per group all records or some."""
         return self._catalog
 
