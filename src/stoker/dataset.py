@@ -7,23 +7,22 @@ import math
 import numbers
 import os
 import threading
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .engine.assembler import GROUP_KEY, INDEX_KEY, Assembler, Parts, Task
-from .engine.records import STREAM_SPLIT, RecordReader
+from .engine.executor import AlignedPool
+from .engine.reader import Reader, open_reader
+from .engine.records import STREAM_SPLIT
 from .errors import RecordIndexError, SpecError
 from .io.files import Catalog, FileInfo, Group
+from .io.views import CatalogView
 from .plan.order import Permutation
 from .spec import Field, resolve_cast
 
 if TYPE_CHECKING:
-    from .engine.executor import Allocator
     from .loader import Loader
-    from .plan.batches import BatchPlan
 
 __all__ = ["Dataset", "Subset", "read_one", "read_records", "select", "split"]
 
@@ -85,6 +84,25 @@ class Dataset:
         self.fields: dict[str, Field] = merged
         self.pair_key = pair_key
         self._catalog = Catalog(merged, pair_key=pair_key, index=index, index_dir=index_dir)
+        self._init_access()
+
+    def _init_access(self) -> None:
+        """What random access keeps, made when first needed (see `reader`)."""
+        self._firsts_table: np.ndarray | None = None  # cumulative record counts (see locate)
+        self._reader: Reader | None = None
+        self._access_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Picklable for worker processes: each makes its own reader (open files are per process).
+        state = self.__dict__.copy()
+        for name in ("_reader", "_access_lock"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reader = None
+        self._access_lock = threading.Lock()
 
     @property
     def num_groups(self) -> int:
@@ -275,47 +293,33 @@ class Dataset:
         """What distinguishes a subset in a resume fingerprint (None: the whole dataset)."""
         return None
 
-    def assembler(
-        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *, batch_size: int,
-        with_index: bool, fused: Any = None,
-    ) -> Assembler:  # fmt: skip
-        """The assembler of a pass over this dataset, over `parts` (see stoker.engine.assembler.build_parts)."""
-        return Assembler(
-            self._catalog, out_dtypes, allocator, parts, batch_size=batch_size, with_index=with_index, fused=fused
-        )
+    def reader(self) -> Reader:
+        """The reader behind `read`, `ds[i]` and `__getitems__` (stoker.engine.reader), made on
+        first use and kept: its open files and decoded files serve the next reads. Thread-safe."""
+        reader = self._reader
+        if reader is None:
+            with self._access_lock:
+                reader = self._reader
+                if reader is None:
+                    reader = self._reader = self._open_reader()
+        return reader
+
+    def _open_reader(self) -> Reader:
+        # Arrays come from the caller (read_records); the pool only satisfies the assembler.
+        return open_reader(self._catalog, self.output_dtypes(), allocator=AlignedPool(0), batch_size=1)
 
     # Used by adapters and the CLI; public enough to document, not part of the contract.
     def output_dtypes(self, cast: Any = None) -> dict[str, np.dtype]:
         return resolve_cast(self.fields, cast)
 
 
-_FIRSTS: weakref.WeakKeyDictionary[Dataset, np.ndarray] = weakref.WeakKeyDictionary()
-_READERS: weakref.WeakKeyDictionary[Dataset, RecordReader] = weakref.WeakKeyDictionary()
-_TABLE_LOCK = threading.Lock()
-
-
 def _firsts(ds: Dataset) -> np.ndarray:
     """Cumulative record counts: group g holds global records `firsts[g] .. firsts[g + 1]`."""
-    table = _FIRSTS.get(ds)
+    table = ds._firsts_table
     if table is None:
         counts = np.fromiter((ds.records_in(g) for g in range(ds.num_groups)), np.int64, ds.num_groups)
-        table = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
-        with _TABLE_LOCK:
-            _FIRSTS[ds] = table
+        table = ds._firsts_table = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
     return table
-
-
-def _root(ds: Dataset) -> Dataset:
-    return ds.root if isinstance(ds, Subset) else ds
-
-
-def _reader(ds: Dataset) -> RecordReader:
-    root = _root(ds)
-    with _TABLE_LOCK:
-        reader = _READERS.get(root)
-        if reader is None:
-            reader = _READERS[root] = RecordReader(root._catalog)
-    return reader
 
 
 def locate(ds: Dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -327,17 +331,7 @@ def locate(ds: Dataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def to_root(ds: Dataset, groups: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(group, record) of `ds` as (group, record in the file) of its root dataset."""
-    if not isinstance(ds, Subset):
-        return groups, records
-    view = ds._catalog
-    root_records = records.copy()
-    order = np.argsort(groups, kind="stable")
-    bounds = np.flatnonzero(np.diff(groups[order])) + 1
-    for part in np.split(order, bounds) if len(order) else []:
-        selected = view.records[int(groups[part[0]])]
-        if selected is not None:
-            root_records[part] = selected[records[part]]
-    return view.groups[groups], root_records
+    return ds.catalog.to_root(groups, records)
 
 
 def _in_range(value: Any, n: int, what: str) -> tuple[np.ndarray, int | None]:
@@ -393,8 +387,7 @@ def read_records(ds: Dataset, indices: Any, *, cast: Any = None) -> dict[str, np
     dtypes = resolve_cast(ds.fields, cast)
     out = {n: np.empty((len(idx), *f.shape), dtypes[n]) for n, f in ds.fields.items()}
     if len(idx):
-        groups, records = to_root(ds, *locate(ds, idx))
-        _reader(ds).read_into(groups, records, out)
+        ds.reader().read_into(*locate(ds, idx), out)
     return out
 
 
@@ -408,36 +401,6 @@ def read_one(ds: Dataset, i: Any) -> dict[str, np.ndarray]:
     return {n: a[0, ...] for n, a in batch.items()}
 
 
-class _CatalogView(Catalog):
-    """The root catalog seen through a subset: its groups, and per group all records or some."""
-
-    def __init__(self, root: Catalog, groups: np.ndarray, records: Sequence[np.ndarray | None]) -> None:
-        # Not Catalog.__init__: a view shares the root's files and settled counts.
-        self.fields = root.fields
-        self._root = root
-        self.groups = groups
-        self.records = list(records)
-        self.num_groups = len(groups)
-        self.files = [root.files[int(g)] for g in groups]
-        self.seek_points = {
-            (v, name): root.seek_points[(int(g), name)]
-            for v, g in enumerate(groups)
-            for name in self.fields
-            if (int(g), name) in root.seek_points
-        }
-        self._lock = threading.Lock()
-
-    def count(self, g: int) -> int:
-        selected = self.records[g]
-        return len(selected) if selected is not None else self._root.count(int(self.groups[g]))
-
-    def settled(self) -> bool:
-        return all(r is not None for r in self.records) or self._root.settled()
-
-    def root(self) -> Catalog:
-        return self._root
-
-
 class Subset(Dataset):
     """Some groups of a root Dataset and, per group, all or some of its records (in file order).
 
@@ -446,17 +409,18 @@ class Subset(Dataset):
     Its global indices run over its own records, group by group.
     """
 
-    _catalog: _CatalogView
+    _catalog: CatalogView
 
     def __init__(self, root: Dataset, groups: np.ndarray, records: Sequence[np.ndarray | None]) -> None:
         # Not Dataset.__init__: no globbing or counting again, the root did that.
         self.root = root
         self.fields = root.fields
         self.pair_key = root.pair_key
-        self._catalog = _CatalogView(root._catalog, groups, records)
+        self._catalog = CatalogView(root.catalog, groups, records)
+        self._init_access()
 
     @property
-    def catalog(self) -> _CatalogView:
+    def catalog(self) -> CatalogView:
         """The root's files seen through this subset: its groups, and per group all records or some."""
         return self._catalog
 
@@ -475,78 +439,18 @@ class Subset(Dataset):
             h.update(b"*" if selected is None else b"[" + np.ascontiguousarray(selected, np.int64).tobytes() + b"]")
         return h.hexdigest()[:16]
 
-    def assembler(
-        self, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *, batch_size: int,
-        with_index: bool, fused: Any = None,
-    ) -> Assembler:  # fmt: skip
-        kind = _GroupsAssembler if all(r is None for r in self._catalog.records) else _RecordsAssembler
-        return kind(self, out_dtypes, allocator, parts, batch_size=batch_size, with_index=with_index, fused=fused)
+    def _open_reader(self) -> Reader:
+        # Records of the root's files through the root's reader: a subset shares its open and decoded files.
+        return open_reader(
+            self._catalog,
+            self.output_dtypes(),
+            allocator=AlignedPool(0),
+            batch_size=1,
+            records=self.root.reader().records(),
+        )
 
     def __repr__(self) -> str:
         return f"Subset of {self.root!r}: {self.num_groups} groups"
-
-
-class _GroupsAssembler(Assembler):
-    """Whole groups: the streaming assembler, with `__group__` named in the root dataset."""
-
-    def __init__(
-        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *,
-        batch_size: int, with_index: bool, fused: Any = None,
-    ) -> None:  # fmt: skip
-        super().__init__(
-            view._catalog, out_dtypes, allocator, parts, batch_size=batch_size, with_index=with_index, fused=fused
-        )
-        self._groups = view._catalog.groups
-
-    def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
-        out, plan = super().__call__(task)
-        if self.with_index:
-            real = plan.rows if plan.valid is None else plan.valid
-            out[GROUP_KEY][:real] = self._groups[out[GROUP_KEY][:real]]
-        return out, plan
-
-
-class _RecordsAssembler(Assembler):
-    """Some records of groups: every planned batch read by random access (no stream turns)."""
-
-    def __init__(
-        self, view: Subset, out_dtypes: Mapping[str, np.dtype], allocator: Allocator, parts: Parts, *,
-        batch_size: int, with_index: bool, fused: Any = None,
-    ) -> None:  # fmt: skip
-        super().__init__(
-            view._catalog, out_dtypes, allocator, parts, batch_size=batch_size, with_index=with_index, fused=fused
-        )
-        self._view = view
-        self._reader = RecordReader(view.root._catalog)  # its cache lives as long as this pass
-
-    def prepare(self, plan: BatchPlan) -> Task:
-        return Task(plan)
-
-    def fetching_ahead(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
-        return plans  # its batches are read by random access (RecordReader), not through the fetcher
-
-    def close(self) -> None:
-        super().close()
-        self._reader.close()
-
-    def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:
-        plan = task.plan
-        out = {n: self.allocator.array((plan.rows, *f.shape), self.out_dtypes[n]) for n, f in self.fields.items()}
-        self.add_index_arrays(plan, out)
-        if plan.gather is not None:
-            groups, local = plan.gather.groups, plan.gather.index
-        else:
-            runs = [r for r in plan.runs if r.count]
-            groups = np.concatenate([np.full(r.count, r.group, np.int64) for r in runs] or [np.zeros(0, np.int64)])
-            local = np.concatenate(
-                [np.arange(r.start, r.stop, r.step, dtype=np.int64) for r in runs] or [np.zeros(0, np.int64)]
-            )
-        root_groups, root_records = to_root(self._view, groups, local)
-        self._reader.read_into(root_groups, root_records, out)
-        if self.with_index:
-            out[GROUP_KEY][: len(groups)] = root_groups
-            out[INDEX_KEY][: len(groups)] = root_records
-        return out, plan
 
 
 def _positions(value: Any, n: int, what: str, path: str | None) -> np.ndarray:

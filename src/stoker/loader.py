@@ -129,7 +129,7 @@ class Loader:
         # Builds each pass's batch buffers from the bytes it may keep pooled (see use_allocator).
         self._allocator: Callable[[int], Allocator] = workers.allocator
         self._pipeline = Pipeline(
-            catalog, dataset.assembler, {n: assembly[n] for n in fields}, batch_size=config.batch_size,
+            catalog, {n: assembly[n] for n in fields}, batch_size=config.batch_size,
             with_index=config.with_index, stage=self.stage, units=self.budget.parts, workers=workers,
             executor=executor, autotune=self.autotune, counters=self._counters, kept_maps=self._kept_maps,
             kept_decoded=self._kept_decoded, drop_behind=self.drop_behind, gathers=config.shuffle == "global",

@@ -59,11 +59,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .dataset import Dataset, Subset
-from .engine.assembler import GROUP_KEY, INDEX_KEY, Assembler, build_parts
+from .engine.assembler import GROUP_KEY, INDEX_KEY
 from .engine.decoded import KEPT_DECODED_BYTES, VERIFY_WHOLE_BYTES, KeptDecoded
 from .engine.executor import AlignedPool
 from .engine.maps import KeptMaps, loader_kept_maps
-from .engine.records import RecordReader
+from .engine.reader import open_reader
 from .errors import SpecError
 from .io.files import Catalog
 from .kernels import cast_into
@@ -87,7 +87,8 @@ _BLOCK_BYTES = 128 << 20
 # object store and drops it, so a read task's next block finds memory already touched instead
 # of fresh pages to fault in and zero (two of Ray's default blocks).
 _POOL_BYTES = 2 * _BLOCK_BYTES
-_pool: AlignedPool | None = None  # per worker process, made by its first read task
+# Per worker process (a read task is a function call there; nothing owns the tasks that come after it).
+_pool: AlignedPool | None = None
 # A small compressed file read in ranges by several tasks is decoded whole by each of them: at
 # most this many bytes of such decoding per file (see StokerDatasource._grain).
 _REDECODE_BYTES = 64 << 20
@@ -100,7 +101,7 @@ def _worker_pool() -> AlignedPool:
     return _pool
 
 
-# Per worker process, as a loader keeps them for all its passes: maps of the raw files read (no
+# Per worker process (as `_pool`), as a loader keeps them for all its passes: maps of the raw files read (no
 # descriptor held), so the next task on a file copies from its map with stoker's kernels instead
 # of reading it again with preadv, and small compressed files decoded whole (labels), so the
 # next pass does not inflate them again.
@@ -550,10 +551,9 @@ class _ReadTask:
 
         pool = _worker_pool()  # a block's arrays are reused only once Ray has dropped every view of them
         maps, decoded = _worker_kept()
-        parts = build_parts(self.catalog, self.dtypes, kept_maps=maps, kept_decoded=decoded)
-        assembler = Assembler(self.catalog, self.dtypes, pool, parts, batch_size=self.per_block)
-        reader: RecordReader | None = None
-        try:
+        with open_reader(
+            self.catalog, self.dtypes, allocator=pool, batch_size=self.per_block, kept_maps=maps, kept_decoded=decoded
+        ) as reader:
             for i, block in enumerate(self._blocks()):
                 rows = sum(p.stop - p.start for p in block)
                 if all(p.records is None for p in block):
@@ -563,19 +563,14 @@ class _ReadTask:
                         runs.append(Run(p.group, p.start, p.stop - p.start, row, final))
                         row += p.stop - p.start
                     plan = BatchPlan(epoch=0, index=i, position=0, rows=rows, runs=tuple(runs))
-                    out, _ = assembler(assembler.prepare(plan))
+                    out, _ = reader(reader.prepare(plan))
                 else:  # a record subset: its records by random access
-                    reader = reader or RecordReader(self.catalog)
                     out = {n: pool.array((rows, *f.shape), self.dtypes[n]) for n, f in self.catalog.fields.items()}
                     reader.read_into(*_gather(block), out)
                 if self.with_index:
                     local, records = _gather(block)
                     out[GROUP_KEY], out[INDEX_KEY] = self.groups[local], records
                 yield BlockAccessor.batch_to_block(out)
-        finally:
-            assembler.close()
-            if reader is not None:
-                reader.close()
 
 
 def _gather(block: Sequence[_Part]) -> tuple[np.ndarray, np.ndarray]:

@@ -2,8 +2,8 @@
 pass reports to its loader, and the state that carries across passes (where the user stands,
 autotune's worker count and prefetch).
 
-`Pipeline.start` wires one pass: the assembler's parts (stoker.engine.assembler.build_parts),
-the assembler, the planned tasks (coalesced, fetched ahead, advised ahead) and the executor's
+`Pipeline.start` wires one pass: the reader of the catalog (stoker.engine.reader.open_reader,
+an assembler and its parts), the planned tasks (coalesced, fetched ahead, advised ahead) and the executor's
 map, handed to a `Pass`, the iterator `iter(loader)` returns. `Workers` says once what differs
 between worker threads and worker processes, so nothing above branches on `workers`.
 """
@@ -26,7 +26,7 @@ from ..errors import SupersededError
 from ..io.fetch import Fetcher
 from ..io.readahead import AHEAD_BYTES, Readahead
 from ..plan.batches import BatchPlan, coalesce, next_pass
-from .assembler import Assembler, Task, build_parts
+from .assembler import Assembler, Task
 from .autotune import ThreadTuner, wanted_prefetch
 from .decoded import KeptDecoded
 from .executor import (
@@ -43,6 +43,7 @@ from .executor import (
 )
 from .fusion import Stage
 from .maps import KeptMaps
+from .reader import open_reader
 from .stats import Counters
 
 if TYPE_CHECKING:
@@ -209,21 +210,20 @@ class Pipeline:
     """What every pass of a loader shares, and `start`, which wires one pass.
 
     Args:
-        catalog: the files of the dataset (or subset) the passes read.
-        open_assembler: builds a pass's assembler (`Dataset.assembler`; a subset's selects records).
+        catalog: the files of the dataset (or the view of a subset) the passes read.
         dtypes: what each field is assembled as (the cast, or a fused transform's input).
         units: batches assembled together (see stoker.engine.budget.COALESCE_BYTES).
         fetch: `(num_parallel_reads, fetch_bytes, part_bytes)` of remote reads (stoker.io.fetch).
     """
 
     def __init__(
-        self, catalog: Catalog, open_assembler: Callable[..., Assembler], dtypes: Mapping[str, np.dtype], *,
+        self, catalog: Catalog, dtypes: Mapping[str, np.dtype], *,
         batch_size: int, with_index: bool, stage: Stage | None, units: int, workers: Workers, executor: Executor,
         autotune: Autotune,
         counters: Counters, kept_maps: KeptMaps | None, kept_decoded: KeptDecoded, fetch: tuple[int, int, int],
         drop_behind: bool, gathers: bool, seek_fields: frozenset[str], record_bytes: int,
     ) -> None:  # fmt: skip
-        self.catalog, self.open_assembler, self.dtypes = catalog, open_assembler, dict(dtypes)
+        self.catalog, self.dtypes = catalog, dict(dtypes)
         self.batch_size, self.with_index, self.stage, self.units = batch_size, with_index, stage, units
         self.workers, self.executor, self.autotune, self.counters = workers, executor, autotune, counters
         self.kept_maps, self.kept_decoded, self.fetch = kept_maps, kept_decoded, fetch
@@ -262,15 +262,12 @@ class Pipeline:
         pool, own_pool = self.pass_pool(allocator, pooled)
         stop_flag = StopFlag()  # one stop event: a worker waiting for its turn on a stream wakes when the map closes
         reads, fetch_bytes, part_bytes = self.fetch
-        parts = build_parts(
-            self.catalog, self.dtypes,
+        assembler = open_reader(
+            self.catalog, self.dtypes, allocator=pool, batch_size=self.batch_size, with_index=self.with_index,
+            fused=self.stage,  # built-in transforms run as records are read
             fetcher=Fetcher(reads, ahead_bytes=fetch_bytes, part_bytes=part_bytes), counters=self.counters,
             readahead=Readahead(drop_behind=self.drop_behind, gathers=self.gathers),
             stop=stop_flag, seek_fields=self.seek_fields, kept_maps=self.kept_maps, kept_decoded=self.kept_decoded,
-        )  # fmt: skip
-        assembler = self.open_assembler(
-            self.dtypes, pool, parts, batch_size=self.batch_size, with_index=self.with_index,
-            fused=self.stage,  # built-in transforms run as records are read
         )  # fmt: skip
         # Batches assembled together: the engine, its look-ahead and autotune count these
         # units; the pass hands their parts out one by one.
@@ -281,7 +278,7 @@ class Pipeline:
         if in_process:  # worker processes read for themselves
             plans = assembler.fetching_ahead(plans)
         tasks: Iterator[Task] = map(assembler.prepare, plans)
-        if parts.readahead.gathers_ahead:
+        if assembler.parts.readahead.gathers_ahead:
             tasks = advising_ahead(tasks, max(1, AHEAD_BYTES // (self.batch_size * units * self.record_bytes)))
         work: Callable[[Task], Any] = assembler
         if units > 1:

@@ -28,13 +28,14 @@ from ..errors import CorruptDataError, PairingError, ReadError, SpecError, Stoke
 from ..machine import open_regular
 from ..spec import Field, shape_hint
 from .index import IndexLookup, apply_index, record_count, resolve_index_dir
+from .indexlock import Pin
 from .inflate import GZIP_MAGIC, decompressed_size, gzip_trailer_size
 from .manifest import load_manifest
 from .remote import Probe, Version, is_remote
 from .seekpoints import SeekPoint
 from .unchanged import Seen
 
-__all__ = ["Catalog", "FileInfo", "Group", "expand_files"]
+__all__ = ["Catalog", "FileInfo", "Group", "Inspected", "expand_files"]
 
 _DIGITS = re.compile(r"\d+")
 _SUFFIXES = {".gz": "gzip", ".gzip": "gzip", ".zz": "zlib", ".zlib": "zlib"}
@@ -408,8 +409,27 @@ def _keys_agree(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     return a[len(a) - n :] == b[len(b) - n :]
 
 
+def _fspath(path: str | os.PathLike[str] | None) -> str | None:
+    return None if path is None else os.fspath(path)
+
+
+@dataclass(frozen=True)
+class Inspected:
+    """Groups another catalog inspected already: their files, record counts (None: not settled
+    yet), seek points (keyed by the new group numbers) and the index pins that hold them."""
+
+    files: list[dict[str, FileInfo]]
+    counts: list[int | None]
+    seek_points: dict[tuple[int, str], tuple[SeekPoint, ...]]
+    index_pins: list[Pin]
+
+
 class Catalog:
-    """All groups of a Dataset; record counts settled lazily and thread-safely."""
+    """All groups of a Dataset; record counts settled lazily and thread-safely.
+
+    `inspected`: groups another catalog inspected (`part`, `stoker.io.views.CatalogView`): taken
+    as they are, nothing globbed, stat'ed or counted again.
+    """
 
     def __init__(
         self,
@@ -418,10 +438,21 @@ class Catalog:
         pair_key: str | None = None,
         index: str = "auto",
         index_dir: str | os.PathLike[str] | None = None,
+        inspected: Inspected | None = None,
     ) -> None:
         self.fields = dict(fields)
-        # Where the persistent index lives (None: beside the data); see stoker.io.index.
-        self.index_dir = resolve_index_dir(index_dir)
+        # Where the persistent index lives (None: beside the data); see stoker.io.index. Inspected
+        # groups keep their catalog's, resolved already ($STOKER_INDEX_DIR as it was then).
+        self.index_dir = resolve_index_dir(index_dir) if inspected is None else _fspath(index_dir)
+        self._lock = threading.Lock()
+        self._exact: dict[tuple[int, str], int] = {}
+        if inspected is not None:
+            self.num_groups = len(inspected.files)
+            self.files: list[dict[str, FileInfo]] = inspected.files
+            self._counts: list[int | None] = list(inspected.counts)
+            self.seek_points: dict[tuple[int, str], tuple[SeekPoint, ...]] = inspected.seek_points
+            self.index_pins = inspected.index_pins
+            return
         lookup = IndexLookup(index, self.index_dir)
         # Fields that are all URLs, with a manifest in index_dir: built from it alone (no listing, no probe).
         manifest = load_manifest(self.index_dir, self.fields, index)
@@ -451,16 +482,14 @@ class Catalog:
                         field=other, path=paths[other][g],
                     )  # fmt: skip
         probes = {name: _probe_remote(name, self.fields[name], paths[name]) for name in names} if not manifest else {}
-        self.files: list[dict[str, FileInfo]] = manifest.files(self.fields) if manifest else [
+        self.files = manifest.files(self.fields) if manifest else [
             {n: _inspect(n, self.fields[n], paths[n][g], lookup, probes[n].get(paths[n][g])) for n in names}
             for g in range(self.num_groups)
         ]  # fmt: skip
-        self._counts: list[int | None] = [None] * self.num_groups
-        self._lock = threading.Lock()
+        self._counts = [None] * self.num_groups
         # From a persistent index that matches the file (see stoker.io.index): exact counts of
-        # compressed files and their seek points (compressed, decompressed offsets).
-        self._exact: dict[tuple[int, str], int] = {}
-        self.seek_points: dict[tuple[int, str], tuple[SeekPoint, ...]] = {}
+        # compressed files (`_exact`) and their seek points (compressed, decompressed offsets).
+        self.seek_points = {}
         # Held while the catalog lives: no re-index removes the windows files its seek points name.
         indexed, self.index_pins = apply_index(self, lookup)
         for (g, n), (records, points) in indexed.items():
@@ -522,6 +551,10 @@ class Catalog:
         """The catalog of the whole dataset (a subset's view answers with its parent's)."""
         return self
 
+    def to_root(self, groups: np.ndarray, records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(group, record) of this catalog as (group, record in the file) of `root()`: the same here."""
+        return groups, records
+
     def part(self, groups: Sequence[int]) -> Catalog:
         """A catalog of `groups` alone (non-empty), numbered 0.. in the order given: their
         files, settled counts and seek points, each field naming only their files.
@@ -529,23 +562,20 @@ class Catalog:
         What a reader of those groups in another process needs and no more, so what it costs
         to ship does not grow with the other groups (stoker.ray sends one to each read task).
         """
-        part = Catalog.__new__(Catalog)  # not __init__: nothing is globbed, stat'ed or counted again
-        part.fields = {
+        fields = {
             n: dataclasses.replace(spec, files=[self.files[g][n].path for g in groups])
             for n, spec in self.fields.items()
         }
-        part.index_dir = self.index_dir
-        part.index_pins = self.index_pins
-        part.num_groups = len(groups)
-        part.files = [self.files[g] for g in groups]
-        part._counts = [self.count(g) for g in groups]
-        part._lock = threading.Lock()
-        part._exact = {}  # every count is settled already
-        part.seek_points = {
-            (i, n): self.seek_points[(g, n)] for i, g in enumerate(groups) for n in self.fields
-            if (g, n) in self.seek_points
-        }  # fmt: skip
-        return part
+        inspected = Inspected(
+            files=[self.files[g] for g in groups],
+            counts=[self.count(g) for g in groups],  # every count settled: the part reads no index
+            seek_points={
+                (i, n): self.seek_points[(g, n)] for i, g in enumerate(groups) for n in self.fields
+                if (g, n) in self.seek_points
+            },
+            index_pins=self.index_pins,
+        )  # fmt: skip
+        return Catalog(fields, index_dir=self.index_dir, inspected=inspected)
 
     def set_indexed(self, g: int, name: str, records: int, seek_points: tuple[SeekPoint, ...]) -> None:
         """Record what a matching persistent index says of field `name` of group `g`."""
