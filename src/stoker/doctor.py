@@ -257,8 +257,8 @@ def step_verdict(step_ms: float, utilization: float, wait_fraction: float, cores
     return _see(
         "step-starved",
         f"your step of {step_ms:g} ms would wait {wait_fraction:.0%} of the time (the accelerator busy "
-        f"{utilization:.0%}, under MLPerf Storage's {STEP_FED:.0%}): stoker cannot make a batch in "
-        f"{step_ms:g} ms here; a larger batch_size gives the step more time per batch; {left}",
+        f"{utilization:.0%}, under MLPerf Storage's {STEP_FED:.0%}): stoker did not have a batch ready "
+        f"every {step_ms:g} ms here; a larger batch_size gives the step more time per batch; {left}",
     )
 
 

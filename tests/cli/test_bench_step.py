@@ -91,23 +91,33 @@ def _au(step: float, batch: float, hand: float) -> float:
 @pytest.mark.parametrize(("batch", "hand"), [(0.001, 0.00001), (0.0003, 0.000044), (0.005, 0.0), (0.0, 0.0001)])
 @pytest.mark.parametrize("target", [0.9, 0.99])
 def test_the_smallest_step_is_where_the_model_s_au_reaches_the_target(batch: float, hand: float, target: float) -> None:
-    s = smallest_step(batch, hand, target)
+    s = smallest_step(batch, [(0.002, hand)], target)
     assert _au(s, batch, hand) == pytest.approx(target)
     assert _au(s * 0.98, batch, hand) < target
 
 
 def test_the_smallest_step_in_both_regimes_by_hand() -> None:
     # The step shorter than the batch: AU = s / (batch + hand), so s = 0.9 x 1.01 ms.
-    assert smallest_step(0.001, 0.00001, 0.9) == pytest.approx(0.000909)
+    assert smallest_step(0.001, [(0.005, 0.00001)], 0.9) == pytest.approx(0.000909)
     # The step longer than the batch: AU = s / (s + hand), so s = 99 x hand.
-    assert smallest_step(0.0003, 0.000044, 0.99) == pytest.approx(0.004356)
+    assert smallest_step(0.0003, [(0.02, 0.000044)], 0.99) == pytest.approx(0.004356)
     with pytest.raises(ValueError, match="utilization=1"):
-        smallest_step(0.001, 0.0, 1)
+        smallest_step(0.001, [(0.001, 0.0)], 1)
+    with pytest.raises(ValueError, match="no handoff measured"):
+        smallest_step(0.001, [], 0.9)
 
 
-def test_the_handoff_is_the_wait_less_the_step_s_shortfall_on_the_loader() -> None:
-    assert handoff(0.001, 0.005, 0.00004) == pytest.approx(0.00004)  # ahead: the whole wait
-    assert handoff(0.003, 0.001, 0.00205) == pytest.approx(0.00005)  # 2 ms of the wait is the shortfall
+def test_the_handoff_is_interpolated_between_the_steps_measured() -> None:
+    # 22.5 us at 2 ms, 35 us at 5 ms: 99% busy where s / 99 = h(s), at 2.39 ms, between them.
+    hands = [(0.005, 0.000035), (0.002, 0.0000225), (0.02, 0.00008)]
+    s = smallest_step(0.00073, hands, 0.99)
+    assert s == pytest.approx(0.0023876, rel=1e-3)
+    assert _au(s, 0.00073, 0.0000225 + (s - 0.002) * 0.0000125 / 0.003) == pytest.approx(0.99)
+
+
+def test_the_handoff_is_the_loop_s_other_time_less_the_step_s_shortfall_on_the_loader() -> None:
+    assert handoff(0.001, 0.005, 0.00004) == pytest.approx(0.00004)  # ahead: all of it
+    assert handoff(0.003, 0.001, 0.00205) == pytest.approx(0.00005)  # 2 ms of it is the shortfall
     assert handoff(0.003, 0.001, 0.001) == 0.0
 
 
@@ -232,3 +242,12 @@ def test_bench_cold_reports_how_the_cache_was_dropped(
     figures = json.loads(captured.out)
     assert figures["cold"].startswith("fadvise: posix_fadvise(DONTNEED) on each file")
     assert "cold: page cache dropped before each run by fadvise: " in captured.err
+
+
+def test_bench_refuses_a_step_that_is_not_a_positive_number_and_step_with_compare(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "--step", "2,0"]) != 0
+    assert "--step '2,0': '0' is not a positive number of milliseconds" in capsys.readouterr().err
+    assert main(["bench", "--compare", "--step", "2"]) != 0
+    assert "--step, --cold and --json measure stoker against its ceiling" in capsys.readouterr().err

@@ -12,8 +12,9 @@ overshoot is the step's, not a wait on the loader.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,27 +137,51 @@ def take(
     return Stepped(k, n, elapsed, stepped, waited, used, n * record_bytes)
 
 
-def smallest_step(batch_seconds: float, handoff_seconds: float, utilization: float) -> float:
+def smallest_step(batch_seconds: float, handoffs: Sequence[tuple[float, float]], utilization: float) -> float:
     """The smallest step (seconds) a loader keeps busy `utilization` of the time, in the model
-    `wait(step) = max(0, batch_seconds - step) + handoff_seconds` per batch.
+    `wait(step) = max(0, batch_seconds - step) + handoff(step)` per batch, AU = step / (step + wait).
 
     `batch_seconds` is the loader's time per batch with no step (batch size over its
-    records/s): below it, the step outruns the loader and waits for the difference. The
-    handoff is what a batch costs the consumer even when it is ready (measured as the wait
-    at a step longer than `batch_seconds`). AU is `step / (step + wait)`.
+    records/s): a step shorter than that outruns the loader and waits for the difference. The
+    handoff is what each batch costs the loop beyond that even when the batch is ready (taking
+    it, waking the consumer, the loop's bookkeeping), measured at the steps run: `handoffs` is
+    (step, handoff) pairs, interpolated linearly between them and held constant beyond them,
+    since it grows with the step (workers idle longer take longer to wake).
     """
     if not 0 < utilization < 1:
         raise ValueError(f"{utilization=} must be between 0 and 1")
-    short = utilization * (batch_seconds + handoff_seconds)  # the solution with step <= batch_seconds
-    if short <= batch_seconds:
-        return short
-    return handoff_seconds * utilization / (1 - utilization)
+    if not handoffs:
+        raise ValueError("no handoff measured: the model needs at least one (step, handoff)")
+    points = sorted(handoffs)
+
+    def handoff_at(step: float) -> float:
+        if step <= points[0][0]:
+            return points[0][1]
+        for (s0, h0), (s1, h1) in itertools.pairwise(points):
+            if step <= s1:
+                return h0 + (h1 - h0) * (step - s0) / (s1 - s0) if s1 > s0 else h1
+        return points[-1][1]
+
+    def busy(step: float) -> float:
+        return step / (step + max(0.0, batch_seconds - step) + handoff_at(step))
+
+    # AU grows with the step (the handoff grows more slowly than the step), so bisect for it.
+    low, high = 0.0, max(batch_seconds, points[-1][0], 1e-6)
+    while busy(high) < utilization:
+        high *= 2
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if busy(mid) < utilization else (low, mid)
+        if high - low <= 1e-12:
+            break
+    return high
 
 
-def handoff(batch_seconds: float, step: float, wait_per_batch: float) -> float:
-    """The model's handoff from a wait measured at `step`: what is left of the wait once the
-    step's shortfall on the loader (`batch_seconds - step`, where positive) is taken off."""
-    return max(0.0, wait_per_batch - max(0.0, batch_seconds - step))
+def handoff(batch_seconds: float, step: float, other_per_batch: float) -> float:
+    """The model's handoff from a run at `step` (seconds per batch, as the step took): the loop's
+    time per batch outside the step, less the step's shortfall on the loader
+    (`batch_seconds - step`, where positive)."""
+    return max(0.0, other_per_batch - max(0.0, batch_seconds - step))
 
 
 def parse_steps(text: str) -> list[float]:
