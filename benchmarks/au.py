@@ -170,6 +170,10 @@ def chart(figures: dict[str, dict[str, dict[str, float]]], steps: list[float], p
         right.plot(at, [f["cpu_seconds_per_gb"] for f in by_step.values()], **style)
     left.axhline(90, color="tab:red", linestyle="--", linewidth=1, label="MLPerf Storage pass (90%)")
     right.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+
+    right.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    right.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     for ax, title in ((left, "accelerator utilization, % (median)"), (right, "CPU seconds per GB (median)")):
         ax.set_xscale("log")
         ax.set_xticks(steps, [f"{ms:g}" for ms in steps])
