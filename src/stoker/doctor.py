@@ -245,6 +245,9 @@ def step_verdict(step_ms: float, utilization: float, wait_fraction: float, cores
         wait_fraction: the share of the run's wall time the step's loop waited for a batch.
         cores_used: the loader's CPU seconds over the run's wall seconds.
         cores: the cores the process may run on.
+
+    >>> step_verdict(20, 0.987, 0.011, 0.35, 2).split("; ")[0]
+    'your step of 20 ms would wait 1.1% of the time (the accelerator busy 98.7%, MLPerf Storage passes at 90%)'
     """
     free = max(0.0, cores - cores_used)
     left = f"stoker used {cores_used:.2f} of {cores_phrase(cores)}, leaving {free:.2f} free for your step's host work"

@@ -6,8 +6,8 @@ Accelerator utilization (AU) is MLPerf Storage's score: the share of the wall ti
 accelerator spends in its step; a storage system passes at 90% or more. The step here is a
 `sleep` (the host thread idle, as while an accelerator computes) or a `cpu` spin (a step the
 host itself runs). The time in the step is measured where it runs rather than taken as the
-nominal step times the batches, since a sleep overshoots by tens of microseconds and that
-overshoot is the step's, not a wait on the loader.
+nominal step times the batches, since a sleep overshoots (by a tenth of a millisecond or more
+on a busy machine) and that overshoot is the step's, not a wait on the loader.
 """
 
 from __future__ import annotations
