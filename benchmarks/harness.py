@@ -37,9 +37,9 @@ from stoker.cli.bench import (
     COMPRESSED_CEILING_LOOPS,
     batch_rows,
     burn,
+    evict_page_cache,
     output_buffer,
 )
-from stoker.cli.bench import _evict_page_cache as evict_page_cache
 from stoker.cli.sample import cached_sample, expected_label
 from stoker.cli.steps import Stepped
 from stoker.cli.steps import take as take_stepped

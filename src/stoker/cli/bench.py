@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import SpecError
 from ..machine import available_cores, cores_phrase
 from ..spec import resolve_cast
+from .bench_steps import add_step_args, add_stepped, report_steps
 from .config import add_dir_args, add_field_args, dataset_from_fields, directory_layout, field_specs
 from .contenders import (
     CEILING_LOOPS,
@@ -33,14 +34,13 @@ from .contenders import (
     evict_page_cache,
     measure,
     output_buffer,
+    rounds_figures,
     run_child,
     summarize,
 )
 from .output import Progress, counted
 from .sample import cached_sample
-from .steps import STEP_KINDS, Stepped, handoff, parse_steps, smallest_step
-
-_evict_page_cache = evict_page_cache  # the name benchmarks/harness.py imports
+from .steps import parse_steps
 
 __all__ = [
     "CEILING_LOOPS",
@@ -206,8 +206,7 @@ def _measure(args: argparse.Namespace, steps: list[float], figures: dict[str, An
         "stoker": {"fields": specs, "batch": args.batch_size, "cast": cast, "seconds": args.seconds,
                    "warmup": args.warmup or True, "pair_key": args.pair_key, **settings, **cold},
     }  # fmt: skip
-    for ms in steps:
-        contenders[_stepped("stoker", ms)] = {**contenders["stoker"], "step_ms": ms, "step_kind": args.step_kind}
+    add_stepped(contenders, "stoker", "stoker", steps, args.step_kind)
     widest = max(ds.fields, key=lambda n: ds.fields[n].record_bytes)
     if not args.no_ceiling:
         f = ds.fields[widest]
@@ -222,14 +221,8 @@ def _measure(args: argparse.Namespace, steps: list[float], figures: dict[str, An
                 "seconds": args.seconds, "warmup": args.warmup, **cold,
             }  # fmt: skip
         if not compressed:
-            for ms in steps:
-                contenders[_stepped("ceiling:stepped", ms)] = {
-                    **contenders["ceiling:mmap_kept"], "loop": "stepped", "step_ms": ms, "step_kind": args.step_kind,
-                }  # fmt: skip
+            add_stepped(contenders, "ceiling:mmap_kept", "ceiling:stepped", steps, args.step_kind)
     shown = ", ".join(f"{k}={v}" for k, v in cast.items()) if isinstance(cast, dict) else cast or "none"
-    print(f"{ds!r}: {counted(len(ds), 'record')}; batch {args.batch_size}, cast {shown}; "
-          f"{counted(rounds, 'alternated round')} of {args.seconds:g}s, each after {args.warmup:g}s of warm-up",
-          flush=True)  # fmt: skip
     bar = Progress(rounds * len(contenders), "bench", "runs")
     done: dict[str, list[Measurement]] = {name: [] for name in contenders}
 
@@ -237,7 +230,10 @@ def _measure(args: argparse.Namespace, steps: list[float], figures: dict[str, An
         done[m.contender].append(m)
         bar.step(m.contender)
 
-    try:
+    try:  # the header too: a Ctrl-C the moment it is printed is a Ctrl-C during the rounds
+        print(f"{ds!r}: {counted(len(ds), 'record')}; batch {args.batch_size}, cast {shown}; "
+              f"{counted(rounds, 'alternated round')} of {args.seconds:g}s, each after {args.warmup:g}s of warm-up",
+              flush=True)  # fmt: skip
         measure(contenders, rounds=rounds, on_result=finished)
     except KeyboardInterrupt:
         whole = min(len(ms) for ms in done.values())
@@ -247,11 +243,6 @@ def _measure(args: argparse.Namespace, steps: list[float], figures: dict[str, An
         return 130
     _report(done, widest, args, steps, figures)
     return 0
-
-
-def _stepped(contender: str, ms: float) -> str:
-    """A contender's name under a step: `stoker step=2ms`."""
-    return f"{contender} step={ms:g}ms"
 
 
 def _report(
@@ -267,11 +258,7 @@ def _report(
     figures.update({
         "batch_size": args.batch_size, "rounds": rounds, "seconds": args.seconds, "warmup": args.warmup,
         "cold": next((m.evicted for m in results["stoker"] if m.evicted), None) if args.cold else None,
-        "contenders": {
-            name: {"records_per_s": [m.records_per_s for m in ms], "mb_per_s": [m.mb_per_s for m in ms],
-                   "cpu_seconds": [m.cpu_seconds for m in ms], "seconds": [m.seconds for m in ms]}
-            for name, ms in results.items()
-        },
+        "contenders": {name: rounds_figures(ms) for name, ms in results.items()},
     })  # fmt: skip
     if args.cold:
         print(f"cold: page cache dropped before each run by {figures['cold']}")
@@ -299,7 +286,7 @@ def _report(
     # The stoker round at the median rate stands for the run: its stage split and CPU.
     figures["ceiling_ratio"] = ratio
     if steps:
-        _report_steps(results, steps, args, figures)
+        report_steps(results, steps, args.batch_size, args.step_kind, figures)
     runs = sorted(results["stoker"], key=lambda m: m.records_per_s)
     median_run = runs[len(runs) // 2]
     if not median_run.stats:
@@ -324,64 +311,6 @@ def _report(
     print(f"verdict: {figures['verdict']}")
     for said in figures.get("step_verdicts", []):
         print(f"verdict: {said}")
-
-
-def _median_stepped(ms: list[Measurement]) -> Stepped | None:
-    """The round at the median AU, standing for a stepped contender."""
-    done = sorted((Stepped.from_dict(m.stepped) for m in ms if m.stepped), key=lambda s: s.utilization)
-    return done[len(done) // 2] if done else None
-
-
-def _report_steps(
-    results: dict[str, list[Measurement]], steps: list[float], args: argparse.Namespace, figures: dict[str, Any]
-) -> None:
-    """Per step: AU, records/s, cores and CPU-s/GB of stoker and of the stepped ceiling loop,
-    then the smallest step stoker keeps 90% and 99% busy (see stoker.cli.steps.smallest_step)."""
-    from ..doctor import step_verdict
-
-    cores = available_cores()
-    print(f"under a step of N ms per batch ({args.step_kind}), median round: AU = time in the step / wall time")
-    print(f"{'step':>8} {'':<8} {'AU':>6} {'waits':>6} {'records/s':>10} {'cores':>6} {'CPU-s/GB':>9}")
-    rows: list[dict[str, Any]] = []
-    for ms in steps:
-        row: dict[str, Any] = {"step_ms": ms}
-        for who, name in (("stoker", _stepped("stoker", ms)), ("ceiling", _stepped("ceiling:stepped", ms))):
-            s = _median_stepped(results.get(name, []))
-            if s is None:
-                continue
-            row[who] = s.to_dict()
-            row[who]["utilization_rounds"] = [
-                Stepped.from_dict(m.stepped).utilization for m in results[name] if m.stepped
-            ]
-            print(f"{ms:>6g}ms {who:<8} {s.utilization:>6.1%} {s.wait_fraction:>6.1%} {s.records_per_s:>10,.0f} "
-                  f"{s.cores:>6.2f} {s.cpu_seconds_per_gb:>9.2f}")  # fmt: skip
-        rows.append(row)
-    figures["step_kind"] = args.step_kind
-    figures["steps"] = rows
-    # The model's numbers: stoker's time per batch with no step, and the handoff measured at
-    # each step (the loop's time per batch outside the step, less the step's shortfall).
-    rate = summarize([m.records_per_s for m in results["stoker"]])[0]
-    measured = [(r["step_ms"], m) for r in rows if "stoker" in r and (m := Stepped.from_dict(r["stoker"])).batches]
-    if rate <= 0 or not measured:
-        return
-    batch_s = args.batch_size / rate
-    hands = []
-    for _, m in measured:
-        step = m.step_seconds / m.batches  # as the step took, per batch
-        hands.append((step, handoff(batch_s, step, (m.seconds - m.step_seconds) / m.batches)))
-    au90, au99 = smallest_step(batch_s, hands, 0.90), smallest_step(batch_s, hands, 0.99)
-    figures["smallest_step_ms"] = {
-        "au_90": au90 * 1000, "au_99": au99 * 1000, "batch_ms": batch_s * 1000,
-        "handoff_ms": {f"{ms:g}": h * 1000 for (ms, _), (_, h) in zip(measured, hands, strict=True)},
-    }  # fmt: skip
-    shown = ", ".join(f"{h * 1000:.3f} ms at {s * 1000:.2f} ms" for s, h in hands)
-    print(f"stoker keeps a step of {au90 * 1000:.2f} ms or more 90% busy, {au99 * 1000:.2f} ms or more 99% busy "
-          f"(its batch of {args.batch_size} takes {batch_s * 1000:.2f} ms with no step; the loop's other time per "
-          f"batch, at each step: {shown})")  # fmt: skip
-    figures["step_verdicts"] = [
-        step_verdict(r["step_ms"], fig["utilization"], fig["wait_fraction"], fig["cores"], cores)
-        for r in rows if (fig := r.get("stoker"))
-    ]  # fmt: skip
 
 
 def _too_short(run: Measurement, batch_size: int, warmup: float) -> str | None:
@@ -442,26 +371,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--block-length", type=int, default=None,
                    help="records read from a file before the next (default: ~4 MiB of the widest field)")  # fmt: skip
     p.add_argument("--no-ceiling", action="store_true", help="measure stoker alone (default: off)")
-    p.add_argument(
-        "--step",
-        metavar="MS",
-        default=None,
-        help="after each batch, a training step of MS milliseconds (or a comma list: 1,2,5,20), for stoker and "
-        "the ceiling loop alike: reports accelerator utilization, cores used and CPU-seconds per GB (default: none)",
-    )
-    p.add_argument(
-        "--step-kind",
-        choices=STEP_KINDS,
-        default="sleep",
-        help="sleep: the host thread idle, as while an accelerator computes; cpu: a step the host runs "
-        "(default: sleep)",
-    )
-    p.add_argument(
-        "--cold",
-        action="store_true",
-        help="drop the page cache before each run (the whole cache as root, else each file's pages) and say how "
-        "(default: off)",
-    )
+    add_step_args(p)
+    p.add_argument("--cold", action="store_true", help="drop the page cache before each run (the whole cache as "
+                   "root, else each file's pages) and say how (default: off)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print every figure as one JSON object on stdout (default: off)")
     p.add_argument(
         "--compare",

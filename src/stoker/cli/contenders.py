@@ -51,6 +51,7 @@ __all__ = [
     "evict_page_cache",
     "measure",
     "output_buffer",
+    "rounds_figures",
     "run_child",
     "summarize",
 ]
@@ -225,6 +226,12 @@ def measure(
             if on_result is not None:
                 on_result(r, m)
     return results
+
+
+def rounds_figures(ms: Sequence[Measurement]) -> dict[str, list[float]]:
+    """A contender's figures, round by round, as `stoker bench --json` gives them."""
+    return {"records_per_s": [m.records_per_s for m in ms], "mb_per_s": [m.mb_per_s for m in ms],
+            "cpu_seconds": [m.cpu_seconds for m in ms], "seconds": [m.seconds for m in ms]}  # fmt: skip
 
 
 def summarize(values: Sequence[float]) -> tuple[float, float, float]:
