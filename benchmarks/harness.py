@@ -37,10 +37,12 @@ from stoker.cli.bench import (
     COMPRESSED_CEILING_LOOPS,
     batch_rows,
     burn,
+    evict_page_cache,
     output_buffer,
 )
-from stoker.cli.bench import _evict_page_cache as evict_page_cache
 from stoker.cli.sample import cached_sample, expected_label
+from stoker.cli.steps import Stepped
+from stoker.cli.steps import take as take_stepped
 from stoker.engine.records import RecordReader
 from stoker.engine.stats import LoaderStats
 from stoker.io.readahead import Readahead, physical_memory
@@ -57,6 +59,7 @@ __all__ = [
     "Rounds",
     "Run",
     "Spread",
+    "Stepped",
     "add_out_argument",
     "alternate",
     "burn",
@@ -75,6 +78,7 @@ __all__ = [
     "stoker_child",
     "summary_table",
     "table",
+    "take_stepped",
     "versus_table",
     "time_batches",
     "write_results",

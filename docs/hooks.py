@@ -1,5 +1,5 @@
 """mkdocs hooks: the command-line reference, rendered from the parser the `stoker` command runs,
-and the benchmark chart taken from where benchmarks/compare.py writes it.
+and the benchmark charts taken from where benchmarks/compare.py and benchmarks/au.py write them.
 
 docs/reference/cli.md holds the marker below; at build time it becomes each subcommand's `--help`,
 so the page can never drift from the code. The chart is added to the site's files from
@@ -17,7 +17,10 @@ from typing import Any
 MARKER = "<!-- stoker-cli-help -->"
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
-CHARTS = {"assets/compare.png": REPO / "benchmarks" / "results" / "compare.png"}
+CHARTS = {
+    "assets/compare.png": REPO / "benchmarks" / "results" / "compare.png",
+    "assets/au.png": REPO / "benchmarks" / "results" / "au.png",
+}
 
 
 def _help(parser: argparse.ArgumentParser) -> str:

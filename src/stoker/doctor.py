@@ -15,7 +15,7 @@ from .engine.stats import LoaderStats
 from .io.inflate import BACKEND
 from .machine import cores_phrase
 
-__all__ = ["AT_CEILING", "CONSUMER_BOUND", "VERDICTS_PAGE", "VERDICT_IDS", "verdict"]
+__all__ = ["AT_CEILING", "CONSUMER_BOUND", "STEP_FED", "VERDICTS_PAGE", "VERDICT_IDS", "step_verdict", "verdict"]
 
 # Every verdict ends by naming its section of this page, so a user can read what to change.
 VERDICTS_PAGE = "docs/performance/verdicts.md"
@@ -41,12 +41,16 @@ VERDICT_IDS = (
     "copy-decompressed",
     "cast",
     "per-batch-overhead",
+    "step-fed",
+    "step-starved",
 )
 
 # The consumer's own work is more than half the loop: stoker is ahead and waits on it.
 CONSUMER_BOUND = 0.5
 # The issue's target: within 10% of the fastest simple loop on the same files.
 AT_CEILING = 0.9
+# MLPerf Storage's pass mark: the accelerator busy in its step this share of the time or more.
+STEP_FED = 0.9
 # Workers busy on reads but on the CPU less than this share of that time: they wait on storage.
 IO_BOUND_CPU = 0.5
 # Batch buffers made anew for more than this share of the buffers delivered (after at least
@@ -228,6 +232,36 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
         "per-batch-overhead",
         f"per-batch overhead (buffers, files, bookkeeping) limits you ({share:.0%} of worker time{where}): "
         f"raise batch_size (now {stats.batch_size})",
+    )
+
+
+def step_verdict(step_ms: float, utilization: float, wait_fraction: float, cores_used: float, cores: int) -> str:
+    """Whether a training step of `step_ms` per batch would wait on the loader, and the cores
+    the loader leaves it, from a run with that step emulated (`stoker bench --step`).
+
+    Args:
+        step_ms: the step, in milliseconds per batch.
+        utilization: the share of the run's wall time spent in the step (AU).
+        wait_fraction: the share of the run's wall time the step's loop waited for a batch.
+        cores_used: the loader's CPU seconds over the run's wall seconds.
+        cores: the cores the process may run on.
+
+    >>> step_verdict(20, 0.987, 0.011, 0.35, 2).split("; ")[0]
+    'your step of 20 ms would wait 1.1% of the time (the accelerator busy 98.7%, MLPerf Storage passes at 90%)'
+    """
+    free = max(0.0, cores - cores_used)
+    left = f"stoker used {cores_used:.2f} of {cores_phrase(cores)}, leaving {free:.2f} free for your step's host work"
+    if utilization >= STEP_FED:
+        return _see(
+            "step-fed",
+            f"your step of {step_ms:g} ms would wait {wait_fraction:.1%} of the time (the accelerator busy "
+            f"{utilization:.1%}, MLPerf Storage passes at {STEP_FED:.0%}); {left}",
+        )
+    return _see(
+        "step-starved",
+        f"your step of {step_ms:g} ms would wait {wait_fraction:.0%} of the time (the accelerator busy "
+        f"{utilization:.0%}, under MLPerf Storage's {STEP_FED:.0%}): stoker did not have a batch ready "
+        f"every {step_ms:g} ms here; a larger batch_size gives the step more time per batch; {left}",
     )
 
 

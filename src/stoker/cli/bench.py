@@ -8,6 +8,8 @@ their names are re-exported here, and `python -m stoker.cli.bench CONTENDER JSON
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import numpy as np
 from ..errors import SpecError
 from ..machine import available_cores, cores_phrase
 from ..spec import resolve_cast
+from .bench_steps import add_step_args, add_stepped, report_steps
 from .config import add_dir_args, add_field_args, dataset_from_fields, directory_layout, field_specs
 from .contenders import (
     CEILING_LOOPS,
@@ -31,13 +34,13 @@ from .contenders import (
     evict_page_cache,
     measure,
     output_buffer,
+    rounds_figures,
     run_child,
     summarize,
 )
 from .output import Progress, counted
 from .sample import cached_sample
-
-_evict_page_cache = evict_page_cache  # the name benchmarks/harness.py imports
+from .steps import parse_steps
 
 __all__ = [
     "CEILING_LOOPS",
@@ -73,6 +76,8 @@ examples:
   stoker bench data/                   # a directory: its stoker.toml (or the `stoker sample` layout)
   stoker bench --config data/stoker.toml --batch-size 512 --cast image=float16
   stoker bench --field 'x=data/*.bin:uint8:64x64x3' --rounds 5 --seconds 5
+  stoker bench --step 1,2,5,20         # will a training step of 1..20 ms wait? AU, cores, CPU-s/GB
+  stoker bench --step 2 --cold --json  # after dropping the page cache; every figure as JSON
   stoker bench --compare --workloads W1,W3    # tf.data, DataLoader and Grain beside stoker (from a checkout)
 """
 
@@ -161,7 +166,22 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     _check_numbers(args)
+    steps = parse_steps(args.step) if args.step else []
+    if args.json and not args.compare:
+        # The table and verdicts go to stderr, so stdout is the one JSON object.
+        figures: dict[str, Any] = {}
+        with contextlib.redirect_stdout(sys.stderr):
+            code = _measure(args, steps, figures)
+        print(json.dumps(figures, indent=1))
+        return code
+    return _measure(args, steps, {})
+
+
+def _measure(args: argparse.Namespace, steps: list[float], figures: dict[str, Any]) -> int:
+    """Run the contenders, print the report, and fill `figures` with every number in it."""
     if args.compare:
+        if steps or args.cold or args.json:
+            raise SpecError("--step, --cold and --json measure stoker against its ceiling; give them without --compare")
         given = [f for f, v in (("--threads", args.threads), ("--prefetch", args.prefetch),
                                 ("--memory-budget", args.memory_budget), ("--cycle-length", args.cycle_length),
                                 ("--block-length", args.block_length)) if v is not None]  # fmt: skip
@@ -181,10 +201,12 @@ def run(args: argparse.Namespace) -> int:
     # child's traceback.
     ds.loader(args.batch_size, cast=cast, **{k: v for k, v in settings.items() if v is not None}).close()
     # `warmup: True` at least: stoker's window starts after its first batch, never at iter().
+    cold = {"evict": True} if args.cold else {}
     contenders: dict[str, dict[str, Any]] = {
         "stoker": {"fields": specs, "batch": args.batch_size, "cast": cast, "seconds": args.seconds,
-                   "warmup": args.warmup or True, "pair_key": args.pair_key, **settings},
+                   "warmup": args.warmup or True, "pair_key": args.pair_key, **settings, **cold},
     }  # fmt: skip
+    add_stepped(contenders, "stoker", "stoker", steps, args.step_kind)
     widest = max(ds.fields, key=lambda n: ds.fields[n].record_bytes)
     if not args.no_ceiling:
         f = ds.fields[widest]
@@ -196,12 +218,11 @@ def run(args: argparse.Namespace) -> int:
             contenders[f"ceiling:{loop}"] = {
                 "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": _dtype_arg(f.dtype),
                 "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": available_cores(),
-                "seconds": args.seconds, "warmup": args.warmup,
+                "seconds": args.seconds, "warmup": args.warmup, **cold,
             }  # fmt: skip
+        if not compressed:
+            add_stepped(contenders, "ceiling:mmap_kept", "ceiling:stepped", steps, args.step_kind)
     shown = ", ".join(f"{k}={v}" for k, v in cast.items()) if isinstance(cast, dict) else cast or "none"
-    print(f"{ds!r}: {counted(len(ds), 'record')}; batch {args.batch_size}, cast {shown}; "
-          f"{counted(rounds, 'alternated round')} of {args.seconds:g}s, each after {args.warmup:g}s of warm-up",
-          flush=True)  # fmt: skip
     bar = Progress(rounds * len(contenders), "bench", "runs")
     done: dict[str, list[Measurement]] = {name: [] for name in contenders}
 
@@ -209,30 +230,44 @@ def run(args: argparse.Namespace) -> int:
         done[m.contender].append(m)
         bar.step(m.contender)
 
-    try:
+    try:  # the header too: a Ctrl-C the moment it is printed is a Ctrl-C during the rounds
+        print(f"{ds!r}: {counted(len(ds), 'record')}; batch {args.batch_size}, cast {shown}; "
+              f"{counted(rounds, 'alternated round')} of {args.seconds:g}s, each after {args.warmup:g}s of warm-up",
+              flush=True)  # fmt: skip
         measure(contenders, rounds=rounds, on_result=finished)
     except KeyboardInterrupt:
         whole = min(len(ms) for ms in done.values())
         print(f"\ninterrupted: {counted(whole, 'round')} of {rounds} finished", flush=True)
         if whole:
-            _report({name: ms[:whole] for name, ms in done.items()}, widest, args)
+            _report({name: ms[:whole] for name, ms in done.items()}, widest, args, steps, figures)
         return 130
-    _report(done, widest, args)
+    _report(done, widest, args, steps, figures)
     return 0
 
 
-def _report(results: dict[str, list[Measurement]], widest: str, args: argparse.Namespace) -> None:
-    """The table of every contender's rounds, stoker over the ceiling, and the verdict."""
+def _report(
+    results: dict[str, list[Measurement]], widest: str, args: argparse.Namespace, steps: list[float],
+    figures: dict[str, Any],
+) -> None:  # fmt: skip
+    """The table of every contender's rounds, stoker over the ceiling, the verdict, and under
+    --step what each step sees."""
     from ..doctor import verdict
     from ..engine.stats import LoaderStats
 
     rounds = len(results["stoker"])
-    print(f"{'contender':<22} {'records/s (median)':>19} {'min':>10} {'max':>10} {'MB/s':>8}")
+    figures.update({
+        "batch_size": args.batch_size, "rounds": rounds, "seconds": args.seconds, "warmup": args.warmup,
+        "cold": next((m.evicted for m in results["stoker"] if m.evicted), None) if args.cold else None,
+        "contenders": {name: rounds_figures(ms) for name, ms in results.items()},
+    })  # fmt: skip
+    if args.cold:
+        print(f"cold: page cache dropped before each run by {figures['cold']}")
+    print(f"{'contender':<26} {'records/s (median)':>19} {'min':>10} {'max':>10} {'MB/s':>8}")
     for name, ms in results.items():
         med, lo, hi = summarize([m.records_per_s for m in ms])
         mb = summarize([m.mb_per_s for m in ms])[0]
-        print(f"{name:<22} {med:>19,.0f} {lo:>10,.0f} {hi:>10,.0f} {mb:>8,.0f}")
-    ceilings = [k for k in results if k.startswith("ceiling")]
+        print(f"{name:<26} {med:>19,.0f} {lo:>10,.0f} {hi:>10,.0f} {mb:>8,.0f}")
+    ceilings = [k for k in results if k.startswith("ceiling") and "step=" not in k]
     # Per round: stoker over the best ceiling loop of that same round (a round whose ceiling
     # loops made no record in their timed window, files with no records, gives no ratio).
     best = [max(results[c][r].records_per_s for c in ceilings) for r in range(rounds)] if ceilings else []
@@ -249,6 +284,9 @@ def _report(results: dict[str, list[Measurement]], widest: str, args: argparse.N
     else:
         print("ceiling not measured (--no-ceiling)")
     # The stoker round at the median rate stands for the run: its stage split and CPU.
+    figures["ceiling_ratio"] = ratio
+    if steps:
+        report_steps(results, steps, args.batch_size, args.step_kind, figures)
     runs = sorted(results["stoker"], key=lambda m: m.records_per_s)
     median_run = runs[len(runs) // 2]
     if not median_run.stats:
@@ -269,7 +307,10 @@ def _report(results: dict[str, list[Measurement]], widest: str, args: argparse.N
     if stats.busy_split:
         print(stats.busy_split)
     short = _too_short(median_run, args.batch_size, args.warmup)
-    print(f"verdict: {short or verdict(stats, ratio)}")
+    figures["verdict"] = short or verdict(stats, ratio)
+    print(f"verdict: {figures['verdict']}")
+    for said in figures.get("step_verdicts", []):
+        print(f"verdict: {said}")
 
 
 def _too_short(run: Measurement, batch_size: int, warmup: float) -> str | None:
@@ -330,6 +371,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--block-length", type=int, default=None,
                    help="records read from a file before the next (default: ~4 MiB of the widest field)")  # fmt: skip
     p.add_argument("--no-ceiling", action="store_true", help="measure stoker alone (default: off)")
+    add_step_args(p)
+    p.add_argument("--cold", action="store_true", help="drop the page cache before each run (the whole cache as "
+                   "root, else each file's pages) and say how (default: off)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print every figure as one JSON object on stdout (default: off)")
     p.add_argument(
         "--compare",
         action="store_true",

@@ -22,6 +22,11 @@ For a compressed field the ceiling is `inflate_cast`: each file inflated front t
 batch at a time, by the fastest inflate installed (isal, else zlib) straight into a reused
 staging buffer, then cast into the output by `stoker.kernels.cast_into` (no engine, no
 pairing, no checks).
+`stepped` is `mmap_kept` fed to a consumer that takes each batch with an emulated training
+step after it (`step_ms`, `step_kind`: `stoker bench --step`): one producer thread per core
+fills buffers from a small pool, the consumer steps on each and hands its buffer back, the
+plainest loop that overlaps loading with a step.
+
 With `evict` in the config, every file's pages are dropped from the page cache first
 (cold-cache runs: the ceiling is then a cold read plus the cast).
 `warmup` in a config runs the loops that long before their timed `seconds` begin (see
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -42,10 +48,12 @@ import numpy as np
 from ..engine.executor import AlignedPool
 from ..kernels import cast_into
 from ..spec import resolve_dtype
+from . import steps
 
 __all__ = [
     "CEILING_LOOPS",
     "COMPRESSED_CEILING_LOOPS",
+    "drop_page_cache",
     "evict_page_cache",
     "output_buffer",
     "run_ceiling",
@@ -156,6 +164,9 @@ def run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
     paths = cfg["paths"]
     tallies: list[_Tally] = []
     failed: list[BaseException] = []
+    evicted = drop_page_cache(paths) if cfg.get("evict") else None
+    if cfg["loop"] == "stepped":
+        return {**_run_stepped(cfg), "evicted": evicted}
 
     def run(*args: Any) -> None:
         try:
@@ -163,8 +174,6 @@ def run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
         except BaseException as e:
             failed.append(e)
 
-    if cfg.get("evict"):
-        evict_page_cache(paths)
     # Before the clock starts: "bfloat16" imports ml_dtypes, which took longer than a short
     # timed window (a ceiling of zero records).
     out_dtype = resolve_dtype(cfg["out_dtype"])
@@ -207,13 +216,105 @@ def run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
     if failed:  # a loop that cannot run on these files says why, not "no record in the window"
         raise failed[0]
     rb = int(np.prod(cfg["shape"])) * src_dtype.itemsize
-    return {"records": records, "seconds": elapsed, "bytes_read": records * rb, "cpu_seconds": cpu}
+    return {"records": records, "seconds": elapsed, "bytes_read": records * rb, "cpu_seconds": cpu, "evicted": evicted}
+
+
+def _run_stepped(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `stepped` loop: producers fill pooled buffers, this thread takes them with the step."""
+    threads, paths, header, batch = cfg["threads"], cfg["paths"], cfg["header"], cfg["batch"]
+    shape = tuple(cfg["shape"])
+    src_dt, out_dt = resolve_dtype(cfg["src_dtype"]), resolve_dtype(cfg["out_dtype"])
+    rb = int(np.prod(shape)) * src_dt.itemsize
+    # A buffer per producer in the making and as many ready: a prefetch of `threads` batches.
+    free: queue.Queue[np.ndarray] = queue.Queue()
+    for _ in range(2 * threads + 1):
+        free.put(output_buffer((batch, *shape), out_dt))
+    ready: queue.Queue[tuple[np.ndarray, int] | BaseException] = queue.Queue()
+    stop = threading.Event()
+
+    def produce(mine: Sequence[str]) -> None:
+        try:
+            kept = [(mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_READ), fd) for fd in
+                    (os.open(p, os.O_RDONLY) for p in mine)]  # fmt: skip
+            try:
+                while not stop.is_set():
+                    for m, _ in kept:
+                        records = (len(m) - header) // rb
+                        for i in range(0, records, batch):
+                            k = min(batch, records - i)
+                            while not stop.is_set():
+                                try:
+                                    out = free.get(timeout=0.05)
+                                    break
+                                except queue.Empty:
+                                    continue
+                            else:
+                                return
+                            src = np.frombuffer(m, src_dt, count=k * rb // src_dt.itemsize, offset=header + i * rb)
+                            cast_into(out[:k], src.reshape(k, *shape))
+                            del src
+                            ready.put((out, k))
+            finally:
+                for m, fd in kept:
+                    m.close()
+                    os.close(fd)
+        except BaseException as e:
+            ready.put(e)
+
+    def taken() -> Any:
+        held: np.ndarray | None = None
+        while True:
+            if held is not None:
+                free.put(held)
+            item = ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            held = item[0]
+            yield item
+
+    workers = [threading.Thread(target=produce, args=(paths[i::threads] or paths,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    try:
+        batches = taken()
+        kind = cfg.get("step_kind") or "sleep"
+        step = cfg["step_ms"] / 1000
+        if warmup_seconds(cfg):
+            steps.take(batches, seconds=warmup_seconds(cfg), step=step, kind=kind, rows=lambda b: b[1], record_bytes=rb)
+        out = steps.take(batches, seconds=cfg["seconds"], step=step, kind=kind, rows=lambda b: b[1], record_bytes=rb)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    return {"records": out.records, "seconds": out.seconds, "bytes_read": out.bytes_read,
+            "cpu_seconds": out.cpu_seconds, "stepped": out.to_dict()}  # fmt: skip
 
 
 def warmup_seconds(cfg: dict[str, Any]) -> float:
     """The config's warm-up in seconds (`true`: none beyond stoker's first batch)."""
     w = cfg.get("warmup") or 0
     return 0.0 if w is True else float(w)
+
+
+def drop_page_cache(paths: Sequence[str]) -> str:
+    """Drop the files' pages from the page cache before a cold run, and say how: the whole
+    cache through /proc/sys/vm/drop_caches where this process may write it (root), else
+    `posix_fadvise(DONTNEED)` on each file, which drops only its clean pages (`os.sync()`
+    first writes the dirty ones), else a sentence saying why it could not."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return "drop_caches: /proc/sys/vm/drop_caches (the whole page cache)"
+    except OSError as e:
+        why = f"/proc/sys/vm/drop_caches: {e.strerror or e}"
+    if not hasattr(os, "posix_fadvise"):
+        return f"could not drop the page cache: {why}, and this system has no posix_fadvise"
+    try:
+        evict_page_cache(paths)
+    except OSError as e:
+        return f"could not drop the page cache: {why}; posix_fadvise on {e.filename}: {e.strerror}"
+    return f"fadvise: posix_fadvise(DONTNEED) on each file (not {why})"
 
 
 def evict_page_cache(paths: Sequence[str]) -> None:

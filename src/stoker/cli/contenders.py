@@ -29,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from . import steps
 from .ceiling import (
     CEILING_LOOPS,
     COMPRESSED_CEILING_LOOPS,
+    drop_page_cache,
     evict_page_cache,
     output_buffer,
     run_ceiling,
@@ -49,6 +51,7 @@ __all__ = [
     "evict_page_cache",
     "measure",
     "output_buffer",
+    "rounds_figures",
     "run_child",
     "summarize",
 ]
@@ -64,6 +67,10 @@ class Measurement:
     cpu_seconds: float = 0.0
     # stoker: from iter(loader) to its first batch (threads, file maps, the first new buffers).
     first_batch_seconds: float | None = None
+    # Under --step: the window's stoker.cli.steps.Stepped.to_dict().
+    stepped: dict[str, Any] | None = None
+    # Under --cold: how the page cache was dropped before the run (stoker.cli.ceiling.drop_page_cache).
+    evicted: str | None = None
 
     @property
     def records_per_s(self) -> float:
@@ -89,7 +96,7 @@ def burn(seconds: float) -> None:
             x += i
 
 
-def _drain_until(batches: Iterator[Any], until: float, busy: float) -> None:
+def _drain_until(batches: Iterator[Any], until: float, busy: float, step: Callable[[], None] | None = None) -> None:
     """Take batches until `until` (each followed by `busy` seconds of work), holding none after.
 
     A batch still referenced when the clock starts, as a loop variable left over from the
@@ -100,6 +107,8 @@ def _drain_until(batches: Iterator[Any], until: float, busy: float) -> None:
     for _ in batches:
         if busy:
             burn(busy)
+        if step is not None:
+            step()
         if time.perf_counter() >= until:
             break
 
@@ -111,8 +120,9 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
     total_bytes = sum(f.record_bytes for f in ds.fields.values())
     n = 0
     cold = bool(cfg.get("evict"))
-    if cold:
-        evict_page_cache([i.path for infos in ds.files for i in infos.values()])
+    evicted = drop_page_cache([i.path for infos in ds.files for i in infos.values()]) if cold else None
+    step_ms = cfg.get("step_ms")
+    step = None if not step_ms else steps.pause(step_ms / 1000, cfg.get("step_kind") or "sleep")
     busy = float(cfg.get("busy_ms") or 0) / 1000
     shuffle: Any = cfg.get("shuffle") or False
     # pass_per_epoch: `for epoch ...: for batch in loader` (PyTorch's way, and Keras' fit over
@@ -145,7 +155,17 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
             # A warm-up in seconds: the steady state is timed, as the ceiling's is.
             warm_until = began + warmup_seconds(cfg)
             if time.perf_counter() < warm_until:
-                _drain_until(batches, warm_until, busy)
+                _drain_until(batches, warm_until, busy, step)
+        if step_ms:
+            stepped = steps.take(
+                batches, seconds=cfg["seconds"], step=step_ms / 1000, kind=cfg.get("step_kind") or "sleep",
+                rows=batch_rows, record_bytes=total_bytes,
+            )  # fmt: skip
+            return {
+                "records": stepped.records, "seconds": stepped.seconds, "bytes_read": stepped.bytes_read,
+                "stats": loader.stats().to_dict(), "cpu_seconds": stepped.cpu_seconds, "first_batch_seconds": first,
+                "stepped": stepped.to_dict(), "evicted": evicted,
+            }  # fmt: skip
         cpu = time.process_time()
         start = time.perf_counter()
         until = start + cfg["seconds"]
@@ -161,7 +181,7 @@ def _run_stoker(cfg: dict[str, Any]) -> dict[str, Any]:
         stats = loader.stats().to_dict()
     return {
         "records": n, "seconds": elapsed, "bytes_read": n * total_bytes, "stats": stats,
-        "cpu_seconds": time.process_time() - cpu, "first_batch_seconds": first,
+        "cpu_seconds": time.process_time() - cpu, "first_batch_seconds": first, "evicted": evicted,
     }  # fmt: skip
 
 
@@ -187,7 +207,7 @@ def run_child(contender: str, cfg: dict[str, Any]) -> Measurement:
     out = child_json(contender, ["-m", "stoker.cli.contenders", contender, json.dumps(cfg)])
     return Measurement(
         contender, out["records"], out["seconds"], out["bytes_read"], out.get("stats"), out.get("cpu_seconds", 0.0),
-        out.get("first_batch_seconds"),
+        out.get("first_batch_seconds"), out.get("stepped"), out.get("evicted"),
     )  # fmt: skip
 
 
@@ -206,6 +226,12 @@ def measure(
             if on_result is not None:
                 on_result(r, m)
     return results
+
+
+def rounds_figures(ms: Sequence[Measurement]) -> dict[str, list[float]]:
+    """A contender's figures, round by round, as `stoker bench --json` gives them."""
+    return {"records_per_s": [m.records_per_s for m in ms], "mb_per_s": [m.mb_per_s for m in ms],
+            "cpu_seconds": [m.cpu_seconds for m in ms], "seconds": [m.seconds for m in ms]}  # fmt: skip
 
 
 def summarize(values: Sequence[float]) -> tuple[float, float, float]:
