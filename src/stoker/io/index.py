@@ -76,6 +76,7 @@ __all__ = [
     "apply_index",
     "count_disagrees",
     "entry_check",
+    "entry_from_scan",
     "index_home",
     "index_path",
     "parse_entry",
@@ -212,27 +213,40 @@ def scan(name: str, info: FileInfo, home: str, *, spacing: int = seekpoints.SPAC
     windows file, if any, is written in `home` (the index's directory)."""
     if info.compression is None:
         return IndexEntry(info.size, info.mtime_ns, None, info.size)
-    points: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
-    windows = build = None
     if seekpoints.available() and not is_remote(info.path):
-        found = seekpoints.scan_file(info.path, info.compression, spacing=spacing, field=name)
-        total, heads = found.decompressed_bytes, found.members
-        if found.points:
-            windows, build, spans = seekpoints.write_windows(
-                home, os.path.basename(info.path), info.size, info.mtime_ns, [p[3] for p in found.points]
-            )
-            points = tuple(
-                (c, b, d, off, n, crc, seekpoints.point_check(c, b, d, total, head))
-                for (c, b, d, _, head), (off, n, crc) in zip(found.points, spans, strict=True)
-            )
+        entry = entry_from_scan(
+            info, home, seekpoints.scan_file(info.path, info.compression, spacing=spacing, field=name)
+        )
     else:  # no libz (or a URL): member starts, found by the ordinary decoder
         total, heads = _member_heads(name, info)
-    members = tuple((c, d, seekpoints.point_check(c, 0, d, total, head)) for c, d, head in heads)
+        entry = IndexEntry(info.size, info.mtime_ns, info.compression, total, _members(total, heads))
     st = os.stat(info.path)
     if st.st_size != info.size or st.st_mtime_ns != info.mtime_ns:
         raise StaleIndexError(f"field {name!r}: {info.path!r} changed while it was being indexed", field=name,
                               path=info.path)  # fmt: skip
+    return entry
+
+
+def entry_from_scan(info: FileInfo, home: str, found: seekpoints.Scan) -> IndexEntry:
+    """The entry of compressed file `info` from what `seekpoints.scan_file` found in it (or in a
+    copy of it); the windows of its seek points are written in `home`."""
+    total = found.decompressed_bytes
+    points: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
+    windows = build = None
+    if found.points:
+        windows, build, spans = seekpoints.write_windows(
+            home, os.path.basename(info.path), info.size, info.mtime_ns, [p[3] for p in found.points]
+        )
+        points = tuple(
+            (c, b, d, off, n, crc, seekpoints.point_check(c, b, d, total, head))
+            for (c, b, d, _, head), (off, n, crc) in zip(found.points, spans, strict=True)
+        )
+    members = _members(total, found.members)
     return IndexEntry(info.size, info.mtime_ns, info.compression, total, members, points, windows, build)
+
+
+def _members(total: int, heads: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    return tuple((c, d, seekpoints.point_check(c, 0, d, total, head)) for c, d, head in heads)
 
 
 def _member_heads(name: str, info: FileInfo) -> tuple[int, tuple[tuple[int, int, int], ...]]:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PairingError, ReadError, SpecError, StaleIndexError
 from . import seekpoints
-from .index import IndexEntry, parse_entry, record_count
+from .index import IndexEntry, entry_from_scan, parse_entry, record_count
 from .inflate import Inflater
 from .remote import PART_BYTES, RemoteReader, Version, attempt, client, is_remote
 
@@ -265,19 +265,7 @@ def _with_points(name: str, spec: Field, info: FileInfo, home: str, spacing: int
     with tempfile.TemporaryDirectory(prefix=".stoker-manifest.", dir=home) as scratch:
         copy = _download(name, spec, info, scratch)
         found = seekpoints.scan_file(copy, info.compression, spacing=spacing, field=name)
-    total = found.decompressed_bytes
-    points: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
-    windows = build = None
-    if found.points:
-        windows, build, spans = seekpoints.write_windows(
-            home, os.path.basename(info.path), info.size, info.mtime_ns, [p[3] for p in found.points]
-        )
-        points = tuple(
-            (c, b, d, off, n, crc, seekpoints.point_check(c, b, d, total, head))
-            for (c, b, d, _, head), (off, n, crc) in zip(found.points, spans, strict=True)
-        )
-    members = tuple((c, d, seekpoints.point_check(c, 0, d, total, head)) for c, d, head in found.members)
-    return IndexEntry(info.size, info.mtime_ns, info.compression, total, members, points, windows, build)
+    return entry_from_scan(info, home, found)
 
 
 def _entry(name: str, spec: Field, info: FileInfo, home: str | None, spacing: int) -> dict[str, Any]:
