@@ -123,7 +123,7 @@ def verdict(stats: LoaderStats, ceiling_ratio: float | None = None, *, backend: 
             return _see(
                 "decompression",
                 f"gzip/zlib decompression of field {name!r} limits you ({share:.0%} of worker time{where}): "
-                "install isal (pip install 'stoker[fast]'), 1.5-2x faster inflate",
+                "install isal (pip install isal, stoker's fast extra), 1.5-2x faster inflate",
             )
         return _see(
             "decompression",
