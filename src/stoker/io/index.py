@@ -422,24 +422,8 @@ def ensure_writable(home: str, data_dir: str) -> None:
 
 
 def _write_atomic(path: str, doc: Mapping[str, Any]) -> None:
-    directory = os.path.dirname(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".stoker-index.", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise seekpoints.cannot_write_index(path, e) from e
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"), sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        seekpoints.readable_by_all(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):  # a full disk, a file size limit: a WriteError naming the index
-            raise seekpoints.cannot_write_index(path, e) from e
-        raise
+    data = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    seekpoints.write_atomic(path, data, prefix=".stoker-index.")
 
 
 def _remove_old_windows(home: str, files: Mapping[str, Any], bases: Iterable[str]) -> None:

@@ -27,7 +27,6 @@ by one PUT of the whole object, which a store makes visible whole or not at all.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import gzip
 import hashlib
 import json
@@ -344,22 +343,8 @@ def write_manifest(
 
 
 def _write_local(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path)
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".stoker-manifest.", suffix=".tmp", dir=directory)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     except OSError as e:
         raise seekpoints.cannot_write_index(path, e, "manifest") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        seekpoints.readable_by_all(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise seekpoints.cannot_write_index(path, e, "manifest") from e
-        raise
+    seekpoints.write_atomic(path, data, prefix=".stoker-manifest.", what="manifest")

@@ -68,6 +68,7 @@ __all__ = [
     "scan_file",
     "stale_point",
     "windows_name",
+    "write_atomic",
     "write_windows",
 ]
 
@@ -435,6 +436,28 @@ def cannot_write_index(path: str, e: OSError, what: str = "index file") -> Write
         "Dataset(..., index_dir=DIR) or STOKER_INDEX_DIR=DIR",
         path=path,
     )
+
+
+def write_atomic(path: str, data: bytes, *, prefix: str, what: str = "index file") -> None:
+    """Write `data` to `path` whole or not at all (a temp file beside it, fsync'ed, renamed over
+    it); a refused write is `cannot_write_index`'s WriteError, with nothing of it left behind."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=os.path.dirname(path))
+    except OSError as e:
+        raise cannot_write_index(path, e, what) from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        readable_by_all(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):  # a full disk, a file size limit: a WriteError naming the file
+            raise cannot_write_index(path, e, what) from e
+        raise
 
 
 def readable_by_all(path: str) -> None:
