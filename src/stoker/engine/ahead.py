@@ -110,9 +110,12 @@ class NextPass:
                 except StopIteration:
                     self._done = True
                     break
-                except BaseException:
+                except Exception:  # its own pass plans again and raises it there
                     self._done = self.failed = True
                     break
+                except BaseException:  # a Ctrl-C: the pass it lands in ends, and this one with it
+                    self._done = self.failed = True
+                    raise
                 with contextlib.suppress(StokerError):  # asked for again by its read, which raises it there
                     self._want(plan, self.heads)
                 self.asked.append(plan)
