@@ -161,6 +161,18 @@ def test_leaving_a_loader_cancels_the_next_passs_requests_and_lets_their_bytes_g
     loader.close()
 
 
+def _second_pass_reading_on(loader: stoker.Loader, labels_per_pass: int) -> np.ndarray:
+    """A loader's second pass, whose last batch is taken only once the third pass's first label
+    reads went out (its ids, each checked against its label)."""
+    at_start = GATE.count("out_")
+    it = iter(loader)
+    batches = len(loader) * (loader.epochs or 1)
+    got = [dict(b) for b in itertools.islice(it, batches - 1)]
+    assert _until(lambda: GATE.count("out_") > at_start + labels_per_pass), [r.name for r in GATE.requests]
+    got += [dict(b) for b in it]
+    return _ids(got)
+
+
 @pytest.mark.parametrize("shuffle", [False, "files", "global"])
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_passes_read_on_into_the_next_and_deliver_every_record_of_each_epoch_once(
@@ -169,16 +181,20 @@ def test_passes_read_on_into_the_next_and_deliver_every_record_of_each_epoch_onc
     ds, local = data
     kw: dict[str, Any] = {"shuffle": shuffle, "seed": 11, "epochs": epochs}
     with local.loader(BATCH, **kw) as ref:
-        want = _passes(ref, 4)
+        want = _passes(ref, 5)
+    before = GATE.count("out_")
+    with ds.loader(BATCH, threads=2, **kw) as once:  # a loader iterated once reads no further
+        _passes(once, 1)
+    labels_per_pass = GATE.count("out_") - before
     with ds.loader(BATCH, threads=2, **kw) as loader:
-        got = _passes(loader, 2)
-        it = iter(loader)  # the third pass, left part way: its state resumed by a new loader
+        got = [*_passes(loader, 1), _second_pass_reading_on(loader, labels_per_pass), *_passes(loader, 1)]
+        it = iter(loader)  # the fourth pass, left part way: its state resumed by a new loader
         part = [dict(b) for b in itertools.islice(it, 5)]
         state = loader.state_dict()
         del it
     with ds.loader(BATCH, threads=2, state=state, **kw) as resumed:
         rest = [dict(b) for b in resumed]
-        got += [_ids(part + rest), *_passes(resumed, 1)]
+        got += [_ids(part + rest), _second_pass_reading_on(resumed, labels_per_pass)]
     per_epoch = sum(COUNTS)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
