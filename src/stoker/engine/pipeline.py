@@ -257,6 +257,7 @@ class Handoff:
         """Idempotent: the first call decides."""
         nxt, self.next_pass = self.next_pass, None
         if self.keep and nxt is not None and nxt.started and not nxt.failed:
+            self.fetcher.drop_older(nxt.generation)  # what this pass asked for and never read
             self.slot.put(nxt)
         else:
             self.fetcher.close()
@@ -328,10 +329,20 @@ class Pipeline:
         goes_on = self.next_slot.take(key)
         if goes_on is not None:
             fetcher = goes_on.fetcher
-            fetcher.drop_older(goes_on.generation)  # what the last pass asked for and never read
         else:
             reads, fetch_bytes, part_bytes = self.fetch
             fetcher = Fetcher(reads, ahead_bytes=fetch_bytes, part_bytes=part_bytes)
+        try:
+            return self._wire(plans, pool, own_pool, stop_flag, fetcher, goes_on, then, report)
+        except BaseException:
+            fetcher.close()  # the requests asked for the pass that did not start
+            raise
+
+    def _wire(
+        self, plans: Iterator[BatchPlan], pool: Allocator, own_pool: bool, stop_flag: StopFlag, fetcher: Fetcher,
+        goes_on: NextPass | None, then: tuple[Hashable, Iterator[BatchPlan]] | None, report: Report,
+    ) -> Pass:  # fmt: skip
+        """`start`'s pass over `plans` with `fetcher` (`goes_on`: the next pass it is, asked for by the last)."""
         assembler = open_reader(
             self.catalog, self.dtypes, allocator=pool, batch_size=self.batch_size, with_index=self.with_index,
             fused=self.stage,  # built-in transforms run as records are read
