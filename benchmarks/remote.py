@@ -14,8 +14,10 @@ each chunk a client sends for 50 ms). Contenders, alternated round after round:
 
 Both check every record of every pass: its image's index (its first 4 bytes) is seen exactly
 once per pass, and its label equals that index (so every image met its own label). Timed
-seconds are whole passes, after one untimed pass each. Prints and writes per-contender medians
-and the medians of per-round ratios; appends the table to the history file.
+seconds are whole passes, after one untimed pass each. Beside records/s, each round notes the
+median seconds from a pass's start (``iter()``, the loop's first request) to its first batch
+(stoker's; the loop's first 4 MiB of images). Prints and writes per-contender medians and the
+medians of per-round ratios; appends the table to the history file.
 
     python benchmarks/remote.py [--pairs 4] [--rounds 5] [--seconds 4] [--out benchmarks/results]
 """
@@ -80,15 +82,22 @@ class Checker:
         self.seen[:] = 0
 
 
-def _stoker_pass(loader: stoker.Loader, checker: Checker) -> int:
+# Seconds from each pass's start to its first batch, per contender, for the round under way.
+_FIRST: dict[str, list[float]] = collections.defaultdict(list)
+
+
+def _stoker_pass(loader: stoker.Loader, checker: Checker, key: str = "") -> int:
     n = 0
+    start = time.perf_counter()
     for b in loader:  # a pass per iteration, as an epoch loop does
+        if not n:
+            _FIRST[key].append(time.perf_counter() - start)
         n += checker.batch(b["image"], b["label"])
     checker.pass_done()
     return n
 
 
-def _loop_pass(fs: Any, groups: list[tuple[str, str, int]], checker: Checker) -> int:
+def _loop_pass(fs: Any, groups: list[tuple[str, str, int]], checker: Checker, key: str = "") -> int:
     """One pass of the plain loop: 16 ranged GETs in flight, processed in order."""
     from fsspec.asyn import sync
 
@@ -109,6 +118,7 @@ def _loop_pass(fs: Any, groups: list[tuple[str, str, int]], checker: Checker) ->
                 if len(pending) >= LOOP_INFLIGHT:
                     return
 
+        start = time.perf_counter()
         more()
         while pending:
             task, (_, a, b, g) = pending.popleft()
@@ -118,6 +128,8 @@ def _loop_pass(fs: Any, groups: list[tuple[str, str, int]], checker: Checker) ->
                 labels[g] = np.frombuffer(gzip.decompress(data), "<f4")
                 continue
             image = np.frombuffer(data, np.int8).reshape(-1, 128, 128, 1)
+            if not n:
+                _FIRST[key].append(time.perf_counter() - start)
             first = a // RECORD
             n += checker.batch(image, labels[g][first : first + len(image)])
         return n
@@ -202,12 +214,19 @@ def _measure(args: Any, data: Path, endpoints: dict[float, str], s3fs: Any) -> R
                                    skip_instance_cache=True)  # fmt: skip
             groups = [(g.paths["image"], g.paths["label"], ds.files[g.index]["image"].size) for g in ds.groups]
             loaders.append(ds.loader(BATCH))
-            contenders[f"{ms:g} ms stoker"] = lambda loader=loaders[-1]: _stoker_pass(loader, checker)
-            contenders[f"{ms:g} ms loop"] = lambda fs=fs, groups=groups: _loop_pass(fs, groups, checker)
+            k = f"{ms:g} ms stoker"
+            contenders[k] = lambda loader=loaders[-1], k=k: _stoker_pass(loader, checker, k)
+            k = f"{ms:g} ms loop"
+            contenders[k] = lambda fs=fs, groups=groups, k=k: _loop_pass(fs, groups, checker, k)
         for key, one_pass in contenders.items():  # untimed: connections, autotune's first pass
             print(f"  warm-up {key}: {one_pass()} records", file=sys.stderr)
-        return alternate(list(contenders), args.rounds,
-                         lambda key: {"records_per_s": _timed(contenders[key], args.seconds)})  # fmt: skip
+
+        def one_round(key: str) -> dict[str, float]:
+            _FIRST[key].clear()
+            rate = _timed(contenders[key], args.seconds)
+            return {"records_per_s": rate, "first_batch_s": statistics.median(_FIRST[key])}
+
+        return alternate(list(contenders), args.rounds, one_round)
     finally:
         for loader in loaders:
             loader.close()
@@ -215,7 +234,8 @@ def _measure(args: Any, data: Path, endpoints: dict[float, str], s3fs: Any) -> R
 
 def _write(args: Any, rounds: Rounds) -> None:
     mb_per_s = {
-        "MB/s of images": lambda runs: f"{statistics.median(r['records_per_s'] for r in runs) * RECORD / 1e6:,.0f}"
+        "MB/s of images": lambda runs: f"{statistics.median(r['records_per_s'] for r in runs) * RECORD / 1e6:,.0f}",
+        "s to first batch (median)": lambda runs: f"{statistics.median(r['first_batch_s'] for r in runs):.3f}",
     }
     summary = summary_table(rounds, first="added latency, contender", columns=mb_per_s)
     pairs = [(f"{ms:g} ms stoker", f"{ms:g} ms loop", f"{ms:g} ms added: stoker / loop") for ms in args.latency_ms]
@@ -223,7 +243,8 @@ def _write(args: Any, rounds: Rounds) -> None:
         f"SeaweedFS `weed mini` on 127.0.0.1, sharing the cores with the contenders (read the ratios); "
         f"W1 layout, {args.pairs} pairs x 4096 records of 16 KiB int8 + gzip float32 labels, batch {BATCH}; "
         f"{args.rounds} alternated rounds of at least {args.seconds:g} s of whole passes, every record of every "
-        f"pass checked once and paired.\n\n{summary}\n{ratio_table(rounds, pairs)}"
+        f"pass checked once and paired; seconds to first batch: from a pass's start to its first batch (the "
+        f"loop's first 4 MiB of images), the median of a round's passes.\n\n{summary}\n{ratio_table(rounds, pairs)}"
     )
     title = "Object storage: stoker beside a plain loop of 16 ranged GETs in flight"
     write_results("remote", title, body, script=__file__, out=args.out, frameworks=["s3fs"])

@@ -24,7 +24,7 @@ from .errors import SpecError
 from .io.readahead import described, drop_behind_for
 from .io.remote import is_remote
 from .machine import default_memory_budget
-from .plan.batches import Plan, PlanConfig, default_block_length, default_cycle_length, pass_end
+from .plan.batches import BatchPlan, Plan, PlanConfig, default_block_length, default_cycle_length, next_pass, pass_end
 from .plan.order import shard_take
 from .resume import Resume
 from .spec import parse_bytes, resolve_cast
@@ -115,6 +115,7 @@ class Loader:
         self._resume = Resume(dataset, config, (self.cycle_length, self.block_length))
         self._cursor = Cursor(config.epochs, reshuffle=config.reshuffle_each_iteration)
         self._passes: weakref.WeakSet[Pass] = weakref.WeakSet()
+        self._passes_begun = 0
         self._closed = False
         self._counters = Counters()
         # Larger than half the RAM: drop pages behind the reader (stoker.io.readahead); output unchanged.
@@ -193,10 +194,28 @@ class Loader:
         pooled = self.budget.pooled(self.prefetch)
         self._keep_files_open()  # before the assembler's open-file table reads the descriptor limit
         plans = self._plan.batches(stop, first_epoch=start[0], start=start[1])
-        p = self._pipeline.start(plans, self._allocator, pooled, report=Report(self._cursor, self.autotune))
+        p = self._pipeline.start(
+            plans, self._allocator, pooled, report=Report(self._cursor, self.autotune), key=(start, stop),
+            # Once the loader has been iterated again (an epoch loop), passes read on into the next;
+            # a loader iterated once does not pay for requests nobody reads.
+            then=self._pass_after(start, stop) if self._passes_begun else None,
+        )  # fmt: skip
+        self._passes_begun += 1
         self._cursor.begin(start)
         self._passes.add(p)
         return p
+
+    def _pass_after(
+        self, start: tuple[int, int], stop: int | None
+    ) -> tuple[tuple[tuple[int, int], int | None], Iterator[BatchPlan]] | None:
+        """Where the pass after one from `start` to `stop` starts and ends, and its plans (the
+        pass reads them ahead at its end: see stoker.engine.ahead.NextPass); None: it never ends."""
+        if stop is None:
+            return None
+        config = self.config
+        first = next_pass(start[0], stop - 1, config.epochs, reshuffle=config.reshuffle_each_iteration)
+        end = pass_end(first, config.epochs, reshuffle=config.reshuffle_each_iteration)
+        return ((first, 0), end), self._plan.batches(end, first_epoch=first)
 
     def use_allocator(self, factory: Callable[[int], Allocator]) -> None:
         """Build the batch buffers of later passes with `factory(pooled_bytes)` (an adapter's pinned
@@ -288,6 +307,7 @@ class Loader:
             self._kept_maps.close()
         self._kept_decoded.clear()
         self._pipeline.clear_pool()
+        self._pipeline.next_slot.clear()
 
     def __enter__(self) -> Loader:
         return self

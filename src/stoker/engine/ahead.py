@@ -1,11 +1,13 @@
 """Remote bytes asked for ahead of the workers: the byte ranges planned batches will read from
-files behind URLs, handed to the fetcher in plan order as far as its room reaches."""
+files behind URLs, handed to the fetcher in plan order as far as its room reaches, and, once a
+pass has asked for all of its own, the first ones of the loader's next pass (`NextPass`)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Hashable, Iterator
 
 import numpy as np
 
@@ -17,7 +19,7 @@ from ..plan.batches import BatchPlan, Run
 from ..spec import Field
 from .gather import by_file
 
-__all__ = ["FetchAhead", "looking_ahead"]
+__all__ = ["FetchAhead", "NextPass", "looking_ahead"]
 
 # Plans the look-ahead holds at most beyond the one handed on (plans reading no remote byte ask
 # the fetcher for nothing, so its room alone would not bound them).
@@ -25,11 +27,13 @@ _MAX_LOOKAHEAD = 1024
 
 
 def looking_ahead(
-    plans: Iterator[BatchPlan], want: Callable[[BatchPlan], None], room: Callable[[], bool]
-) -> Iterator[BatchPlan]:
+    plans: Iterator[BatchPlan], want: Callable[[BatchPlan], None], room: Callable[[], bool], *,
+    asked: collections.deque[BatchPlan] | None = None, then: Callable[[], None] | None = None,
+) -> Iterator[BatchPlan]:  # fmt: skip
     """`plans`, each passed to `want` before it is handed on, as many ahead as `room()` allows
-    (at least the one handed on). A planning error comes after the plans before it."""
-    waiting: collections.deque[BatchPlan] = collections.deque()
+    (at least the one handed on), after `asked` (plans wanted already). A planning error comes
+    after the plans before it. `then` is called once every plan has been wanted."""
+    waiting: collections.deque[BatchPlan] = asked if asked is not None else collections.deque()
     error: BaseException | None = None
     done = False
     while True:
@@ -45,11 +49,83 @@ def looking_ahead(
             with contextlib.suppress(StokerError):  # asked for again by its read, which raises it there
                 want(plan)
             waiting.append(plan)
+        if done and then is not None:
+            then()
+            then = None
         if not waiting:
             break
         yield waiting.popleft()
     if error is not None:
         raise error
+
+
+class _Heads:
+    """The compressed streams whose head a plan stream has asked for: once per (epoch, group,
+    field); a gather's once per pass."""
+
+    __slots__ = ("epoch", "seen")
+
+    def __init__(self) -> None:
+        self.epoch = -1
+        self.seen: set[tuple[int, str]] = set()
+
+
+class NextPass:
+    """The loader's next pass (`key`: where it starts and ends; `plans`: its plans, as the pass
+    will hand them to its workers), its first plans' remote bytes asked of `fetcher` while this
+    pass delivers its last batches, as far as the fetcher's room reaches.
+
+    `open()` (this pass has asked for all of its own bytes) lets `ask()` begin; `ask()` is
+    called again as batches are delivered (room comes back as they are copied). A pass that
+    starts with the same key goes on from `asked` and `plans` with this fetcher; the plans are
+    a pure function of the key, so it delivers what a fresh pass would.
+    """
+
+    def __init__(self, key: Hashable, plans: Iterator[BatchPlan], fetcher: Fetcher) -> None:
+        self.key, self.plans, self.fetcher = key, plans, fetcher
+        self.asked: collections.deque[BatchPlan] = collections.deque()  # wanted already, in order
+        self.heads = _Heads()
+        self.generation = -1  # the fetcher's, once open
+        self.failed = False  # planning raised: the next pass plans again and meets the error itself
+        self._want: Callable[[BatchPlan, _Heads], None] | None = None
+        self._done = False
+        self._lock = threading.Lock()
+
+    def open(self, want: Callable[[BatchPlan, _Heads], None]) -> None:
+        """This pass has asked for all of its bytes: the next pass's may follow (`want` asks for a plan's)."""
+        with self._lock:
+            if self._want is None:
+                self.generation = self.fetcher.next_generation()
+                self._want = want
+        self.ask()
+
+    def ask(self) -> None:
+        """Ask for the next plans' bytes while the fetcher has room; another thread asking already: nothing."""
+        if self._want is None or self._done or not self._lock.acquire(blocking=False):
+            return
+        try:
+            while not self._done and self.fetcher.room() and len(self.asked) < _MAX_LOOKAHEAD:
+                try:
+                    plan = next(self.plans)
+                except StopIteration:
+                    self._done = True
+                    break
+                except Exception:  # its own pass plans again and raises it there
+                    self._done = self.failed = True
+                    break
+                except BaseException:  # a Ctrl-C: the pass it lands in ends, and this one with it
+                    self._done = self.failed = True
+                    raise
+                with contextlib.suppress(StokerError):  # asked for again by its read, which raises it there
+                    self._want(plan, self.heads)
+                self.asked.append(plan)
+        finally:
+            self._lock.release()
+
+    @property
+    def started(self) -> bool:
+        """Whether any of its plans was asked for."""
+        return bool(self.asked) or self._done
 
 
 class FetchAhead:
@@ -62,22 +138,40 @@ class FetchAhead:
         self.fetcher = fetcher
         self.seek_fields = seek_fields
         self._remote = [n for n in self.fields if any(is_remote(infos[n].path) for infos in catalog.files)]
-        self._heads: tuple[int, set[tuple[int, str]]] = (-1, set())  # streams whose head was asked for
 
-    def __call__(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
+    @property
+    def remote(self) -> bool:
+        """Whether any field has a remote file (else there is nothing to ask for)."""
+        return bool(self._remote)
+
+    def __call__(
+        self, plans: Iterator[BatchPlan], *, goes_on: NextPass | None = None, then: NextPass | None = None
+    ) -> Iterator[BatchPlan]:
         """`plans`, the byte ranges they read from remote files asked of the fetcher ahead of
-        the workers (stoker.io.fetch), as far as its room reaches; unchanged without remote files."""
+        the workers (stoker.io.fetch), as far as its room reaches; unchanged without remote files.
+
+        `goes_on`: the NextPass this pass is (its first plans asked for already, `plans` the rest).
+        `then`: the loader's next pass, opened once every plan of this one has been asked for.
+        """
         if not self._remote:
             return plans
-        return looking_ahead(plans, self._want, self.fetcher.room)
+        heads = goes_on.heads if goes_on is not None else _Heads()
+        return looking_ahead(
+            plans, lambda plan: self.want(plan, heads), self.fetcher.room,
+            asked=goes_on.asked if goes_on is not None else None,
+            then=(lambda: then.open(self.want)) if then is not None else None,
+        )  # fmt: skip
 
-    def _want(self, plan: BatchPlan) -> None:
+    def want(self, plan: BatchPlan, heads: _Heads) -> None:
         """Ask for the remote bytes `plan` reads, as its batch will read them: a raw run's
-        records, a gather's coalesced stretches, a compressed stream's head where it opens."""
+        records, a gather's coalesced stretches, a compressed stream's head where it opens
+        (`heads`: those its plan stream has asked for)."""
         fetcher = self.fetcher
-        epoch, heads = self._heads
-        if plan.epoch != epoch:  # a stream opens once per (epoch, group, field); a gather's once per pass
-            self._heads = epoch, heads = plan.epoch, (heads if plan.gather is not None else set())
+        if plan.epoch != heads.epoch:  # a stream opens once per (epoch, group, field); a gather's once per pass
+            heads.epoch = plan.epoch
+            if plan.gather is None:
+                heads.seen = set()
+        seen = heads.seen
         # In the order the batch reads them: a gather field by field, runs run by run.
         wants: list[tuple[str, int, Run | np.ndarray]]
         if plan.gather is not None:
@@ -92,8 +186,8 @@ class FetchAhead:
             if not is_remote(info.path):
                 continue
             if info.compression is not None:
-                if (group, name) not in heads and name not in self.seek_fields:
-                    heads.add((group, name))
+                if (group, name) not in seen and name not in self.seek_fields:
+                    seen.add((group, name))
                     fetcher.want_stream(
                         info.path, spec.storage_options, size=info.size, field=name, version=info.version
                     )

@@ -28,7 +28,7 @@ from ..io.remote import is_remote
 from ..kernels import gathers
 from ..plan.batches import BatchPlan, Run
 from ..spec import Field
-from .ahead import FetchAhead
+from .ahead import FetchAhead, NextPass
 from .buffers import Staging
 from .decoded import KeptDecoded, WholeFiles
 from .executor import Allocator, StopFlag, Stopped
@@ -92,6 +92,7 @@ class Parts:
     readahead: Readahead
     counters: Counters
     stop: StopFlag
+    close_fetcher: bool = True  # False: the fetcher's owner (a loader's pipeline) closes it
 
     def close(self) -> None:
         """Release every file and stream the parts hold; idempotent."""
@@ -99,14 +100,15 @@ class Parts:
         self.files.close()
         self.streams.close()
         self.whole.close()
-        self.fetcher.close()
+        if self.close_fetcher:
+            self.fetcher.close()
 
 
 def build_parts(
     catalog: Catalog, out_dtypes: Mapping[str, np.dtype], *, fetcher: Fetcher | None = None,
     counters: Counters | None = None, readahead: Readahead | None = None, stop: StopFlag | None = None,
     seek_fields: frozenset[str] = frozenset(), kept_maps: KeptMaps | None = None,
-    kept_decoded: KeptDecoded | None = None,
+    kept_decoded: KeptDecoded | None = None, close_fetcher: bool = True,
 ) -> Parts:  # fmt: skip
     """The parts of a pass's Assembler over `catalog`, sharing what the loader gives.
 
@@ -117,6 +119,7 @@ def build_parts(
         stop: the flag the executor's map sets when it closes: waits on stream turns watch it.
         seek_fields: a global shuffle's compressed fields too large to hold: read through seek points.
         kept_maps, kept_decoded: a loader's, kept across its passes; None: the pass's own.
+        close_fetcher: whether closing the parts closes `fetcher` (False: its giver does).
     """
     fields: dict[str, Field] = dict(catalog.fields)
     cast = {n: np.dtype(out_dtypes[n]) != f.dtype for n, f in fields.items()}
@@ -134,7 +137,7 @@ def build_parts(
     streams = StreamTurns(catalog, reads, whole, counters=counters, stop=stop)
     gather = Gatherer(catalog, files, raw, whole, readahead=readahead, counters=counters, seek_fields=seek_fields)
     ahead = FetchAhead(catalog, fetcher, seek_fields=seek_fields)
-    return Parts(files, raw, streams, whole, gather, ahead, fetcher, readahead, counters, stop)
+    return Parts(files, raw, streams, whole, gather, ahead, fetcher, readahead, counters, stop, close_fetcher)
 
 
 class Assembler:
@@ -174,9 +177,12 @@ class Assembler:
         return self.parts.stop
 
     # -- dispatch (runs under the executor's lock, in plan order) ----------------------
-    def fetching_ahead(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
-        """`plans`, the remote bytes they read asked for ahead of the workers (see FetchAhead)."""
-        return self.parts.ahead(plans)
+    def fetching_ahead(
+        self, plans: Iterator[BatchPlan], *, goes_on: NextPass | None = None, then: NextPass | None = None
+    ) -> Iterator[BatchPlan]:
+        """`plans`, the remote bytes they read asked for ahead of the workers (see FetchAhead:
+        `goes_on`, the next pass this one is; `then`, the one after it)."""
+        return self.parts.ahead(plans, goes_on=goes_on, then=then)
 
     def prepare(self, plan: BatchPlan) -> Task:
         """The task of `plan`: its raw runs counted as planned, its turns on compressed streams taken."""

@@ -6,6 +6,11 @@ autotune's worker count and prefetch).
 an assembler and its parts), the planned tasks (coalesced, fetched ahead, advised ahead) and the executor's
 map, handed to a `Pass`, the iterator `iter(loader)` returns. `Workers` says once what differs
 between worker threads and worker processes, so nothing above branches on `workers`.
+
+Remote bytes: a pass that has asked for all of its own asks for the first ones of the loader's
+next pass while it delivers its last batches (stoker.engine.ahead.NextPass); the pass that starts
+next with the same plans goes on from there with the same fetcher (`Handoff`, `NextSlot`), so
+its first batch need not wait for requests made only when it starts.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +31,7 @@ from ..errors import SupersededError
 from ..io.fetch import Fetcher
 from ..io.readahead import AHEAD_BYTES, Readahead
 from ..plan.batches import BatchPlan, coalesce, next_pass
+from .ahead import NextPass
 from .assembler import Assembler, Task
 from .autotune import ThreadTuner, wanted_prefetch
 from .decoded import KeptDecoded
@@ -49,7 +55,7 @@ from .stats import Counters
 if TYPE_CHECKING:
     from ..io.files import Catalog
 
-__all__ = ["Autotune", "Cursor", "Pass", "Pipeline", "Workers", "advising_ahead"]
+__all__ = ["Autotune", "Cursor", "Handoff", "NextSlot", "Pass", "Pipeline", "Workers", "advising_ahead"]
 
 Batch = dict[str, np.ndarray]
 
@@ -206,6 +212,57 @@ class Report:
             autotune.tuned(tuner, units)
 
 
+class NextSlot:
+    """A loader's next pass, asked for by the pass before it (stoker.engine.ahead.NextPass), held
+    until a pass with its key takes it; any other start, or the loader's close, closes its fetcher
+    (requests in flight cancelled, bytes let go). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._held: NextPass | None = None
+        self._lock = threading.Lock()
+
+    def put(self, next_pass: NextPass) -> None:
+        with self._lock:
+            old, self._held = self._held, next_pass
+        if old is not None:
+            old.fetcher.close()
+
+    def take(self, key: Hashable) -> NextPass | None:
+        """The held next pass if it starts and ends where `key` says (else None, the held one closed)."""
+        with self._lock:
+            held, self._held = self._held, None
+        if held is not None and held.key != key:
+            held.fetcher.close()
+            return None
+        return held
+
+    def clear(self) -> None:
+        with self._lock:
+            old, self._held = self._held, None
+        if old is not None:
+            old.fetcher.close()
+
+
+class Handoff:
+    """What a pass does with its fetcher once it is over: hands it on with the next pass's bytes
+    asked for (`keep`: the pass reached its end, or a newer one replaced it), else closes it."""
+
+    __slots__ = ("fetcher", "keep", "next_pass", "slot")
+
+    def __init__(self, slot: NextSlot, fetcher: Fetcher, next_pass: NextPass | None) -> None:
+        self.slot, self.fetcher, self.next_pass = slot, fetcher, next_pass
+        self.keep = False
+
+    def settle(self) -> None:
+        """Idempotent: the first call decides."""
+        nxt, self.next_pass = self.next_pass, None
+        if self.keep and nxt is not None and nxt.started and not nxt.failed:
+            self.fetcher.drop_older(nxt.generation)  # what this pass asked for and never read
+            self.slot.put(nxt)
+        else:
+            self.fetcher.close()
+
+
 class Pipeline:
     """What every pass of a loader shares, and `start`, which wires one pass.
 
@@ -231,6 +288,8 @@ class Pipeline:
         self.record_bytes = record_bytes  # of one record, all fields as stored
         self.pool: Allocator | None = None  # the batch buffers kept between passes (see pass_pool)
         self._pool_factory: Callable[[int], Allocator] | None = None
+        self.next_slot = NextSlot()  # the next pass's remote bytes, asked for by the last pass
+        weakref.finalize(self, self.next_slot.clear)
 
     def pass_pool(self, allocator: Callable[[int], Allocator], pooled: int) -> tuple[Allocator, bool]:
         """The batch buffers for a new pass, and whether the pass owns them (clears them when done).
@@ -256,27 +315,55 @@ class Pipeline:
             self.pool.clear()
 
     def start(
-        self, plans: Iterator[BatchPlan], allocator: Callable[[int], Allocator], pooled: int, *, report: Report
-    ) -> Pass:
-        """A pass over `plans`, its batches built by `allocator` (at most `pooled` bytes kept for reuse)."""
+        self, plans: Iterator[BatchPlan], allocator: Callable[[int], Allocator], pooled: int, *, report: Report,
+        key: Hashable = None, then: tuple[Hashable, Iterator[BatchPlan]] | None = None,
+    ) -> Pass:  # fmt: skip
+        """A pass over `plans`, its batches built by `allocator` (at most `pooled` bytes kept for reuse).
+
+        `key`: where the pass starts and ends (`plans` a pure function of it): the next pass the
+        last one asked for, if it has this key, goes on with its requests. `then`: the key and
+        plans of the pass after this one, whose first remote bytes this one asks for at its end.
+        """
         pool, own_pool = self.pass_pool(allocator, pooled)
         stop_flag = StopFlag()  # one stop event: a worker waiting for its turn on a stream wakes when the map closes
-        reads, fetch_bytes, part_bytes = self.fetch
+        goes_on = self.next_slot.take(key)
+        if goes_on is not None:
+            fetcher = goes_on.fetcher
+        else:
+            reads, fetch_bytes, part_bytes = self.fetch
+            fetcher = Fetcher(reads, ahead_bytes=fetch_bytes, part_bytes=part_bytes)
+        try:
+            return self._wire(plans, pool, own_pool, stop_flag, fetcher, goes_on, then, report)
+        except BaseException:
+            fetcher.close()  # the requests asked for the pass that did not start
+            raise
+
+    def _wire(
+        self, plans: Iterator[BatchPlan], pool: Allocator, own_pool: bool, stop_flag: StopFlag, fetcher: Fetcher,
+        goes_on: NextPass | None, then: tuple[Hashable, Iterator[BatchPlan]] | None, report: Report,
+    ) -> Pass:  # fmt: skip
+        """`start`'s pass over `plans` with `fetcher` (`goes_on`: the next pass it is, asked for by the last)."""
         assembler = open_reader(
             self.catalog, self.dtypes, allocator=pool, batch_size=self.batch_size, with_index=self.with_index,
             fused=self.stage,  # built-in transforms run as records are read
-            fetcher=Fetcher(reads, ahead_bytes=fetch_bytes, part_bytes=part_bytes), counters=self.counters,
+            fetcher=fetcher, close_fetcher=False, counters=self.counters,
             readahead=Readahead(drop_behind=self.drop_behind, gathers=self.gathers),
             stop=stop_flag, seek_fields=self.seek_fields, kept_maps=self.kept_maps, kept_decoded=self.kept_decoded,
         )  # fmt: skip
         # Batches assembled together: the engine, its look-ahead and autotune count these
         # units; the pass hands their parts out one by one.
         units = self.units
-        if units > 1:
+        if goes_on is not None:
+            plans = goes_on.plans  # coalesced already, its first ones asked for (goes_on.asked)
+        elif units > 1:
             plans = coalesced_units(plans, units, assembler.redoable)
         in_process = self.workers.in_process
+        next_pass: NextPass | None = None
         if in_process:  # worker processes read for themselves
-            plans = assembler.fetching_ahead(plans)
+            if then is not None and assembler.parts.ahead.remote:
+                later = coalesced_units(then[1], units, assembler.redoable) if units > 1 else then[1]
+                next_pass = NextPass(then[0], later, fetcher)
+            plans = assembler.fetching_ahead(plans, goes_on=goes_on, then=next_pass)
         tasks: Iterator[Task] = map(assembler.prepare, plans)
         if assembler.parts.readahead.gathers_ahead:
             tasks = advising_ahead(tasks, max(1, AHEAD_BYTES // (self.batch_size * units * self.record_bytes)))
@@ -289,26 +376,31 @@ class Pipeline:
         # The assembler's first step that may give the GIL up or block is a copy kernel, or it
         # flushes the wake-up before (stoker.engine.flush_wake): deferred wake-ups apply.
         batches = self.executor.map_ordered(work, tasks, window=window, defer_wake=True, stop=stop_flag)
-        batches.add_cleanup(assembler.close)
+        handoff = Handoff(self.next_slot, fetcher, next_pass)
+        batches.add_cleanup(assembler.close)  # the fetcher: by the pass's shutdown, which knows how it ended
         if own_pool:
             batches.add_cleanup(pool.clear)
         return Pass(
             batches, assembler, pool if own_pool else None, units=units, counters=self.counters, tuner=tuner,
-            report=report, pool_of=pool,
+            report=report, pool_of=pool, handoff=handoff,
         )  # fmt: skip
 
 
 def shutdown(
-    batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator | None, born: int
-) -> None:
+    batches: OrderedMap[tuple[Batch, BatchPlan]], assembler: Assembler, pool: Allocator | None, born: int,
+    handoff: Handoff | None = None,
+) -> None:  # fmt: skip
     # Idempotent, and safe to run again after a Ctrl-C cut it short (see stoker.engine.executor._State):
     # the stop flag first, then the join; the files are also closed by the last worker out.
     # `pool`: the pass's own, cleared with it (None: the loader's, kept for its next pass).
+    # `handoff`: the fetcher, handed to the next pass or closed once the streams let go of their parts.
     if born != fork_generation():
         return  # a forked child's copy: the threads, files and buffers are the parent pass's
     assembler.stop.set()
     batches.close()
     assembler.close()
+    if handoff is not None:
+        handoff.settle()
     if pool is not None:
         pool.clear()
 
@@ -444,6 +536,7 @@ class Pass:
     def __init__(
         self, batches: OrderedMap[Any], assembler: Assembler, pool: Allocator | None, *, units: int,
         counters: Counters, tuner: ThreadTuner | None, report: Report, pool_of: Allocator,
+        handoff: Handoff | None = None,
     ) -> None:  # fmt: skip
         self._closed = False  # by close(), its end or an error: a later next() is StopIteration
         self._superseded = False  # ended by a newer pass: a later next() raises SupersededError
@@ -457,8 +550,11 @@ class Pass:
         self._last: float | None = None  # when __next__ last returned a batch
         self._ready: collections.deque[tuple[Batch, BatchPlan]] = collections.deque()
         self._failed: BaseException | None = None  # raised once the parts before it are out
+        self._handoff = handoff
+        # The next pass's remote bytes, asked for as this one's batches are delivered (room comes back).
+        self._next_pass = handoff.next_pass if handoff is not None else None
         self._born, self._pid = fork_generation(), os.getpid()  # a fork()ed child inherits this pass, not its threads
-        self._finalizer = weakref.finalize(self, shutdown, batches, assembler, pool, self._born)
+        self._finalizer = weakref.finalize(self, shutdown, batches, assembler, pool, self._born, handoff)
 
     def __iter__(self) -> Pass:
         return self
@@ -489,6 +585,7 @@ class Pass:
                 except StopIteration:
                     if not self._closed:  # the plan's end: stand at the next pass
                         self._report.ended()
+                        self._hand_on()
                     raise
                 if isinstance(result, Coalesced):
                     unit_rows = result.rows
@@ -507,6 +604,8 @@ class Pass:
                 self._tune(asked, got, unit_rows)
             self._last = got
             self._report.delivered((plan.epoch, plan.position))
+            if self._next_pass is not None:
+                self._next_pass.ask()
         except BaseException:
             self.close()
             raise
@@ -522,10 +621,18 @@ class Pass:
         if tuner.done:  # later passes start with the measured values
             self._tuner = None
 
+    def _hand_on(self) -> None:
+        """This pass is over, not left: what it asked for of the next pass goes to it."""
+        if self._handoff is not None:
+            if self._next_pass is not None:
+                self._next_pass.ask()
+            self._handoff.keep = True
+
     def supersede(self) -> None:
         """End this pass for a newer one; a pass still open then says so at its next `next()`."""
         if not self._closed:
             self._superseded = True
+            self._hand_on()
         self.close()
 
     def close(self) -> None:

@@ -88,7 +88,7 @@ class _RecordsReader(Reader):
     def prepare(self, plan: BatchPlan) -> Task:
         return Task(plan)
 
-    def fetching_ahead(self, plans: Iterator[BatchPlan]) -> Iterator[BatchPlan]:
+    def fetching_ahead(self, plans: Iterator[BatchPlan], **_: Any) -> Iterator[BatchPlan]:
         return plans  # its batches are read by random access (RecordReader), not through the fetcher
 
     def __call__(self, task: Task) -> tuple[dict[str, np.ndarray], BatchPlan]:

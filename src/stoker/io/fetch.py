@@ -54,12 +54,15 @@ _QUEUED, _SENT, _ARRIVED = 0, 1, 2
 class _Part:
     """One ranged GET: bytes `start..end` of `url`."""
 
-    __slots__ = ("ahead", "arrived", "client", "data", "dropped", "end", "error", "field", "path", "size", "start",
-                 "state", "url", "version")  # fmt: skip
+    __slots__ = ("ahead", "arrived", "client", "data", "dropped", "end", "error", "field", "future", "generation",
+                 "path", "size", "start", "state", "url", "version")  # fmt: skip
 
     def __init__(self, client: remote.Client, url: str, path: str, start: int, end: int, size: int,
-                 field: str | None, *, ahead: bool, version: remote.Version | None) -> None:  # fmt: skip
+                 field: str | None, *, ahead: bool, version: remote.Version | None,
+                 generation: int = 0) -> None:  # fmt: skip
         self.client, self.url, self.path, self.field = client, url, path, field
+        self.generation = generation  # the pass it was asked ahead for (see Fetcher.next_generation)
+        self.future: Any = None  # the request, once sent (cancelled by close())
         self.version = version
         self.start, self.end, self.size = start, end, size
         self.ahead = ahead  # counted in the fetcher's ahead bytes until let go
@@ -90,10 +93,12 @@ class Fetcher:
         self._queue: collections.deque[_Part] = collections.deque()  # asked ahead, plan order
         self._urgent: collections.deque[_Part] = collections.deque()  # a worker waits: sent first
         self._in_flight = 0
+        self._flying: set[_Part] = set()  # sent, not landed: close() cancels them
         self._ahead = 0  # bytes of parts asked ahead and not yet let go
         # Ranges asked ahead, by (url, start, end), oldest first; a stream's head by (url, start, -1).
         self._wanted: dict[tuple[str, int, int], collections.deque[list[_Part]]] = {}
         self._closed = False
+        self.generation = 0  # parts asked ahead from now on are for this pass (see next_generation)
         self.sent = 0  # requests made (for stats and tests)
         self.most_in_flight = 0  # the most requests in flight at once (for tests)
 
@@ -119,9 +124,10 @@ class Fetcher:
              version: remote.Version | None, *, key: tuple[str, int, int]) -> None:  # fmt: skip
         c, path = remote.client(url, options, connections=max(remote.CONNECTIONS, self.depth))
         parts = [
-            _Part(c, url, path, a, min(a + self.part_bytes, end), size, field, ahead=True, version=version)
+            _Part(c, url, path, a, min(a + self.part_bytes, end), size, field, ahead=True, version=version,
+                  generation=self.generation)
             for a in range(start, end, self.part_bytes)
-        ]
+        ]  # fmt: skip
         with self._lock:
             if self._closed:
                 return
@@ -248,6 +254,7 @@ class Fetcher:
                 continue
             part.state = _SENT
             self._in_flight += 1
+            self._flying.add(part)
             send.append(part)
         self.sent += len(send)
         self.most_in_flight = max(self.most_in_flight, self._in_flight)
@@ -257,11 +264,18 @@ class Fetcher:
         for part in parts:
             coro = remote.get_range(part.client, part.url, part.path, part.start, part.end, size=part.size,
                                     field=part.field, version=part.version)  # fmt: skip
-            part.client.submit(coro).add_done_callback(functools.partial(self._arrived, part))
+            future = part.client.submit(coro)
+            with self._lock:
+                part.future = future
+                cancel = self._closed
+            if cancel:  # closed while it was being sent: nobody will read it
+                future.cancel()
+            future.add_done_callback(functools.partial(self._arrived, part))
 
     def _arrived(self, part: _Part, future: Any) -> None:
         with self._lock:
             self._in_flight -= 1
+            self._flying.discard(part)
             if future.cancelled():
                 part.error = _closed_error(part)
             elif future.exception() is not None:
@@ -275,18 +289,56 @@ class Fetcher:
         part.arrived.set()
         self._send(send)
 
+    # -- passes (a loader's next pass asked for while this one ends) ------------------------
+    def next_generation(self) -> int:
+        """Parts asked ahead from now on are for the next pass; its number."""
+        with self._lock:
+            self.generation += 1
+            return self.generation
+
+    def drop_older(self, generation: int) -> None:
+        """Let go of every part asked ahead for a pass before `generation` and not taken (the
+        pass that asked for them ended, a pass after it goes on with this fetcher)."""
+        with self._lock:
+            for key in list(self._wanted):
+                kept = collections.deque(parts for parts in self._wanted[key] if parts[0].generation >= generation)
+                for parts in self._wanted[key]:
+                    if parts[0].generation < generation:
+                        for part in parts:
+                            part.dropped = True
+                            if part.state != _SENT:
+                                self._forget(part)
+                if kept:
+                    self._wanted[key] = kept
+                else:
+                    del self._wanted[key]
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet landed."""
+        return self._in_flight
+
+    @property
+    def ahead(self) -> int:
+        """Bytes asked ahead and not yet let go (held, on their way, or queued)."""
+        return self._ahead
+
     def close(self) -> None:
-        """Drop everything asked for; a request in flight lands unread. Idempotent."""
+        """Drop everything asked for and cancel the requests in flight (their bytes, should they
+        land first, are dropped unread). Idempotent."""
         with self._lock:
             self._closed = True
             wanted = [p for q in self._wanted.values() for parts in q for p in parts]
             self._wanted.clear()
-            for part in (*wanted, *self._queue, *self._urgent):
+            for part in (*wanted, *self._queue, *self._urgent, *self._flying):
                 part.dropped = True
                 if part.state != _SENT:
                     self._forget(part)
+            sent = [part.future for part in self._flying if part.future is not None]
             self._queue.clear()
             self._urgent.clear()
+        for future in sent:  # outside the lock: a cancelled future runs _arrived at once
+            future.cancel()
 
     def __enter__(self) -> Fetcher:
         return self
