@@ -8,8 +8,9 @@ rewrites both; the docs build (and tests/test_docs.py) fails while either is sta
 drift from the code. The help is generated under the Python `make` uses (argparse's layout moves
 between Python versions).
 
-The charts are added to the site's files from benchmarks/results/, where benchmarks/compare.py
-and benchmarks/au.py write them, so the page shows the latest run without a copy to keep in step.
+The charts are linked where benchmarks/compare.py and benchmarks/au.py write them
+(../benchmarks/results/NAME.png from docs/), and the site serves them from there, so the pages
+show the latest run on a forge and on the site alike, with no copy to keep in step.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ VERDICTS_PAGE = DOCS / "performance" / "verdicts.md"
 VERDICTS_SOURCE = SRC / "stoker" / "verdicts.md"
 # Everything after this line of docs/reference/cli.md is generated.
 CLI_MARKER = "<!-- Generated below by `python docs/hooks.py` from stoker.cli.build_parser(): edit the parser. -->"
-CHARTS = {
-    "assets/compare.png": REPO / "benchmarks" / "results" / "compare.png",
-    "assets/au.png": REPO / "benchmarks" / "results" / "au.png",
-}
+# The charts, as the pages link them from docs/: ../benchmarks/results/NAME.png.
+CHARTS = ("compare.png", "au.png")
+# Where the site serves them (a built page's relative link is rewritten to it).
+CHARTS_SERVED = "assets/{}"
 
 log = logging.getLogger("mkdocs.hooks.stoker")
 
@@ -89,10 +90,19 @@ def on_pre_build(config: Any, **_: Any) -> None:
 
 
 def on_files(files: Any, config: Any, **_: Any) -> Any:
-    from mkdocs.structure.files import File
+    from mkdocs.structure.files import File, InclusionLevel
 
-    for uri, path in CHARTS.items():
-        files.append(File.generated(config, uri, abs_src_path=str(path)))
+    for name in CHARTS:
+        # Known by the path a page at the docs root links it by, so the link resolves built and
+        # unbuilt; included explicitly, as mkdocs leaves out paths with a part starting with a dot.
+        chart = File.generated(
+            config,
+            f"../benchmarks/results/{name}",
+            abs_src_path=str(REPO / "benchmarks" / "results" / name),
+            inclusion=InclusionLevel.INCLUDED,
+        )
+        chart.dest_uri = CHARTS_SERVED.format(name)
+        files.append(chart)
     return files
 
 
