@@ -15,6 +15,16 @@ DEMO_VENV := .venv-demo
 DEMO_BIN := $(DEMO_VENV)/bin
 DEMO_STAMP := $(DEMO_VENV)/.installed
 
+# `make docs` needs mkdocs, its plugins and stoker (numpy) only: its own venv, so it never pulls a
+# framework (the API reference is read from the source, never imported).
+DOCS_VENV := .venv-docs
+DOCS_BIN := $(DOCS_VENV)/bin
+DOCS_STAMP := $(DOCS_VENV)/.installed
+# The site from docs/ and the docstrings; --strict makes a broken link, reference or docstring, or a
+# stale generated page (docs/hooks.py), fail the build. The NO_MKDOCS_2_WARNING banner is
+# mkdocs-material's notice, not ours.
+mkdocs_build = NO_MKDOCS_2_WARNING=1 $(1)/mkdocs build --strict --site-dir site
+
 .PHONY: demo test docs lint bench venv wheel clean
 
 $(BIN)/python:
@@ -40,16 +50,23 @@ demo: $(DEMO_STAMP)
 	@echo "make demo: stoker bench on a generated sample (written once into the cache, then reused)"
 	$(DEMO_BIN)/stoker bench
 
-test: $(STAMP) docs
+# The test venv has the docs extra too: the strict docs build is part of the tests.
+test: $(STAMP)
+	$(call mkdocs_build,$(BIN))
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests
 
-# The site from docs/ and the docstrings; --strict makes a broken link, reference or docstring fail
-# the build (and so `make test`). The NO_MKDOCS_2_WARNING banner is mkdocs-material's notice, not ours.
-docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+$(DOCS_BIN)/python:
+	$(PY) -m venv $(DOCS_VENV) || python3 -m venv $(DOCS_VENV)
+
+$(DOCS_STAMP): pyproject.toml setup.py src/stoker/_kernels.c $(CONSTRAINTS) | $(DOCS_BIN)/python
+	$(DOCS_BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(call mkdocs_build,$(DOCS_BIN))
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/w1.py
@@ -68,4 +85,4 @@ wheel: $(STAMP)
 	ls dist/*.whl
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) dist build site .stoker-cache .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) $(DOCS_VENV) dist build site .stoker-cache .pytest_cache .mypy_cache .ruff_cache

@@ -210,3 +210,16 @@ def test_readme_links_resolve() -> None:
     assert local, "the README links to no local file"
     missing = sorted({t for t in local if not (ROOT / t).exists()})
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+def test_generated_pages_are_what_the_code_makes_now() -> None:
+    """docs/reference/cli.md (the commands' --help) and docs/performance/verdicts.md (the
+    package's explanations) read unbuilt as built: `python docs/hooks.py` rewrites them."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    pages = hooks.generated_pages()
+    assert set(pages) == {ROOT / "docs" / "reference" / "cli.md", ROOT / "docs" / "performance" / "verdicts.md"}
+    assert "## stoker explain\n" in pages[ROOT / "docs" / "reference" / "cli.md"]
+    assert hooks.stale_pages() == [], "stale: run `python docs/hooks.py`"

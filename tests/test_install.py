@@ -113,6 +113,9 @@ with ds.loader(16, cast={"image": "float32"}) as loader:
     for b in loader:
         assert (b["label"] == expected_label(b["image"].astype(np.int8))).all()
         n += len(b["label"])
+# The package data `stoker explain` prints, from the wheel's copy.
+from stoker.doctor import explain
+assert explain("storage-bound").splitlines()[0] == "storage-bound", explain("storage-bound")
 print("ok", stoker.__version__, n)
 """
 

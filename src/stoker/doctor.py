@@ -9,17 +9,35 @@ stage takes the time.
 
 from __future__ import annotations
 
+import difflib
+import re
+from importlib import resources
+
 from .engine.decoded import KEPT_DECODED_BYTES
 from .engine.executor import MAX_PER_WAKE
 from .engine.stats import LoaderStats
 from .io.inflate import BACKEND
 from .machine import cores_phrase
 
-__all__ = ["AT_CEILING", "CONSUMER_BOUND", "STEP_FED", "VERDICTS_PAGE", "VERDICT_IDS", "step_verdict", "verdict"]
+__all__ = [
+    "AT_CEILING",
+    "CONSUMER_BOUND",
+    "EXPLAIN_COMMAND",
+    "STEP_FED",
+    "VERDICTS_FILE",
+    "VERDICT_IDS",
+    "explain",
+    "step_verdict",
+    "verdict",
+]
 
-# Every verdict ends by naming its section of this page, so a user can read what to change.
-VERDICTS_PAGE = "docs/performance/verdicts.md"
-# The page's sections, one per kind of verdict: each is the anchor of its heading there.
+# Every verdict ends with this command and its section, which prints what to change from the
+# installed package (a pip user has no docs/ folder, and the project has no public site).
+EXPLAIN_COMMAND = "stoker explain"
+# The explanations, shipped as package data: a section per verdict, headed `## SECTION`.
+# docs/performance/verdicts.md is a copy of it.
+VERDICTS_FILE = "verdicts.md"
+# The sections, one per kind of verdict.
 VERDICT_IDS = (
     "no-batches",
     "consumer-bound",
@@ -266,8 +284,58 @@ def step_verdict(step_ms: float, utilization: float, wait_fraction: float, cores
 
 
 def _see(anchor: str, said: str) -> str:
-    """`said` followed by where the verdicts page explains it and what to change."""
-    return f"{said}; see {VERDICTS_PAGE}#{anchor}"
+    """`said` followed by the command that explains it and what to change."""
+    return f"{said}; see: {EXPLAIN_COMMAND} {anchor}"
+
+
+_LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
+
+
+def explain(section: str | None = None) -> str:
+    """The explanation of one kind of verdict, as `stoker explain SECTION` prints it; with no
+    section, the list of sections.
+
+    Args:
+        section: the last word of a verdict (`"storage-bound"`), one of `VERDICT_IDS`.
+
+    Raises:
+        ValueError: `section` is none of them (the message names the nearest).
+
+    >>> print(explain("no-batches").splitlines()[0])
+    no-batches
+    """
+    if section is None:
+        return "\n".join([f"{EXPLAIN_COMMAND} SECTION prints one of:", *(f"  {s}" for s in VERDICT_IDS)])
+    sections = _sections()
+    if section not in sections:
+        near = difflib.get_close_matches(section, list(sections), n=1)
+        hint = f"; did you mean {near[0]}?" if near else f" ({EXPLAIN_COMMAND} lists them)"
+        raise ValueError(f"{section=} is no verdict's section{hint}")
+    return f"{section}\n\n{_plain(sections[section])}"
+
+
+def _sections() -> dict[str, str]:
+    """`## SECTION` -> its markdown, from the package's verdicts.md."""
+    text = resources.files("stoker").joinpath(VERDICTS_FILE).read_text(encoding="utf-8")
+    parts = re.split(r"^## (\S+)\n", text, flags=re.MULTILINE)
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def _plain(body: str) -> str:
+    """A section's markdown as a terminal shows it: the example verdict indented, links as their
+    text (a link to another section as the command that prints it)."""
+
+    def link(m: re.Match[str]) -> str:
+        text, target = m.groups()
+        return f"{text} ({EXPLAIN_COMMAND} {target[1:]})" if target.startswith("#") else text
+
+    lines, fenced = [], False
+    for line in body.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        lines.append(f"    {line}" if fenced else _LINK.sub(link, line))
+    return "\n".join(lines)
 
 
 def _runs_gap(stats: LoaderStats) -> str:

@@ -20,7 +20,7 @@ from stoker.cli import main
 from stoker.cli.ceiling import drop_page_cache, run_ceiling
 from stoker.cli.contenders import Measurement, _run_stoker, burn
 from stoker.cli.steps import Stepped, handoff, parse_steps, smallest_step, take
-from stoker.doctor import VERDICTS_PAGE, step_verdict
+from stoker.doctor import step_verdict
 from stoker.errors import SpecError
 
 RECORDS = 8  # records per fake batch
@@ -133,10 +133,10 @@ def test_a_step_verdict_says_the_wait_and_the_cores_left() -> None:
     fed = step_verdict(20, 0.987, 0.011, 0.35, 2)
     assert fed.startswith("your step of 20 ms would wait 1.1% of the time (the accelerator busy 98.7%")
     assert "stoker used 0.35 of 2 cores, leaving 1.65 free" in fed
-    assert fed.endswith(f"; see {VERDICTS_PAGE}#step-fed")
+    assert fed.endswith("; see: stoker explain step-fed")
     starved = step_verdict(1, 0.74, 0.25, 1.6, 2)
     assert starved.startswith("your step of 1 ms would wait 25% of the time (the accelerator busy 74%")
-    assert "leaving 0.40 free" in starved and starved.endswith(f"; see {VERDICTS_PAGE}#step-starved")
+    assert "leaving 0.40 free" in starved and starved.endswith("; see: stoker explain step-starved")
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 def test_every_parser_refuses_abbreviated_options() -> None:
     parser = build_parser()
     subs = next(a for a in parser._actions if a.dest == "command").choices  # type: ignore[attr-defined]
-    assert sorted(subs) == ["bench", "index", "inspect", "sample"]
+    assert sorted(subs) == ["bench", "explain", "index", "inspect", "sample"]
     assert not parser.allow_abbrev and not any(p.allow_abbrev for p in subs.values())
 
 

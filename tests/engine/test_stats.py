@@ -834,7 +834,7 @@ def test_workers_blocked_at_low_cpu_are_per_batch_bound_and_runnable_ones_cpu_st
     alone = verdict(dataclasses.replace(gil, coalesced=1), 0.3)
     assert alone.startswith(f"per-batch work limits you: {s.batches / s.seconds:,.0f} batches/s of 16 records at 30%")
     assert "ran on a CPU only 50% of their busy time and were blocked 90% of the rest" in got
-    assert got.endswith("raise batch_size (now 16); see docs/performance/verdicts.md#per-batch-work")
+    assert got.endswith("raise batch_size (now 16); see: stoker explain per-batch-work")
     # The same workers runnable, waiting for a CPU, a third of their busy time: others have the cores.
     # The same workers runnable, waiting for a CPU, a third of their busy time, while the machine's
     # CPUs were all busy and this process used half of them: others have the cores.
@@ -892,7 +892,7 @@ def test_below_the_ceiling_the_copy_verdict_names_per_batch_work_as_the_gap(tmp_
     assert below.startswith("the copy of field 'wide' with its cast to float32 limits you (80% of worker time at 70%")
     assert below.endswith(
         "; the gap to the ceiling is stoker's per-batch work (assemble 20% of worker time): "
-        "a larger batch_size (now 64) spreads it over more records; see docs/performance/verdicts.md#copy-with-cast"
+        "a larger batch_size (now 64) spreads it over more records; see: stoker explain copy-with-cast"
     )
     assert "gap to the ceiling" not in verdict(s)  # no ceiling measured: no gap to name
     assert "gap to the ceiling" not in verdict(_copy_on_top(s, "read+cast", 0.05), 0.7)
@@ -937,7 +937,7 @@ def test_below_the_ceiling_what_cuts_assemblies_into_many_runs_is_named(
     assert said.endswith(
         "; each assembly of 4 records is read in 2.0 runs per field, since interleave blocks hold 3 records: "
         "block_length=16 reads most of them in one run (it changes the order of the records)"
-        "; see docs/performance/verdicts.md#copy-bound"
+        "; see: stoker explain copy-bound"
     )
     assert "block_length" not in verdict(short)  # no ceiling measured: no gap to name
     assert "block_length" not in verdict(short, 0.95)  # at the ceiling
@@ -950,14 +950,14 @@ def test_below_the_ceiling_what_cuts_assemblies_into_many_runs_is_named(
     small = _copy_on_top(_runs_of(files, block_length=8), "read", 0.02)
     assert verdict(small, 0.7).endswith(
         "; each assembly of 4 records is read in 2.0 runs per field, 2 records a run, most cut at the end "
-        "of a file: fewer, larger files would make fewer runs; see docs/performance/verdicts.md#copy-bound"
+        "of a file: fewer, larger files would make fewer runs; see: stoker explain copy-bound"
     )
     # Batches assembled together: the advice counts in assemblies.
     together = dataclasses.replace(short, coalesced=8, runs_per_assembly=3.5)
     assert verdict(together, 0.7).endswith(
         "; each assembly of 32 records (8 batches assembled as one) is read in 3.5 runs per field, since "
         "interleave blocks hold 3 records: block_length=128 reads most of them in one run (it changes the "
-        "order of the records); see docs/performance/verdicts.md#copy-bound"
+        "order of the records); see: stoker explain copy-bound"
     )
 
 
@@ -1091,7 +1091,7 @@ def test_buffers_made_anew_are_counted_and_named_when_the_pool_cannot_recycle_th
     v = verdict(s)
     assert v.startswith(f"batch buffers made anew instead of recycled: {s.buffers_made} for 100 batches, ")
     assert "the pool recycles a batch once you drop it" in v and v.endswith(
-        "hold fewer batches, or lower prefetch= would move it; see docs/performance/verdicts.md#buffers-made-anew"
+        "hold fewer batches, or lower prefetch= would move it; see: stoker explain buffers-made-anew"
     )
     # Batches dropped, but a budget that leaves the pool no room: the budget is named.
     tight = dataclasses.replace(dropped, buffers_made=2 * dropped.batches, memory_budget=3 * dropped.batch_bytes)

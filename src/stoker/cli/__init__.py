@@ -1,7 +1,7 @@
-"""The `stoker` command: a thin layer over the public API (sample, inspect, index, bench).
+"""The `stoker` command: a thin layer over the public API (sample, inspect, index, bench, explain).
 
 `main` and the parser are in `stoker.cli.main`; each command's arguments and run in its own
-module (`sample`, `inspect`, `index`, `bench`); where fields come from in `config`.
+module (`sample`, `inspect`, `index`, `bench`, `explain`); where fields come from in `config`.
 """
 
 from __future__ import annotations

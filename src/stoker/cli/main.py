@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of `stoker` and its commands, each command's arguments declared by its module."""
     # Here rather than at the top: `python -m stoker.cli.bench` (a benchmark's child process)
     # loads this package first, and must not find its own module loaded already.
-    from . import bench, index, inspect, sample
+    from . import bench, explain, index, inspect, sample
 
     parser = Parser(
         prog="stoker",
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (sample, inspect, index, bench):
+    for command in (sample, inspect, index, bench, explain):
         command.add_parser(sub)
     return parser
 
