@@ -226,6 +226,8 @@ class RawReader:
         rb = spec.record_bytes
         per = max(1, _STAGED_BYTES // rb)
         staged = self.staging(min(run.count, per) * rb)
+        if run.count > per:  # the whole run asked of the disk at once, not a chunk per wait
+            os.posix_fadvise(f.fd, offset, run.count * rb, os.POSIX_FADV_WILLNEED)
         for a in range(0, run.count, per):
             n = min(per, run.count - a)
             view = staged[: n * rb]
