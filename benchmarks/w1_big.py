@@ -14,6 +14,9 @@ run starts cold and reads from the disk. Contenders alternate, each in a fresh p
   read and dropping what it has read with ``POSIX_FADV_DONTNEED``: the disk always has many
   requests queued, and the page cache does not fill up (what stoker's readahead does, in the
   simplest loop we could write);
+- ``disk direct``: the device's own limit, past the page cache: four threads per core, each
+  reading its files front to back in 8 MiB ``O_DIRECT`` reads into an aligned buffer, so the
+  kernel neither caches nor reads ahead and what is timed is the disk answering requests;
 - ``disk+cast``: the same as ``disk`` plus the cast of every chunk to float32 (the cold ceiling);
 - ``stoker float32`` / ``stoker int8``: ``ds.loader(256)`` with and without the cast;
 - ``stoker float32 no-readahead``: the same with ``stoker.io.readahead`` switched off, to show what
@@ -29,10 +32,12 @@ Each run lasts ``--seconds`` (default 25) or one whole epoch, whichever ends fir
 VM: see results/w1_big_history.md). Reported per contender: records/s, MB/s of image bytes, and how much the
 page cache grew during the run (with drop-behind, stoker keeps only a window of pages per open
 file, so a dataset larger than RAM does not push the training process's own file pages out).
-Ratios are taken per round, then their median and spread.
+Every run also reports its CPU-seconds per GB of image bytes (its process's user and system
+time). Ratios are taken per round, then their median and spread. ``--only`` runs a subset of the
+contenders (a quicker cold comparison of the device, int8 and float32, for example).
 
     python benchmarks/w1_big.py [--rounds 3] [--seconds 25] [--over 0.1] [--cache .stoker-cache]
-                                [--out benchmarks/results]
+                                [--only NAME,NAME...] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import mmap
 import os
 import threading
 import time
@@ -71,7 +77,7 @@ STREAM_AHEAD = 32 << 20
 DISK_LOOPS = ("disk", "disk ahead", "disk streams")  # the fastest in a round is the disk's rate
 RANDOM_BATCH = 256  # records a random-read thread asks the disk for at once
 CONTENDERS = (
-    *DISK_LOOPS, "disk+cast", "stoker float32", "stoker int8", "stoker float32 no-readahead",
+    *DISK_LOOPS, "disk direct", "disk+cast", "stoker float32", "stoker int8", "stoker float32 no-readahead",
     "disk random", "stoker float32 shuffle=global",
 )  # fmt: skip
 
@@ -112,6 +118,40 @@ def disk_child(paths: list[str], cast: bool, seconds: float, ahead: bool = False
                 os.close(fd)
             if time.perf_counter() >= until:
                 break
+        done.append(n)
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=read, args=(paths[i::threads],)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {"bytes": sum(done), "seconds": time.perf_counter() - start}
+
+
+def direct_child(paths: list[str], seconds: float) -> dict[str, Any]:
+    """The device's rate past the page cache: O_DIRECT reads into page-aligned buffers."""
+    threads = len(os.sched_getaffinity(0)) * STREAMS_PER_CORE
+    until = time.perf_counter() + seconds if seconds else math.inf
+    done: list[int] = []
+
+    def read(share: list[str]) -> None:
+        buf = mmap.mmap(-1, CHUNK)  # anonymous maps are page-aligned, as O_DIRECT needs
+        n = 0
+        for p in share:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            try:
+                off = 0
+                while (got := os.preadv(fd, [buf], off)) > 0:
+                    n += got
+                    off += got
+                    if time.perf_counter() >= until:
+                        break
+            finally:
+                os.close(fd)
+            if time.perf_counter() >= until:
+                break
+        buf.close()
         done.append(n)
 
     start = time.perf_counter()
@@ -185,8 +225,11 @@ def stoker_child(
 def child(kind: str, data: Path, seconds: float) -> dict[str, Any]:
     paths = sorted(str(p) for p in data.glob("img_*.bin"))
     before = cached_kib()
+    cpu = os.times()
     if kind == "disk random":
         out = random_child(paths, seconds)
+    elif kind == "disk direct":
+        out = direct_child(paths, seconds)
     elif kind.startswith("disk"):
         out = disk_child(
             paths, kind == "disk+cast", seconds, ahead=kind == "disk ahead",
@@ -198,6 +241,8 @@ def child(kind: str, data: Path, seconds: float) -> dict[str, Any]:
             "global" if "shuffle=global" in kind else None,
         )  # fmt: skip
     out["cache_growth_mib"] = (cached_kib() - before) / 1024
+    used = os.times()
+    out["cpu_s_per_gb"] = (used.user + used.system - cpu.user - cpu.system) / (out["bytes"] / 1e9)
     return out
 
 
@@ -216,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=25.0)
     ap.add_argument("--over", type=float, default=0.1, help="dataset size above the RAM, as a fraction of it")
     ap.add_argument("--cache", default=default_cache())
+    ap.add_argument("--only", help="comma-separated contenders to run (default: all)")
     add_out_argument(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -227,8 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     pairs = math.ceil(ram * (1 + args.over) / (RECORDS * RECORD_BYTES))
     data = cached_sample(Path(args.cache) / f"w1-big-{pairs}x{RECORDS}x{RES}", pairs=pairs, records=RECORDS)
     size = sum(p.stat().st_size for p in data.glob("img_*.bin"))
-    rounds = alternate(list(CONTENDERS), args.rounds, lambda kind: run(kind, data, args.seconds), show="mb_per_s")
+    contenders = list(CONTENDERS)
+    if args.only:
+        contenders = [c.strip() for c in args.only.split(",")]
+        if unknown := sorted(set(contenders) - set(CONTENDERS)):
+            ap.error(f"unknown contender(s) {unknown}; choose from {list(CONTENDERS)}")
+    rounds = alternate(contenders, args.rounds, lambda kind: run(kind, data, args.seconds), show="mb_per_s")
     ratios = [
+        ("stoker float32", "stoker int8"),
+        ("stoker float32", "disk direct"),
+        ("stoker int8", "disk direct"),
         ("stoker int8", DISK_LOOPS, "stoker int8 / best disk loop"),
         ("stoker float32", DISK_LOOPS, "stoker float32 / best disk loop"),
         ("stoker int8", "disk streams"),
@@ -243,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     table = summary_table(rounds, metric="mb_per_s", label="MB/s", columns={
         "records/s median": median_of("records_per_s"),
         "page cache growth (MiB, median)": median_of("cache_growth_mib"),
+        "CPU-s per GB (median)": median_of("cpu_s_per_gb", "{:.2f}"),
     })  # fmt: skip
-    readahead = rounds.ok("stoker float32")[0].get("tuning", {}).get("readahead")
+    stoker_runs = [run for name in contenders if name.startswith("stoker") for run in rounds.ok(name)]
+    readahead = stoker_runs[0].get("tuning", {}).get("readahead") if stoker_runs else None
     body = (table + "\n" + ratio_table(rounds, ratios, metric="mb_per_s")
             + f"\nstoker's readahead setting in these runs: {readahead}\n")  # fmt: skip
     title = (f"W1-big ({len(os.sched_getaffinity(0))} cores, RAM {ram / 2**30:.1f} GiB, images {size / 2**30:.1f} GiB "

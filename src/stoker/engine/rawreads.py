@@ -26,7 +26,8 @@ from .stats import Counters
 
 __all__ = ["RawReader"]
 
-# Records numpy casts are copied out of their map this many bytes at a time (see _copy_mapped).
+# Records numpy casts are copied out of their map, and cold cast runs read by preadv, this many
+# bytes at a time, so each chunk is still in the cache when it is cast (see _copy_mapped, _pread_cast).
 _STAGED_BYTES = 256 << 10
 
 
@@ -77,6 +78,8 @@ class RawReader:
             # the streamed copy is the faster (measured: benchmarks/results/w1_history.md).
             if not self.cast[name] and run.step == 1 and put is None and not f.reused:
                 self._pread(name, spec, info, run, f, dst, offset)
+            elif put is None and self._cold_cast(name, run, f, offset, spec.record_bytes):
+                self._pread_cast(name, spec, info, run, f, dst, offset)
             else:
                 # A file cut short before this check fails here; one cut during the copy faults
                 # in a guarded kernel (MapFault), and numpy never reads the map (see _copy_mapped).
@@ -122,6 +125,9 @@ class RawReader:
             ):
                 if not self.cast[name] and run.step == 1 and not f.reused:
                     self._pread(name, spec, info, run, f, dst[run.row : run.row + run.count], offset)
+                    continue
+                if self._cold_cast(name, run, f, offset, rb):
+                    self._pread_cast(name, spec, info, run, f, dst[run.row : run.row + run.count], offset)
                     continue
                 if f.map is None or f.size < offset + nread or now < offset + nread:
                     raise truncated(name, info, spec, run, min(f.size, now))
@@ -204,6 +210,43 @@ class RawReader:
             else:
                 cast_into(dst[a : a + n], records)
             del rows, records
+
+    def _cold_cast(self, name: str, run: Run, f: OpenFile, offset: int, rb: int) -> bool:
+        """Whether a cast run is read by preadv and then cast, not cast from the file's map:
+        its last page is out of the page cache. Faulted through a map, a cold run waits for the
+        kernel's read-around one small window at a time; preadv asks the disk for it whole."""
+        if not self.cast[name] or run.step != 1 or f.reused or f.warm:
+            return False
+        return self.readahead.missing(f.fd, offset + run.count * rb - 1)
+
+    def _pread_cast(
+        self, name: str, spec: Field, info: FileInfo, run: Run, f: OpenFile, dst: np.ndarray, offset: int
+    ) -> None:
+        """Run `run` (every record) read by preadv into staging, a chunk at a time, each cast into `dst`."""
+        rb = spec.record_bytes
+        per = max(1, _STAGED_BYTES // rb)
+        staged = self.staging(min(run.count, per) * rb)
+        if run.count > per:  # the whole run asked of the disk at once, not a chunk per wait
+            os.posix_fadvise(f.fd, offset, run.count * rb, os.POSIX_FADV_WILLNEED)
+        for a in range(0, run.count, per):
+            n = min(per, run.count - a)
+            view = staged[: n * rb]
+            at, done = offset + a * rb, 0
+            flush_wake()  # about to give the GIL up, maybe wait on the disk
+            while done < n * rb:
+                try:
+                    got = os.preadv(f.fd, [view[done:]], at + done)
+                except OSError as e:
+                    raise faults.read_failed(name, info, spec, at + done, e) from e
+                if got == 0:
+                    raise truncated(name, info, spec, run, at + done)
+                done += got
+            records = np.frombuffer(view, spec.dtype).reshape(n, *spec.shape)
+            cast_into(dst[a : a + n], records)
+            del records
+        now = file_size(f.fd)  # a read racing a cut copies zeros past the new end (see _pread)
+        if now < offset + run.count * rb:
+            raise truncated(name, info, spec, run, now)
 
     def _pread(
         self, name: str, spec: Field, info: FileInfo, run: Run, f: OpenFile, dst: np.ndarray, offset: int

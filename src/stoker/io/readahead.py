@@ -138,6 +138,20 @@ class Readahead:
             willneed_records(fds, offsets, length)
             self.advised += 1
 
+    def missing(self, fd: int, offset: int) -> bool:
+        """Whether the page holding `offset` is known to be out of the page cache: False where
+        the probe cannot tell, or past the file's end. Like the probe ahead, a miss starts the
+        kernel's readahead there."""
+        if not self.probing or _preadv is None:
+            return False
+        try:
+            _preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+        except BlockingIOError:  # EAGAIN: not cached
+            return True
+        except OSError:  # RWF_NOWAIT unsupported by this file system
+            self.probing = False
+        return False
+
     def _cached(self, fd: int, offset: int) -> bool:
         """Whether the page holding `offset` is in the page cache (False when unknown).
 
