@@ -9,7 +9,7 @@ Two ways in:
   `device=` each tensor is copied with `non_blocking=True`; with `pin_memory=True`
   (and CUDA present) the loader assembles batches straight into pinned memory, through
   its buffer allocator, so the copy is a real asynchronous DMA. `cast_on_device=`
-  casts after the transfer: ship the seed's images as int8 and cast on the GPU, 4x fewer
+  casts after the transfer: ship int8 images as stored and cast on the GPU, 4x fewer
   bytes over PCIe than float32 (the recommended setup).
 - `StokerIterableDataset`: for code built around `torch.utils.data.DataLoader`
   (`batch_size=None`; stoker batches). With `num_workers=W` each worker process

@@ -15,7 +15,7 @@ assembly by the engine (`stoker.engine.fusion`), each record read once where the
 kernel takes the chain; every way gives the result of calling the transforms one after the
 other on the unfused batch, bit for bit.
 
-Example (the seed's int8 frames to float32 in [-1, 1], flipped left-right half the time):
+Example (int8 frames to float32 in [-1, 1], flipped left-right half the time):
     >>> from stoker.transforms import Normalize, RandomFlip
     >>> loader = ds.loader(256, seed=7, transform=[
     ...     Normalize(mean=-0.5, std=127.5, fields="image"),  # -128 -> -1.0, 127 -> 1.0
@@ -106,7 +106,7 @@ class Normalize(Transform):
     ufunc passes over a cache-sized chunk), so `mean=-0.5, std=127.5` maps int8 -128 and
     127 to exactly -1.0 and 1.0, where `scale=1/127.5` rounds 127 to 1.0000001.
 
-    Example: the seed's int8 frames to float32 in [-1, 1]:
+    Example: int8 frames to float32 in [-1, 1]:
         >>> Normalize(mean=-0.5, std=127.5, fields="image")
         Normalize(mean=[-0.5], std=[127.5], fields=['image'])
     """

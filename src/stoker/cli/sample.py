@@ -1,4 +1,5 @@
-"""`stoker sample`, and the sample datasets it writes in the seed's layout, with contents that
+"""`stoker sample`, and the sample datasets it writes (int8 image files beside gzip float32 label
+files), with contents that
 make pairing checkable.
 
 Images: int8 frames of `inrez x inrez x 1`; the first 4 bytes of each frame hold the
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "sample",
-        help="write a dataset in the seed's layout (int8 images + gzip float32 labels)",
+        help="write a sample dataset: int8 image files beside gzip float32 label files",
         description="Write a sample dataset: img_NNNN.bin (int8 frames, the record's index in "
         "its first 4 bytes) and out_NNNN.bin.gz (its float32 label), with a stoker.toml "
         "saying so. Run again with the same settings over a sample it wrote, it writes nothing.",

@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_CACHE_BYTES", "STREAM_SPLIT", "RecordReader"]
 
-# Decoded compressed files kept per Dataset for random access. Labels of the seed's layout
-# (4 bytes a record) take 16 KiB a group, so a million groups' labels fit; image files of
+# Decoded compressed files kept per Dataset for random access. Label files of one float32 a record
+# take 16 KiB a group of 4096 records, so a million groups' labels fit; image files of
 # 64 MiB decoded: four at a time, enough for the loader's default cycle of 4 groups.
 DEFAULT_CACHE_BYTES = 256 << 20
 # Raw files a reader keeps mapped between reads (each costs two descriptors and address space,
