@@ -1,6 +1,5 @@
 """`stoker sample`, and the sample datasets it writes (int8 image files beside gzip float32 label
-files), with contents that
-make pairing checkable.
+files), with contents that make pairing checkable.
 
 Images: int8 frames of `inrez x inrez x 1`; the first 4 bytes of each frame hold the
 record's global index (little-endian uint32) and the rest a cheap pattern. Labels: one
