@@ -20,9 +20,14 @@ Contenders (W1: 16 x 4096 int8 128x128 frames + gzip float32 labels, float32 ima
 - ``torch DataLoader``: ``__getitems__`` reading whole batches, ``num_workers`` = cores.
 
 Every (contender, step) runs in a fresh process, once per round, in alternated order.
+``--baseline SRC`` adds ``stoker baseline``: the loader of another tree's sources (``SRC``, its
+``src/`` folder, e.g. main's worktree), run as ``stoker`` is, to weigh a change in the same rounds.
+``--busy N`` runs N processes that spin on the CPU beside every contender (the other work of a
+shared machine, made the same for each) and writes ``au_busy.*`` instead of ``au.*``.
 
     python benchmarks/au.py [--rounds 3] [--seconds 2] [--warmup 1] [--steps 1,2,5,20]
-                            [--contenders stoker,ceiling,...] [--out benchmarks/results]
+                            [--contenders stoker,ceiling,...] [--baseline SRC] [--busy N]
+                            [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +62,7 @@ from harness import (
 )
 
 CONTENDERS = ("stoker", "ceiling", "tf.data best", "grain", "torch DataLoader")
+BASELINE = "stoker baseline"
 STEPS = (1.0, 2.0, 5.0, 20.0)
 RECORD_BYTES = compare.RES * compare.RES + 4  # an int8 frame and its float32 label, as stored
 
@@ -86,12 +94,16 @@ def child(kind: str, data: Path, step_ms: float, seconds: float, warmup: float) 
     return {"records": s.records, "seconds": s.seconds, "stepped": s.to_dict()}
 
 
-def run_one(kind: str, step_ms: float, data: Path, seconds: float, warmup: float) -> Run:
+def run_one(kind: str, step_ms: float, data: Path, seconds: float, warmup: float, baseline: str | None) -> Run:
     name = f"{kind} @{step_ms:g}ms"
     step = {"step_ms": step_ms, "step_kind": "sleep", "seconds": seconds, "warmup": warmup}
-    if kind == "stoker":
+    if kind in ("stoker", BASELINE):
         cfg = {"fields": compare.stoker_fields("W1", data), "batch": compare.BATCH, "cast": {"image": "float32"},
                **step}  # fmt: skip
+        if kind == BASELINE:
+            assert baseline is not None
+            args = ["-m", "stoker.cli.bench", "stoker", json.dumps(cfg)]
+            return child_json(name, args, env={"PYTHONPATH": baseline})
         return stoker_child(name, "stoker", cfg)
     if kind == "ceiling":
         paths = sorted(str(p) for p in data.glob("img_*.bin"))
@@ -102,6 +114,30 @@ def run_one(kind: str, step_ms: float, data: Path, seconds: float, warmup: float
     argv = [__file__, "--child", kind, "--data", str(data), "--step", str(step_ms), "--seconds", str(seconds),
             "--warmup", str(warmup)]  # fmt: skip
     return child_json(name, argv, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+SPIN = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    sum(range(10000))\n"
+
+
+@contextlib.contextmanager
+def busy(processes: int, seconds: float) -> Iterator[None]:
+    """`processes` processes spinning on the CPU while the block runs (at most `seconds`), each
+    stopped by its PID after it."""
+    spinning = [subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=seconds)]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for p in spinning:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def baseline_name(src: str | None) -> str | None:
+    """The baseline's sources as a reader can find them again: its folder and git commit."""
+    if src is None:
+        return None
+    head = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{src} at {head.stdout.strip()}" if head.returncode == 0 else src
 
 
 def _figures(rounds: Rounds, name: str) -> list[Stepped]:
@@ -121,6 +157,10 @@ def report(rounds: Rounds, kinds: list[str], steps: list[float], meta: dict[str,
         f"{meta['rounds']} alternated rounds of {meta['seconds']:g}s after {meta['warmup']:g}s of warm-up, each "
         f"(contender, step) in a fresh process; W1, float32 images out, batch {compare.BATCH}, warm cache, "
         f"{meta['cores']} cores. A sleep of the step after every batch; median [min..max] of the rounds.",
+        *([f"`{BASELINE}`: the loader of {meta['baseline']}, run as `stoker` is, in the same rounds."]
+          if meta.get("baseline") else []),
+        *([f"Beside every run, {meta['busy']} process(es) spinning on the CPU (the other work of a shared machine)."]
+          if meta.get("busy") else []),
         "",
         "Accelerator utilization (time in the step / wall time; MLPerf Storage passes at 90%):",
         "",
@@ -134,8 +174,8 @@ def report(rounds: Rounds, kinds: list[str], steps: list[float], meta: dict[str,
     ])  # fmt: skip
 
 
-COLORS = {"stoker": "tab:orange", "ceiling": "black", "tf.data best": "tab:blue", "grain": "tab:green",
-          "torch DataLoader": "tab:purple"}  # fmt: skip
+COLORS = {"stoker": "tab:orange", BASELINE: "tab:brown", "ceiling": "black", "tf.data best": "tab:blue",
+          "grain": "tab:green", "torch DataLoader": "tab:purple"}  # fmt: skip
 
 
 def medians(rounds: Rounds, kinds: list[str], steps: list[float]) -> dict[str, dict[str, dict[str, float]]]:
@@ -192,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds each contender runs with the step untimed")
     ap.add_argument("--steps", default=",".join(f"{s:g}" for s in STEPS), help="milliseconds per batch")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of the contenders")
+    ap.add_argument("--baseline", help="another tree's src/ folder, run as the contender 'stoker baseline'")
+    ap.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU beside every contender")
     ap.add_argument("--cache", default=default_cache())
-    add_out_argument(ap)  # au.md and its history, au.json (every run's figures), au.png
+    add_out_argument(ap)  # au.md and its history, au.json (every run's figures), au.png; au_busy.* with --busy
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--step", type=float, help=argparse.SUPPRESS)
@@ -205,22 +247,36 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [k for k in kinds if k not in CONTENDERS]
     if unknown:
         ap.error(f"unknown contender(s) {unknown}; choose from {list(CONTENDERS)}")
+    if args.baseline:
+        if not (Path(args.baseline) / "stoker" / "__init__.py").is_file():
+            ap.error(f"--baseline {args.baseline} is not a src/ folder holding stoker/")
+        kinds.insert(kinds.index("stoker") + 1 if "stoker" in kinds else 0, BASELINE)
     steps = [float(s) for s in args.steps.split(",")]
     data = compare.w1_data(Path(args.cache))
     runs = {f"{k} @{ms:g}ms": (k, ms) for ms in steps for k in kinds}
+
     # A contender that fails is reported and left out of its round; the others go on.
-    rounds = alternate(list(runs), args.rounds, lambda name: run_one(*runs[name], data, args.seconds, args.warmup),
-                       keep_going=True)  # fmt: skip
+    def one(name: str) -> Run:
+        with busy(args.busy, seconds=120):
+            return run_one(*runs[name], data, args.seconds, args.warmup, args.baseline)
+
+    rounds = alternate(list(runs), args.rounds, one, keep_going=True)
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "cores": compare.cores(), "rounds": args.rounds,
-            "seconds": args.seconds, "warmup": args.warmup}  # fmt: skip
+            "seconds": args.seconds, "warmup": args.warmup, "baseline": baseline_name(args.baseline),
+            "busy": args.busy}  # fmt: skip
     title = f"Accelerator utilization under an emulated step ({compare.cores()} cores, W1, batch {compare.BATCH})"
-    write_results("au", title, report(rounds, kinds, steps, meta), script=__file__, out=args.out, argv=argv,
+    results = "au_busy" if args.busy else "au"
+    if args.busy:
+        title += f", {args.busy} process(es) spinning beside it"
+    write_results(results, title, report(rounds, kinds, steps, meta), script=__file__, out=args.out, argv=argv,
                   frameworks=["tensorflow", "torch", "grain"])  # fmt: skip
     figures = medians(rounds, kinds, steps)
     runs_json = {name: rounds.runs[name] for name in runs}
-    (Path(args.out) / "au.json").write_text(json.dumps({"meta": meta, "medians": figures, "runs": runs_json}, indent=1))
+    (Path(args.out) / f"{results}.json").write_text(
+        json.dumps({"meta": meta, "medians": figures, "runs": runs_json}, indent=1)
+    )
     try:
-        chart(figures, steps, Path(args.out) / "au.png")
+        chart(figures, steps, Path(args.out) / f"{results}.png")
     except ImportError:
         print("matplotlib is not installed: no chart (pip install 'stoker[bench]')", file=sys.stderr)
     return 0

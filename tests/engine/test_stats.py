@@ -470,13 +470,21 @@ def test_a_corrupt_small_gzip_file_is_never_kept_and_fails_every_pass_at_its_bat
 
 
 # -- autotune ---------------------------------------------------------------------------------
-def _until_tuned(loader: stoker.Loader, sleep: float = 0.0, limit: float = 30.0) -> list[dict[str, np.ndarray]]:
+def _until_tuned(
+    loader: stoker.Loader, sleep: float = 0.0, limit: float = 30.0, spin: float = 0.0
+) -> list[dict[str, np.ndarray]]:
+    """Batches until autotune is done; after each the consumer sleeps `sleep` seconds (off the
+    CPU, as while an accelerator computes) or spins on the CPU for `spin` seconds (a host step,
+    as long on a loaded machine as on an idle one)."""
     got = []
     deadline = time.monotonic() + limit
     for batch in loader:
         got.append({k: v.copy() for k, v in batch.items() if k.startswith("__")})
         if sleep:
             time.sleep(sleep)
+        end = time.perf_counter() + spin
+        while time.perf_counter() < end:
+            pass
         if loader.tuning or time.monotonic() > deadline:
             break
     return got
@@ -496,13 +504,34 @@ def test_autotuned_threads_change_nothing_in_the_sequence_and_show_in_stats(tmp_
         assert np.array_equal(a["__group__"], b["__group__"]) and np.array_equal(a["__index__"], b["__index__"])
 
 
-def test_a_slow_consumer_makes_autotune_step_down_to_the_fewest_workers_that_keep_up(
+def test_a_slow_consumer_computing_on_the_host_makes_autotune_step_down_to_the_fewest_workers_that_keep_up(
     pair_ds: stoker.Dataset,
 ) -> None:
     with pair_ds.loader(2, epochs=None) as loader:
-        _until_tuned(loader, sleep=0.03)
+        _until_tuned(loader, spin=0.03)
         assert loader.threads == 1 and loader.stats().threads == 1
         assert "consumer-bound" in loader.tuning and "leave the consumer its CPU" in loader.tuning
+
+
+def test_a_consumer_that_sleeps_through_its_step_keeps_two_workers_and_gets_every_record(tmp_path: Path) -> None:
+    """A consumer away from the CPU (an accelerator step) needs no core: one worker alone would
+    leave its look-ahead to drain whenever another process takes that worker's core."""
+    from stoker.engine.autotune import AWAY_FLOOR
+
+    ds = build(tmp_path, [500] * 4, {"wide": WIDE_RAW, "label": LAB_GZ})
+    with ds.loader(16, epochs=None, cast="float32", with_index=True) as loader:
+        got = _until_tuned(loader, sleep=0.01)
+        s = loader.stats()
+    assert loader.tuning, "autotune did not finish within the time limit"
+    floor = min(AWAY_FLOOR, s.cores)
+    assert loader.threads == floor and s.threads == floor, loader.tuning
+    if floor > 1:
+        assert "waits off the CPU" in loader.tuning and f"{floor} threads kept" in loader.tuning
+    # The records in the order one worker gives them: the count of workers changes none.
+    with ds.loader(16, epochs=None, cast="float32", with_index=True, threads=1) as fixed:
+        want = [next(it) for it in [iter(fixed)] for _ in range(len(got))]
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a["__group__"], b["__group__"]) and np.array_equal(a["__index__"], b["__index__"])
 
 
 def test_given_threads_are_not_tuned(pair_ds: stoker.Dataset) -> None:
@@ -965,13 +994,14 @@ def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it
     from stoker.engine.autotune import ThreadTuner
 
     def run(waits: dict[int, float]) -> tuple[ThreadTuner, list[str]]:
-        # The consumer keeps every batch 5 ms (a training step on the host) and then waits
-        # ``waits[threads]`` for the next one.
+        # The consumer keeps every batch 5 ms (a training step on the host: on a CPU all that
+        # time) and then waits ``waits[threads]`` for the next one.
         tuner, w, now = ThreadTuner(start=3, max_threads=6, tune_prefetch=True, fits=100), Workers(), 0.0
         for _ in range(2000):
             if tuner.done:
                 break
             last, now = now, now + 0.005
+            tuner.kept(0.005, 0.005, 0.0)
             asked, now = now, now + waits[tuner.threads]
             tuner.observe(w, asked, now, last, 16)
         assert tuner.done
@@ -985,6 +1015,56 @@ def test_a_consumer_bound_tuner_steps_down_while_the_rate_holds_and_back_when_it
     tuner, calls = run({3: 0.0, 2: 0.0, 1: 0.010})
     assert tuner.threads == 2 and calls == ["retire", "window 6", "retire", "window 5", "add", "window 6"]
     assert "so 2 kept" in tuner.reason
+
+
+def _consumer_bound(
+    *, start: int, cores: int, used: Callable[[int], tuple[float, float]], keep: float = 0.005
+) -> tuple[ThreadTuner, list[str]]:
+    """A tuner fed windows of a consumer that keeps each batch `keep` seconds, of them on a CPU and
+    runnable waiting for one as `used(threads)` says, and never waits for the next."""
+    tuner = ThreadTuner(start=start, max_threads=2 * start, tune_prefetch=True, fits=100, cores=cores)
+    w, now = Workers(), 0.0
+    for _ in range(2000):
+        if tuner.done:
+            break
+        tuner.kept(keep, *used(tuner.threads))
+        last, now = now, now + keep
+        tuner.observe(w, now, now, last, 16)
+    assert tuner.done
+    return tuner, w.calls
+
+
+def test_a_consumer_waiting_off_the_cpu_keeps_two_workers_where_one_computing_steps_down_to_one() -> None:
+    from stoker.engine.autotune import ON_CPU
+
+    # An accelerator step: the consumer's thread sleeps, on a CPU a sliver of each 5 ms.
+    tuner, calls = _consumer_bound(start=3, cores=4, used=lambda t: (0.0001, 0.0))
+    assert tuner.threads == 2 and calls == ["retire", "window 6"]
+    assert "waits off the CPU" in tuner.reason and "2 threads kept" in tuner.reason
+    tuner, calls = _consumer_bound(start=2, cores=2, used=lambda t: (0.0001, 0.0))
+    assert tuner.threads == 2 and calls == [] and "on a CPU 2% of the time" in tuner.reason
+    # Woken from its sleep on a busy machine, it waits 2 ms for a CPU: it still slept.
+    tuner, _ = _consumer_bound(start=2, cores=2, used=lambda t: (0.0001, 0.002))
+    assert tuner.threads == 2
+    # Just under the share that counts as computing is still away.
+    tuner, _ = _consumer_bound(start=2, cores=2, used=lambda t: (0.005 * ON_CPU * 0.9, 0.0))
+    assert tuner.threads == 2
+    # One core: nothing for a second worker to run on.
+    tuner, calls = _consumer_bound(start=2, cores=1, used=lambda t: (0.0001, 0.0))
+    assert tuner.threads == 1 and calls == ["retire", "window 5"] and "leave the consumer its CPU" in tuner.reason
+    # A host step: on a CPU the whole time it keeps a batch, or most of it, or all of the time
+    # other processes leave it a CPU (here 2 ms of 5).
+    for used in ((0.005, 0.0), (0.005 * ON_CPU * 1.1, 0.0), (0.002, 0.003)):
+        tuner, calls = _consumer_bound(start=3, cores=4, used=lambda t, used=used: used)
+        assert tuner.threads == 1 and calls == ["retire", "window 6", "retire", "window 5"]
+        assert "1 thread(s) keep up and leave the consumer its CPU" in tuner.reason
+
+
+def test_a_step_down_judged_on_a_computing_window_goes_back_up_once_the_consumer_waits_off_the_cpu() -> None:
+    # The consumer computes in the first window (one worker fewer is tried), then sleeps.
+    tuner, calls = _consumer_bound(start=2, cores=2, used=lambda t: (0.005, 0.0) if t == 2 else (0.0001, 0.0))
+    assert tuner.threads == 2 and calls == ["retire", "window 5", "add", "window 6"]
+    assert "2 threads kept" in tuner.reason
 
 
 def test_cpu_seconds_count_the_consumer_burning_cpu_between_batches(tmp_path: Path) -> None:

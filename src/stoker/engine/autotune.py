@@ -12,16 +12,20 @@ after it (a pass speeds up as its first epoch warms the files, which made any la
 like a gain), and kept only if it still pays. When the consumer is the limit (it kept batches
 longer than it waited for them) it never climbs: it steps down instead, one worker at a time
 while the records/s hold (within `GAIN`), so a consumer computing on the host keeps its core; a
-step that costs more than that is taken back. It never adds a worker while the process already
-keeps `SATURATED` of every core busy (its CPU time over the window, consumer included): a
-pipeline that is CPU-bound cannot gain from one more thread, and the trial only costs a window
-of contention (see `SATURATED`). Workers waiting on a cold disk or a network leave cores idle,
-and there the climb goes on. On a machine of `MIN_HALVING` cores or more, a first window whose
-workers keep fewer than `HALVE_BELOW` of a core each busy (threads that wait on the GIL, or on a
-disk) is followed by one at half the workers: kept while it runs as fast (within `GAIN`), halved
-again while that holds, else the workers come back and the climb goes on from there: on many
-cores the workers' per-batch Python waits on the GIL, and one per core only adds hand-offs (see
-`MIN_HALVING`). `prefetch`, when None, follows `default_prefetch` (four batches more than the
+step that costs more than that is taken back. A consumer that is away from the CPU while it
+keeps a batch (an accelerator step: the thread that takes the batches on a CPU less than
+`ON_CPU` of that time, less the time it waited for a CPU) needs no core of its own, so there the
+step-down stops at `AWAY_FLOOR` workers: one worker that loses its core to another process for a
+while would leave the look-ahead to drain and the step to wait. It never adds a worker while the
+process already keeps `SATURATED` of every core busy (its CPU time over the window, consumer
+included): a pipeline that is CPU-bound cannot gain from one more thread, and the trial only
+costs a window of contention (see `SATURATED`). Workers waiting on a cold disk or a network
+leave cores idle, and there the climb goes on. On a machine of `MIN_HALVING` cores or more, a
+first window whose workers keep fewer than `HALVE_BELOW` of a core each busy (threads that wait
+on the GIL, or on a disk) is followed by one at half the workers: kept while it runs as fast
+(within `GAIN`), halved again while that holds, else the workers come back and the climb goes on
+from there: on many cores the workers' per-batch Python waits on the GIL, and one per core only
+adds hand-offs (see `MIN_HALVING`). `prefetch`, when None, follows `default_prefetch` (four batches more than the
 workers, deeper for small batches) within `memory_budget`.
 
 It starts at one worker per core rather than one, as windows this short are noisy enough to
@@ -43,6 +47,7 @@ from ..machine import available_cores, cores_phrase
 from .executor import MAX_PER_WAKE
 
 __all__ = [
+    "AWAY_FLOOR",
     "CLEAR_LOSS",
     "EARLY_FRACTION",
     "GAIN",
@@ -52,6 +57,7 @@ __all__ = [
     "MIN_BATCHES",
     "MIN_HALVING",
     "MIN_SECONDS",
+    "ON_CPU",
     "SATURATED",
     "ThreadTuner",
     "available_cores",
@@ -83,6 +89,13 @@ HALVE_BELOW = 0.6
 # A window restarts at most this many times for fresh buffers (ThreadTuner.observe): a consumer
 # that keeps every batch makes the pool allocate at every one, and the climb must still end.
 MAX_RESTARTS = 3
+# A consumer whose thread is on a CPU for less than this share of the time it keeps batches (less
+# the time it waits for a CPU) waits off it (a sleep, a blocking device call): the step-down stops at
+# AWAY_FLOOR workers (at most one per core) for it, as two workers rarely lose their cores to
+# other processes at once, where one worker alone, niced below them, can leave the step waiting
+# (measured: benchmarks/results/au_history.md).
+ON_CPU = 0.5
+AWAY_FLOOR = 2
 
 
 # Batches in flight: each worker needs one to fill while the consumer holds one, and spares
@@ -166,6 +179,44 @@ class ThreadTuner:
         self._cpu = self._cpu_clock() if since is not None else 0.0
         self._rows = self._batches = 0
         self._wait = self._used = 0.0
+        self._kept = self._kept_cpu = self._kept_queued = 0.0  # see kept()
+
+    def _floor(self, on_cpu: float) -> int:
+        """The fewest workers a consumer-bound step-down keeps: one for a consumer that computes on
+        the host (it keeps a core to itself), `AWAY_FLOOR` for one that waits off the CPU."""
+        if on_cpu >= ON_CPU:
+            return 1
+        return max(1, min(AWAY_FLOOR, self.cores, self.max_threads))
+
+    def kept(self, seconds: float, cpu: float, queued: float) -> None:
+        """The consumer kept a batch `seconds` (from one `__next__` returning to the next call),
+        of them `cpu` on a CPU and `queued` runnable waiting for one (0.0 where not known); told
+        for every batch, the parts of an assembly too."""
+        if self._since is not None:
+            self._kept += seconds
+            self._kept_cpu += cpu
+            self._kept_queued += queued
+
+    def _on_cpu(self) -> float:
+        """The consumer's share on a CPU of the time it kept the window's batches, less the time
+        it waited for a CPU (1.0 where not known). Waiting for a CPU that other processes hold, a
+        consumer that computes still computes, and one just woken from its sleep still slept."""
+        wanted = self._kept - self._kept_queued
+        return min(1.0, self._kept_cpu / wanted) if self._kept > 0 and wanted > 0 else 1.0
+
+    def _finish_away(self, workers: Workers, floor: int, on_cpu: float) -> None:
+        """Done for a consumer that waits off the CPU: at least `floor` workers, back up to it
+        where the count stands below (a step down judged before the consumer was)."""
+        if self.threads < floor:
+            for _ in range(floor - self.threads):
+                workers.add_worker()
+            self.threads = floor
+            self._resize(workers)
+        self._finish(
+            f"consumer-bound, on a CPU {on_cpu:.0%} of the time (it waits off the CPU, as for an accelerator "
+            f"step): {self.threads} threads kept, so a worker that loses its core "
+            "leaves another to fill the look-ahead"
+        )
 
     def prefetch_for(self, threads: int) -> int:
         """The loader's default for `threads` workers (`default_prefetch`)."""
@@ -212,6 +263,8 @@ class ThreadTuner:
             return
         consumer_bound = self._used > self._wait
         busy = (self._cpu_clock() - self._cpu) / elapsed  # cores the whole process kept busy
+        on_cpu = self._on_cpu()
+        floor = self._floor(on_cpu)
         self.history.append((self.threads, rate))
         self._new_window(got)
         if self._down is not None:  # the last window ran one worker fewer, the consumer being the limit
@@ -225,15 +278,20 @@ class ThreadTuner:
                     f"so {self.threads} kept"
                 )
                 return
-            if not consumer_bound or self.threads == 1:
-                self._finish(f"consumer-bound: {self.threads} thread(s) keep up and leave the consumer its CPU")
+            if not consumer_bound or self.threads <= floor:
+                if floor > 1:
+                    self._finish_away(workers, floor, on_cpu)
+                else:
+                    self._finish(f"consumer-bound: {self.threads} thread(s) keep up and leave the consumer its CPU")
                 return
             # Still the consumer's limit with workers to spare: step down again, below.
         if consumer_bound:
-            if self.threads > 1:
+            if self.threads > floor:
                 self._step_down(workers, rate)
-                return
-            self._finish(f"consumer-bound at {self.threads} thread(s): more workers would take its CPU")
+            elif floor > 1:
+                self._finish_away(workers, floor, on_cpu)
+            else:
+                self._finish(f"consumer-bound at {self.threads} thread(s): more workers would take its CPU")
             return
         if self._halved is not None:  # this window ran half the workers of the one before
             before, more = self._halved

@@ -50,7 +50,7 @@ from .executor import (
 from .fusion import Stage
 from .maps import KeptMaps
 from .reader import open_reader
-from .stats import Counters
+from .stats import Counters, thread_clock
 
 if TYPE_CHECKING:
     from ..io.files import Catalog
@@ -548,6 +548,9 @@ class Pass:
         self._tuner = tuner
         self._report = report
         self._last: float | None = None  # when __next__ last returned a batch
+        # While tuning: the thread __next__ last returned to, and its clocks then (`thread_clock`),
+        # so autotune learns whether the consumer computes on the host while it keeps a batch.
+        self._left: tuple[int, float, float | None] | None = None
         self._ready: collections.deque[tuple[Batch, BatchPlan]] = collections.deque()
         self._failed: BaseException | None = None  # raised once the parts before it are out
         self._handoff = handoff
@@ -569,6 +572,7 @@ class Pass:
                 "with dataset.loader(...) to read two passes side by side"
             )
         asked = time.perf_counter()
+        clock = thread_clock() if self._tuner is not None else None
         try:  # all of it: a Ctrl-C landing anywhere in here ends the pass with its threads
             unit_rows = 0  # a unit taken from the engine now: its rows, for autotune
             if self._ready:
@@ -600,9 +604,12 @@ class Pass:
                     unit_rows = plan.rows
             got = time.perf_counter()
             self._counters.delivered(batch, plan.rows, asked, got, self._last)
-            if self._tuner is not None and unit_rows:
-                self._tune(asked, got, unit_rows)
+            if self._tuner is not None:
+                self._consumer_kept(self._tuner, asked, clock)
+                if unit_rows:
+                    self._tune(asked, got, unit_rows)
             self._last = got
+            self._left = (threading.get_ident(), *thread_clock()) if self._tuner is not None else None
             self._report.delivered((plan.epoch, plan.position))
             if self._next_pass is not None:
                 self._next_pass.ask()
@@ -610,6 +617,17 @@ class Pass:
             self.close()
             raise
         return batch
+
+    def _consumer_kept(self, tuner: ThreadTuner, asked: float, clock: tuple[float, float | None] | None) -> None:
+        """Tell autotune how the consumer spent the time it kept the last batch, read from its
+        thread's clocks (a thread's clocks are its own: a batch taken by another thread than the
+        last one says nothing)."""
+        left = self._left
+        if clock is None or left is None or self._last is None or left[0] != threading.get_ident():
+            return
+        (cpu, queued), (_, cpu_at, queued_at) = clock, left
+        waited = queued - queued_at if queued is not None and queued_at is not None else 0.0
+        tuner.kept(asked - self._last, cpu - cpu_at, waited)
 
     def _tune(self, asked: float, got: float, rows: int) -> None:
         tuner = self._tuner
