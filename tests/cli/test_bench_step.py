@@ -244,6 +244,33 @@ def test_bench_cold_reports_how_the_cache_was_dropped(
     assert "cold: page cache dropped before each run by fadvise: " in captured.err
 
 
+def test_bench_cold_reads_the_files_once_per_run_with_no_warm_up(
+    sample: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm-up would read the cold pass before the window, and a second pass would read from
+    memory: every cold contender, stepped ones included, times one pass after its first batch."""
+    monkeypatch.setattr(stoker.cli.ceiling, "open", _refused, raising=False)
+    runs: list[Measurement] = []
+
+    def here(contender: str, cfg: dict[str, Any]) -> Measurement:
+        out = _run_stoker(cfg) if contender == "stoker" else run_ceiling(cfg)
+        fields = {f.name for f in dataclasses.fields(Measurement)} - {"contender"}
+        runs.append(Measurement(contender, **{k: v for k, v in out.items() if k in fields}))
+        return runs[-1]
+
+    monkeypatch.setattr(stoker.cli.contenders, "run_child", here)
+    argv = ["bench", str(sample), "--cold", "--step", "2", "--json", "--rounds", "1", "--seconds", "10",
+            "--warmup", "1", "--batch-size", "32"]  # fmt: skip
+    assert main(argv) == 0
+    figures = json.loads(capsys.readouterr().out)
+    total = 2 * 256
+    assert len(runs) == 6  # stoker, stoker stepped, three ceiling loops, the stepped ceiling
+    for m in runs:
+        assert 0 < m.records <= total, f"{m.contender} read {m.records} records of {total} in one cold run"
+        assert m.seconds < 10, f"{m.contender} ran its whole window ({m.seconds:.1f}s), not one pass"
+    assert figures["verdict"].endswith("read more or larger files, or give a smaller --batch-size")
+
+
 def test_bench_refuses_a_step_that_is_not_a_positive_number_and_step_with_compare(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

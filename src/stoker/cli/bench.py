@@ -201,7 +201,9 @@ def _measure(args: argparse.Namespace, steps: list[float], figures: dict[str, An
     # child's traceback.
     ds.loader(args.batch_size, cast=cast, **{k: v for k, v in settings.items() if v is not None}).close()
     # `warmup: True` at least: stoker's window starts after its first batch, never at iter().
-    cold = {"evict": True} if args.cold else {}
+    # Cold: every contender reads the files once from the disk, timed after its first batch, with no
+    # warm-up (it would read what the window should) and no second pass (it would read from memory).
+    cold = {"evict": True, "once": True} if args.cold else {}
     contenders: dict[str, dict[str, Any]] = {
         "stoker": {"fields": specs, "batch": args.batch_size, "cast": cast, "seconds": args.seconds,
                    "warmup": args.warmup or True, "pair_key": args.pair_key, **settings, **cold},
@@ -218,7 +220,7 @@ def _measure(args: argparse.Namespace, steps: list[float], figures: dict[str, An
             contenders[f"ceiling:{loop}"] = {
                 "paths": paths, "header": f.header_bytes, "shape": list(f.shape), "src_dtype": _dtype_arg(f.dtype),
                 "out_dtype": out_dtype, "batch": args.batch_size, "loop": loop, "threads": available_cores(),
-                "seconds": args.seconds, "warmup": args.warmup, **cold,
+                "seconds": args.seconds, "warmup": 0 if args.cold else args.warmup, **cold,
             }  # fmt: skip
         if not compressed:
             add_stepped(contenders, "ceiling:mmap_kept", "ceiling:stepped", steps, args.step_kind)
@@ -306,24 +308,26 @@ def _report(
     print(stats.stage_split)
     if stats.busy_split:
         print(stats.busy_split)
-    short = _too_short(median_run, args.batch_size, args.warmup)
+    short = _too_short(median_run, args.batch_size, 0.0 if args.cold else args.warmup, cold=args.cold)
     figures["verdict"] = short or verdict(stats, ratio)
     print(f"verdict: {figures['verdict']}")
     for said in figures.get("step_verdicts", []):
         print(f"verdict: {said}")
 
 
-def _too_short(run: Measurement, batch_size: int, warmup: float) -> str | None:
+def _too_short(run: Measurement, batch_size: int, warmup: float, *, cold: bool = False) -> str | None:
     """Why the median round cannot be judged (what its stats span mostly start-up), or None."""
     batches = -(-run.records // batch_size)
     startup = run.first_batch_seconds or 0.0
     if batches >= JUDGE_MIN_BATCHES and warmup + run.seconds >= JUDGE_STARTUP_TIMES * startup:
         return None
+    # Cold, a run is one pass over the files: only more data (or a smaller batch) lengthens it.
+    fix = "read more or larger files, or give a smaller --batch-size" if cold else "give more --seconds or --warmup"
     return (
         f"too short to judge: the timed window held {counted(batches, 'batch', 'batches')} in {run.seconds:.2f}s "
         f"after a start-up of {startup * 1000:,.0f} ms and {warmup:g}s of warm-up; a verdict needs "
         f"{JUDGE_MIN_BATCHES} batches or more, and warm-up and window together {JUDGE_STARTUP_TIMES}x the start-up "
-        "or longer: give more --seconds or --warmup"
+        f"or longer: {fix}"
     )
 
 
@@ -373,7 +377,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-ceiling", action="store_true", help="measure stoker alone (default: off)")
     add_step_args(p)
     p.add_argument("--cold", action="store_true", help="drop the page cache before each run (the whole cache as "
-                   "root, else each file's pages) and say how (default: off)")  # fmt: skip
+                   "root, else each file's pages) and say how; each run then reads the files once, timed after "
+                   "its first batch, with no warm-up (default: off)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print every figure as one JSON object on stdout (default: off)")
     p.add_argument(
         "--compare",

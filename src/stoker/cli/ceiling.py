@@ -91,7 +91,7 @@ def output_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def _ceiling_worker(
     paths: Sequence[str], header: int, shape: tuple[int, ...], src_dt: np.dtype, out_dt: np.dtype,
-    batch: int, loop: str, begin: float, until: float, tallies: list[_Tally],
+    batch: int, loop: str, begin: float, until: float, tallies: list[_Tally], once: bool = False,
 ) -> None:  # fmt: skip
     rb = int(np.prod(shape)) * src_dt.itemsize
     out = output_buffer((batch, *shape), out_dt)
@@ -114,9 +114,13 @@ def _ceiling_worker(
                             break
                 if time.perf_counter() >= until:
                     break
+            if once:
+                break
         return
     kept: dict[str, mmap.mmap] = {}
-    while time.perf_counter() < until:
+    passes = 0
+    while time.perf_counter() < until and not (once and passes):
+        passes += 1
         for p in paths:
             fd = os.open(p, os.O_RDONLY)
             try:
@@ -195,6 +199,7 @@ def run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
                 begin,
                 until,
                 tallies,
+                bool(cfg.get("once")),
             ),
         )
         for i in range(threads)
@@ -222,6 +227,7 @@ def run_ceiling(cfg: dict[str, Any]) -> dict[str, Any]:
 def _run_stepped(cfg: dict[str, Any]) -> dict[str, Any]:
     """The `stepped` loop: producers fill pooled buffers, this thread takes them with the step."""
     threads, paths, header, batch = cfg["threads"], cfg["paths"], cfg["header"], cfg["batch"]
+    once = bool(cfg.get("once"))  # one pass over the files (a cold run), not until the window ends
     shape = tuple(cfg["shape"])
     src_dt, out_dt = resolve_dtype(cfg["src_dtype"]), resolve_dtype(cfg["out_dtype"])
     rb = int(np.prod(shape)) * src_dt.itemsize
@@ -237,7 +243,9 @@ def _run_stepped(cfg: dict[str, Any]) -> dict[str, Any]:
             kept = [(mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_READ), fd) for fd in
                     (os.open(p, os.O_RDONLY) for p in mine)]  # fmt: skip
             try:
-                while not stop.is_set():
+                passes = 0
+                while not stop.is_set() and not (once and passes):
+                    passes += 1
                     for m, _ in kept:
                         records = (len(m) - header) // rb
                         for i in range(0, records, batch):
@@ -258,17 +266,25 @@ def _run_stepped(cfg: dict[str, Any]) -> dict[str, Any]:
                 for m, fd in kept:
                     m.close()
                     os.close(fd)
+            ready.put(None)  # this producer's pass is done (`once`)
         except BaseException as e:
             ready.put(e)
 
     def taken() -> Any:
         held: np.ndarray | None = None
+        running = threads
         while True:
             if held is not None:
                 free.put(held)
+                held = None
             item = ready.get()
             if isinstance(item, BaseException):
                 raise item
+            if item is None:
+                running -= 1
+                if not running:
+                    return
+                continue
             held = item[0]
             yield item
 
