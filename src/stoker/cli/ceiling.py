@@ -235,7 +235,7 @@ def _run_stepped(cfg: dict[str, Any]) -> dict[str, Any]:
     free: queue.Queue[np.ndarray] = queue.Queue()
     for _ in range(2 * threads + 1):
         free.put(output_buffer((batch, *shape), out_dt))
-    ready: queue.Queue[tuple[np.ndarray, int] | BaseException] = queue.Queue()
+    ready: queue.Queue[tuple[np.ndarray, int] | BaseException | None] = queue.Queue()  # None: a producer done
     stop = threading.Event()
 
     def produce(mine: Sequence[str]) -> None:

@@ -50,7 +50,7 @@ from .executor import (
 from .fusion import Stage
 from .maps import KeptMaps
 from .reader import open_reader
-from .stats import Counters, thread_clock
+from .stats import ConsumerClock, Counters
 
 if TYPE_CHECKING:
     from ..io.files import Catalog
@@ -548,9 +548,10 @@ class Pass:
         self._tuner = tuner
         self._report = report
         self._last: float | None = None  # when __next__ last returned a batch
-        # While tuning: the thread __next__ last returned to, and its clocks then (`thread_clock`),
+        # While tuning: the thread __next__ last returned to, and its clocks then (`ConsumerClock`),
         # so autotune learns whether the consumer computes on the host while it keeps a batch.
         self._left: tuple[int, float, float | None] | None = None
+        self._clock = ConsumerClock()
         self._ready: collections.deque[tuple[Batch, BatchPlan]] = collections.deque()
         self._failed: BaseException | None = None  # raised once the parts before it are out
         self._handoff = handoff
@@ -558,6 +559,7 @@ class Pass:
         self._next_pass = handoff.next_pass if handoff is not None else None
         self._born, self._pid = fork_generation(), os.getpid()  # a fork()ed child inherits this pass, not its threads
         self._finalizer = weakref.finalize(self, shutdown, batches, assembler, pool, self._born, handoff)
+        weakref.finalize(self, self._clock.close)  # a pass collected unclosed lets its descriptor go too
 
     def __iter__(self) -> Pass:
         return self
@@ -572,8 +574,8 @@ class Pass:
                 "with dataset.loader(...) to read two passes side by side"
             )
         asked = time.perf_counter()
-        clock = thread_clock() if self._tuner is not None else None
         try:  # all of it: a Ctrl-C landing anywhere in here ends the pass with its threads
+            clock = self._clock.read() if self._tuner is not None else None
             unit_rows = 0  # a unit taken from the engine now: its rows, for autotune
             if self._ready:
                 try:
@@ -609,7 +611,7 @@ class Pass:
                 if unit_rows:
                     self._tune(asked, got, unit_rows)
             self._last = got
-            self._left = (threading.get_ident(), *thread_clock()) if self._tuner is not None else None
+            self._left = (threading.get_ident(), *self._clock.read()) if self._tuner is not None else None
             self._report.delivered((plan.epoch, plan.position))
             if self._next_pass is not None:
                 self._next_pass.ask()
@@ -655,5 +657,6 @@ class Pass:
 
     def close(self) -> None:
         self._closed = True
+        self._clock.close()
         run_finalizer(self._finalizer)  # armed until done: a later close() or GC finishes an interrupted one
         self._ready.clear()  # batches of an assembly not handed out: their buffer goes with the pass

@@ -36,6 +36,28 @@ def truncated(name: str, info: FileInfo, spec: Field, run: Run, offset: int) -> 
     return faults.truncated(name, info, spec, run.group, run.start, run.count, offset)
 
 
+def _read_fully(name: str, spec: Field, info: FileInfo, run: Run, fd: int, view: memoryview, offset: int) -> None:
+    """`view` filled by preadv from byte `offset` of `fd`: an error naming the file if it fails or ends first."""
+    flush_wake()  # see stoker.engine: about to give the GIL up, maybe wait on the disk
+    done = 0
+    while done < len(view):
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as e:
+            raise faults.read_failed(name, info, spec, offset + done, e) from e
+        if got == 0:
+            raise truncated(name, info, spec, run, offset + done)
+        done += got
+
+
+def _check_size(name: str, spec: Field, info: FileInfo, run: Run, fd: int, end: int) -> None:
+    """A read racing a cut can copy the zeros the cut leaves past the new end of a page, in full
+    count: the size after the read says whether every byte read up to `end` was still the file's."""
+    now = file_size(fd)
+    if now < end:
+        raise truncated(name, info, spec, run, now)
+
+
 class RawReader:
     """Reads runs of raw files into batch arrays; files held through the pass's `OpenFiles`.
 
@@ -231,43 +253,18 @@ class RawReader:
         for a in range(0, run.count, per):
             n = min(per, run.count - a)
             view = staged[: n * rb]
-            at, done = offset + a * rb, 0
-            flush_wake()  # about to give the GIL up, maybe wait on the disk
-            while done < n * rb:
-                try:
-                    got = os.preadv(f.fd, [view[done:]], at + done)
-                except OSError as e:
-                    raise faults.read_failed(name, info, spec, at + done, e) from e
-                if got == 0:
-                    raise truncated(name, info, spec, run, at + done)
-                done += got
+            _read_fully(name, spec, info, run, f.fd, view, offset + a * rb)
             records = np.frombuffer(view, spec.dtype).reshape(n, *spec.shape)
             cast_into(dst[a : a + n], records)
             del records
-        now = file_size(f.fd)  # a read racing a cut copies zeros past the new end (see _pread)
-        if now < offset + run.count * rb:
-            raise truncated(name, info, spec, run, now)
+        _check_size(name, spec, info, run, f.fd, offset + run.count * rb)
 
     def _pread(
         self, name: str, spec: Field, info: FileInfo, run: Run, f: OpenFile, dst: np.ndarray, offset: int
     ) -> None:
         """Run `run` (every record, uncast) copied into `dst` by preadv from `offset`."""
-        flush_wake()  # see stoker.engine: about to give the GIL up, maybe wait on the disk
-        view = bytes_of(dst)
-        nbytes, done = run.count * spec.record_bytes, 0
-        while done < nbytes:
-            try:
-                got = os.preadv(f.fd, [view[done:]], offset + done)
-            except OSError as e:
-                raise faults.read_failed(name, info, spec, offset + done, e) from e
-            if got == 0:
-                raise truncated(name, info, spec, run, offset + done)
-            done += got
-        # A read racing a cut can copy the zeros the cut leaves past the new end of a page, in full
-        # count: the size after the read says whether every byte read was still the file's.
-        now = file_size(f.fd)
-        if now < offset + nbytes:
-            raise truncated(name, info, spec, run, now)
+        _read_fully(name, spec, info, run, f.fd, bytes_of(dst), offset)
+        _check_size(name, spec, info, run, f.fd, offset + run.count * spec.record_bytes)
 
     def _read_remote(self, name: str, spec: Field, info: FileInfo, run: Run, dst: np.ndarray, offset: int) -> None:
         """A run of a remote raw file: its parts (asked for ahead, or now) into the batch or staging."""
