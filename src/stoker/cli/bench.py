@@ -26,6 +26,8 @@ from .config import add_dir_args, add_field_args, dataset_from_fields, directory
 from .contenders import (
     CEILING_LOOPS,
     COMPRESSED_CEILING_LOOPS,
+    JUDGE_MIN_BATCHES,
+    JUDGE_STARTUP_TIMES,
     Measurement,
     batch_rows,
     burn,
@@ -37,6 +39,7 @@ from .contenders import (
     rounds_figures,
     run_child,
     summarize,
+    too_short,
 )
 from .output import Progress, counted
 from .sample import cached_sample
@@ -61,11 +64,6 @@ __all__ = [
     "summarize",
 ]
 
-# A verdict needs a steady state: a timed window of at least this many of stoker's batches, and
-# warm-up and window together this many times its start-up (iter() to the first batch) or more;
-# the stats a verdict reads span all three, and a run mostly start-up blames what start-up costs.
-JUDGE_MIN_BATCHES = 32
-JUDGE_STARTUP_TIMES = 5
 # `benchmarks/compare.py` is the checkout's, not the package's: looked for here, under the
 # current directory, unless --benchmarks names the folder.
 COMPARE_SCRIPT = Path("benchmarks") / "compare.py"
@@ -197,12 +195,10 @@ def _measure(args: argparse.Namespace, steps: list[float], figures: dict[str, An
     cast = _parse_cast(args.cast)
     settings = {"threads": args.threads, "prefetch": args.prefetch, "memory_budget": args.memory_budget,
                 "cycle_length": args.cycle_length, "block_length": args.block_length}  # fmt: skip
-    # Its argument checks (cast, threads, prefetch, memory_budget, interleave) here, not in a
-    # child's traceback.
+    # Its argument checks (cast, threads, prefetch, memory_budget, interleave) here, not in a child's traceback.
     ds.loader(args.batch_size, cast=cast, **{k: v for k, v in settings.items() if v is not None}).close()
     # `warmup: True` at least: stoker's window starts after its first batch, never at iter().
-    # Cold: every contender reads the files once from the disk, timed after its first batch, with no
-    # warm-up (it would read what the window should) and no second pass (it would read from memory).
+    # Cold: one pass each, timed after its first batch; a warm-up or a second pass would read from memory.
     cold = {"evict": True, "once": True} if args.cold else {}
     contenders: dict[str, dict[str, Any]] = {
         "stoker": {"fields": specs, "batch": args.batch_size, "cast": cast, "seconds": args.seconds,
@@ -308,27 +304,11 @@ def _report(
     print(stats.stage_split)
     if stats.busy_split:
         print(stats.busy_split)
-    short = _too_short(median_run, args.batch_size, 0.0 if args.cold else args.warmup, cold=args.cold)
+    short = too_short(median_run, args.batch_size, 0.0 if args.cold else args.warmup, cold=args.cold)
     figures["verdict"] = short or verdict(stats, ratio)
     print(f"verdict: {figures['verdict']}")
     for said in figures.get("step_verdicts", []):
         print(f"verdict: {said}")
-
-
-def _too_short(run: Measurement, batch_size: int, warmup: float, *, cold: bool = False) -> str | None:
-    """Why the median round cannot be judged (what its stats span mostly start-up), or None."""
-    batches = -(-run.records // batch_size)
-    startup = run.first_batch_seconds or 0.0
-    if batches >= JUDGE_MIN_BATCHES and warmup + run.seconds >= JUDGE_STARTUP_TIMES * startup:
-        return None
-    # Cold, a run is one pass over the files: only more data (or a smaller batch) lengthens it.
-    fix = "read more or larger files, or give a smaller --batch-size" if cold else "give more --seconds or --warmup"
-    return (
-        f"too short to judge: the timed window held {counted(batches, 'batch', 'batches')} in {run.seconds:.2f}s "
-        f"after a start-up of {startup * 1000:,.0f} ms and {warmup:g}s of warm-up; a verdict needs "
-        f"{JUDGE_MIN_BATCHES} batches or more, and warm-up and window together {JUDGE_STARTUP_TIMES}x the start-up "
-        f"or longer: {fix}"
-    )
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

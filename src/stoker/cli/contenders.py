@@ -39,6 +39,7 @@ from .ceiling import (
     run_ceiling,
     warmup_seconds,
 )
+from .output import counted
 
 __all__ = [
     "CEILING_LOOPS",
@@ -54,7 +55,14 @@ __all__ = [
     "rounds_figures",
     "run_child",
     "summarize",
+    "too_short",
 ]
+
+# A verdict needs a steady state: a timed window of at least this many of stoker's batches, and
+# warm-up and window together this many times its start-up (iter() to the first batch) or more;
+# the stats a verdict reads span all three, and a run mostly start-up blames what start-up costs.
+JUDGE_MIN_BATCHES = 32
+JUDGE_STARTUP_TIMES = 5
 
 
 @dataclass(frozen=True)
@@ -250,3 +258,18 @@ def child_main(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(child_main(sys.argv[1:]))
+
+
+def too_short(run: Measurement, batch_size: int, warmup: float, *, cold: bool = False) -> str | None:
+    """Why the median round cannot be judged (what its stats span mostly start-up), or None."""
+    batches = -(-run.records // batch_size)
+    startup = run.first_batch_seconds or 0.0
+    if batches >= JUDGE_MIN_BATCHES and warmup + run.seconds >= JUDGE_STARTUP_TIMES * startup:
+        return None
+    fix = "read more or larger files, or give a smaller --batch-size" if cold else "give more --seconds or --warmup"
+    return (
+        f"too short to judge: the timed window held {counted(batches, 'batch', 'batches')} in {run.seconds:.2f}s "
+        f"after a start-up of {startup * 1000:,.0f} ms and {warmup:g}s of warm-up; a verdict needs "
+        f"{JUDGE_MIN_BATCHES} batches or more, and warm-up and window together {JUDGE_STARTUP_TIMES}x the start-up "
+        f"or longer: {fix}"
+    )
