@@ -210,29 +210,39 @@ def thread_clock() -> tuple[float, float | None]:
 class ConsumerClock:
     """`thread_clock` for the thread that takes a loader's batches, its schedstat file kept open
     (read with pread) until `close()`: opened and closed on every batch, a Ctrl-C landing between
-    the open and the close left the descriptor open. A call from another thread reopens it."""
+    the open and the close left the descriptor open. A call from another thread reopens it. One
+    lock orders reads and the close, which may come from different threads: a read racing the
+    close could otherwise use, and later close, a descriptor number the process had reused."""
 
     def __init__(self) -> None:
         self._fd: int | None = None
         self._ident = 0
+        self._closed = False
+        self._lock = threading.Lock()
 
     def read(self) -> tuple[float, float | None]:
         """This thread's CPU seconds, and its seconds runnable but waiting for a CPU (None: unknown)."""
         cpu = time.thread_time()
-        if _SCHEDSTAT:
-            return cpu, None
-        try:
-            if self._fd is None or self._ident != threading.get_ident():
-                self.close()
-                self._ident = threading.get_ident()
-                self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-            return cpu, int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            _SCHEDSTAT.append(False)
-            self.close()
-            return cpu, None
+        with self._lock:
+            if _SCHEDSTAT or self._closed:
+                return cpu, None
+            try:
+                if self._fd is None or self._ident != threading.get_ident():
+                    self._let_go()
+                    self._ident = threading.get_ident()
+                    self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+                return cpu, int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+            except (OSError, ValueError, IndexError):
+                _SCHEDSTAT.append(False)
+                self._let_go()
+                return cpu, None
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._let_go()
+
+    def _let_go(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
