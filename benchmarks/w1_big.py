@@ -89,6 +89,17 @@ def cached_kib() -> int:
     return 0
 
 
+def run_threads(target: Any, args: list[tuple[Any, ...]]) -> float:
+    """Seconds from starting one thread per `args` entry, running `target(*entry)`, to joining them all."""
+    start = time.perf_counter()
+    workers = [threading.Thread(target=target, args=a) for a in args]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - start
+
+
 def disk_child(paths: list[str], cast: bool, seconds: float, ahead: bool = False, streams: int = 1) -> dict[str, Any]:
     threads = len(os.sched_getaffinity(0)) * streams
     until = time.perf_counter() + seconds if seconds else math.inf
@@ -120,13 +131,8 @@ def disk_child(paths: list[str], cast: bool, seconds: float, ahead: bool = False
                 break
         done.append(n)
 
-    start = time.perf_counter()
-    workers = [threading.Thread(target=read, args=(paths[i::threads],)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return {"bytes": sum(done), "seconds": time.perf_counter() - start}
+    seconds = run_threads(read, [(paths[i::threads],) for i in range(threads)])
+    return {"bytes": sum(done), "seconds": seconds}
 
 
 def direct_child(paths: list[str], seconds: float) -> dict[str, Any]:
@@ -154,13 +160,8 @@ def direct_child(paths: list[str], seconds: float) -> dict[str, Any]:
         buf.close()
         done.append(n)
 
-    start = time.perf_counter()
-    workers = [threading.Thread(target=read, args=(paths[i::threads],)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return {"bytes": sum(done), "seconds": time.perf_counter() - start}
+    seconds = run_threads(read, [(paths[i::threads],) for i in range(threads)])
+    return {"bytes": sum(done), "seconds": seconds}
 
 
 def random_child(paths: list[str], seconds: float) -> dict[str, Any]:
@@ -185,15 +186,10 @@ def random_child(paths: list[str], seconds: float) -> dict[str, Any]:
                 n += os.preadv(fd, [buf], off)
         done.append(n)
 
-    start = time.perf_counter()
-    workers = [threading.Thread(target=read, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    seconds = run_threads(read, [(i,) for i in range(threads)])
     for fd in fds:
         os.close(fd)
-    return {"bytes": sum(done), "seconds": time.perf_counter() - start}
+    return {"bytes": sum(done), "seconds": seconds}
 
 
 def stoker_child(
