@@ -404,26 +404,8 @@ def write_windows(
         spans.append((offset, len(p), zlib.crc32(w)))
         offset += len(p)
     name = windows_name(base, build)
-    target = os.path.join(directory, name)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise cannot_write_index(target, e, "seek-point windows file") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, data_size, data_mtime_ns, bytes.fromhex(build)))
-            for p in packed:
-                f.write(p)
-            f.flush()
-            os.fsync(f.fileno())
-        readable_by_all(tmp)
-        os.replace(tmp, target)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise cannot_write_index(target, e, "seek-point windows file") from e
-        raise
+    header = _HEADER.pack(_MAGIC, data_size, data_mtime_ns, bytes.fromhex(build))
+    write_atomic(os.path.join(directory, name), [header, *packed], prefix=name + ".", what="seek-point windows file")
     return name, build, spans
 
 
@@ -438,16 +420,18 @@ def cannot_write_index(path: str, e: OSError, what: str = "index file") -> Write
     )
 
 
-def write_atomic(path: str, data: bytes, *, prefix: str, what: str = "index file") -> None:
-    """Write `data` to `path` whole or not at all (a temp file beside it, fsync'ed, renamed over
-    it); a refused write is `cannot_write_index`'s WriteError, with nothing of it left behind."""
+def write_atomic(path: str, data: bytes | Sequence[bytes], *, prefix: str, what: str = "index file") -> None:
+    """Write `data` (bytes, or parts written in turn) to `path` whole or not at all (a temp file
+    beside it, fsync'ed, renamed over it); a refused write is `cannot_write_index`'s WriteError,
+    with nothing of it left behind."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=os.path.dirname(path))
     except OSError as e:
         raise cannot_write_index(path, e, what) from e
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for part in [data] if isinstance(data, bytes) else data:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         readable_by_all(tmp)
